@@ -1,0 +1,541 @@
+"""JAGG: GRPO for flow-matching diffusion transformers with two backward passes per window.
+
+A single-file, model-agnostic reference implementation of JAGG (Jacobian-Aggregated Group
+Gradient), from "JAGG: Jacobian-Aggregated Group Gradient for Efficient GRPO Training of
+Diffusion Models" (arXiv 2607.17572, 2026), on top of Flow-GRPO's SDE sampler and loss
+(Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv 2505.05470).
+The paper's code is not public: where its abstract is silent, our choices are marked OURS.
+
+Exact GRPO on a diffusion model back-propagates through the transformer at every sampling step,
+because every step's loss depends on that step's velocity. JAGG splits the T steps into windows
+of W steps, assumes the parameter-Jacobian of the velocity moves linearly in t across a window,
+and so collapses the W per-step backward passes into ONE backward over the window's two
+endpoints (a double batch). See section 6 for the derivation and when it is exact.
+
+Notation (code name -> symbol)
+    T          number of sampling steps of a rollout
+    W          window length (steps); a window runs from step a to step b = a + W - 1
+    B          batch size (number of samples, all prompts and groups together)
+    z[k]       z_k, the latent state before step k;  z_next[k] = z_{k+1}
+    t[k]       t_k, the flow time of step k; we use t = sigma (noise level, 1 = pure noise)
+    v_k        v_theta(z_k, t_k), the velocity the network predicts at step k
+    g_k        dL_k / dv_k, the upstream gradient of step k's loss (cheap, no network)
+    J_k        d v_k / d theta, the Jacobian of the network at step k (expensive)
+    alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the window's start a, 1 at its end b
+    G_a, G_b   sum_k (1 - alpha_k) g_k  and  sum_k alpha_k g_k: the composite upstream signals
+    J_a, J_b   the Jacobians at the window's endpoints, the only two JAGG back-propagates
+
+Letters in shape comments: T steps, W window steps, S any number of steps, B samples,
+*D the shape of one sample (C, H, W for images; 2 for the toy), P parameters.
+
+The whole contract with a model is one function (section 2):
+    velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D]
+The caller's function owns any conditioning (prompts, classifier-free guidance).
+
+Run it:
+    python train_toy.py          # the CPU demo: exact GRPO vs JAGG on a toy 2-D DiT
+    python -m pytest -q tests    # the checks: JAGG vs exact vs explicit Jacobians
+"""
+
+import contextlib
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def _check(ok, message):
+    """Raise a ValueError that tells the user what is wrong and how to fix it."""
+    if not ok:
+        raise ValueError(message)
+
+
+# =====================================================================================
+# === 1. SDE step: the Gaussian policy of one sampling step (Flow-GRPO) ===
+# =====================================================================================
+# The deterministic flow ODE has no log-probability, so Flow-GRPO samples with an SDE whose
+# marginals match the ODE's. Each step is then a Gaussian policy z_{k+1} ~ N(mu_k, std_k^2)
+# and GRPO can use the ratio of its densities.
+
+
+def sigma_schedule(num_steps, shift=3.0):
+    """Noise levels sigma_0 = 1 > sigma_1 > ... > sigma_T = 0, shifted like SD3's scheduler.
+
+    shift > 1 spends more steps at high noise: sigma' = shift * s / (1 + (shift - 1) * s).
+    Returns a float32 tensor of shape [T + 1].
+    """
+    _check(num_steps >= 1, f"num_steps must be >= 1, got {num_steps}")
+    _check(shift > 0, f"shift must be > 0, got {shift}")
+    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
+    return (shift * s / (1 + (shift - 1) * s)).float()  # [T+1]
+
+
+def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=None):
+    """One SDE step from z at sigma to sigma_next, and the log-probability of the result.
+
+    v, z: [B, *D]; sigma, sigma_next: [B]. If prev_sample (z_{k+1}, [B, *D]) is given it is
+    scored instead of sampled. Returns (prev_sample, log_prob [B], mean [B, *D], std [B, 1..]):
+    the next state, its Gaussian log-density averaged over the non-batch dimensions (Flow-GRPO's
+    convention), and the mean and standard deviation of the Gaussian it was drawn from.
+    """
+    # Why fp32: log-probabilities of near-identical policies are subtracted and exponentiated
+    # in the GRPO ratio; bf16 rounding alone would move the ratio by more than the clip range.
+    out_dtype = v.dtype
+    dtype = torch.promote_types(v.dtype, torch.float32)  # fp32, or fp64 if given fp64
+    v, z = v.to(dtype), z.to(dtype)
+    shape = (-1,) + (1,) * (z.ndim - 1)
+    sigma = sigma.to(dtype).reshape(shape)  # [B, 1, ...]
+    sigma_next = sigma_next.to(dtype).reshape(shape)  # [B, 1, ...]
+    # dt < 0: sigma decreases from noise to data.
+    dt = sigma_next - sigma  # [B, 1, ...]
+    # std_t = noise_level * sqrt(sigma / (1 - sigma)). At sigma = 1 (the first step) this is
+    # infinite; like Flow-GRPO we use the next sigma in the denominator there instead.
+    denom = 1 - torch.where(sigma >= 1, sigma_next, sigma)  # [B, 1, ...]
+    std_t = noise_level * torch.sqrt(sigma / denom)  # [B, 1, ...]
+    # mu = z (1 + std_t^2 / (2 sigma) dt) + v (1 + std_t^2 (1 - sigma) / (2 sigma)) dt
+    mean = z * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    # The Gaussian's standard deviation: std_t * sqrt(-dt).
+    std = std_t * torch.sqrt(-dt)  # [B, 1, ...]
+    if prev_sample is None:
+        eps = torch.randn(z.shape, generator=generator, device=z.device, dtype=z.dtype)
+        prev_sample = mean + std * eps  # [B, *D]
+    prev_sample = prev_sample.to(dtype)
+    # log N(x; mu, std^2) = -(x - mu)^2 / (2 std^2) - log std - log sqrt(2 pi), per element.
+    log_prob = (
+        -((prev_sample.detach() - mean) ** 2) / (2 * std**2)
+        - torch.log(std)
+        - 0.5 * math.log(2 * math.pi)
+    )  # [B, *D]
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))  # [B]
+    return prev_sample.to(out_dtype), log_prob, mean, std
+
+
+# =====================================================================================
+# === 2. Rollout: sample trajectories and keep what training needs ===
+# =====================================================================================
+
+
+@dataclass
+class Trajectory:
+    """A batch of sampled trajectories: everything GRPO needs, no graph attached."""
+
+    z: torch.Tensor  # z_k, the state before each step          [T, B, *D]
+    z_next: torch.Tensor  # z_{k+1}, the state after each step   [T, B, *D]
+    t: torch.Tensor  # t_k = sigma_k of each step                [T, B]
+    t_next: torch.Tensor  # sigma_{k+1} of each step            [T, B]
+    log_prob: torch.Tensor  # log p_old(z_{k+1} | z_k)           [T, B]
+    v: torch.Tensor  # v_k under the sampling policy             [T, B, *D]
+
+    @property
+    def sample(self):
+        """The final clean samples z_T: [B, *D]."""
+        return self.z_next[-1]
+
+    def subset(self, idx):
+        """The trajectories of the samples idx (a minibatch): every field is indexed on dim 1 (B)."""
+        return Trajectory(**{name: getattr(self, name)[:, idx] for name in self.__dataclass_fields__})
+
+
+@torch.no_grad()
+def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
+    """Sample B trajectories of T = len(sigmas) - 1 SDE steps from the noise z_0: [B, *D].
+
+    The velocities are stored because JAGG's routing score (section 7) reads them for free.
+    """
+    B = noise.shape[0]
+    T = len(sigmas) - 1
+    z = noise
+    zs, z_nexts, log_probs, vs = [], [], [], []
+    for k in range(T):
+        t_k = sigmas[k].expand(1, B).to(z.device)  # [1, B]
+        v = velocity_fn(z[None], t_k)[0]  # [B, *D]
+        z_next, log_prob, _, _ = sde_step(v, z, t_k[0], sigmas[k + 1].expand(B).to(z.device),
+                                          noise_level, generator=generator)
+        zs.append(z), z_nexts.append(z_next), log_probs.append(log_prob), vs.append(v)
+        z = z_next
+    t = sigmas[:-1, None].expand(T, B).to(noise.device)  # [T, B]
+    t_next = sigmas[1:, None].expand(T, B).to(noise.device)  # [T, B]
+    return Trajectory(
+        z=torch.stack(zs),  # [T, B, *D]
+        z_next=torch.stack(z_nexts),  # [T, B, *D]
+        t=t.contiguous(),
+        t_next=t_next.contiguous(),
+        log_prob=torch.stack(log_probs),  # [T, B]
+        v=torch.stack(vs),  # [T, B, *D]
+    )
+
+
+# =====================================================================================
+# === 3. Group-relative advantages (GRPO) ===
+# =====================================================================================
+
+
+def group_advantages(rewards, group_ids, eps=1e-4, global_std=False, clip=5.0):
+    """A_i = (r_i - mean_group(i)) / (std + eps), clipped to [-clip, clip].
+
+    rewards, group_ids: [B]; samples with the same group id were drawn for the same prompt.
+    std is the group's own (per-prompt statistics, as in GRPO) or, with global_std, the std of
+    all rewards (Flow-GRPO's option, steadier when a group's rewards are nearly equal).
+    """
+    _check(rewards.shape == group_ids.shape and rewards.ndim == 1,
+           f"rewards and group_ids must both be [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
+    rewards = rewards.float()
+    adv = torch.empty_like(rewards)  # [B]
+    all_std = rewards.std(unbiased=False)
+    for g in group_ids.unique():
+        m = group_ids == g  # [B] bool
+        std = all_std if global_std else rewards[m].std(unbiased=False)
+        adv[m] = (rewards[m] - rewards[m].mean()) / (std + eps)
+    return adv.clamp(-clip, clip)
+
+
+# =====================================================================================
+# === 4. The per-step GRPO loss ===
+# =====================================================================================
+
+
+def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, mean_ref=None, std=None, beta=0.0):
+    """Clipped GRPO surrogate of one step, plus beta * KL to the reference policy.
+
+    All per-sample inputs are [B] (mean, mean_ref: [B, *D]; std: [B, 1..]).
+    ratio = exp(logp - logp_old);  L = mean_B max(-A ratio, -A clip(ratio, 1 -/+ eps))
+    KL(N(mu, std^2) || N(mu_ref, std^2)) = ||mu - mu_ref||^2 / (2 std^2), averaged over *D.
+    Returns (loss, stats) where stats holds detached per-step diagnostics.
+    """
+    ratio = torch.exp(log_prob - log_prob_old)  # [B]
+    unclipped = -advantages * ratio  # [B]
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)  # [B]
+    loss = torch.maximum(unclipped, clipped).mean()
+    kl = torch.zeros((), device=loss.device)
+    if beta > 0:
+        kl = ((mean - mean_ref) ** 2 / (2 * std**2)).mean(dim=tuple(range(1, mean.ndim))).mean()
+        loss = loss + beta * kl
+    with torch.no_grad():
+        stats = {
+            "clipfrac": (torch.abs(ratio - 1.0) > clip_range).float().mean().item(),
+            # approx_kl = E[(logp - logp_old)^2] / 2, the k2 estimator (Schulman, "Approximating
+            # KL divergence", 2020), as logged by CleanRL and Flow-GRPO.
+            "approx_kl": 0.5 * ((log_prob - log_prob_old) ** 2).mean().item(),
+            "kl": kl.item(),
+        }
+    return loss, stats
+
+
+# =====================================================================================
+# === 5. Exact per-step backward: the baseline (what Flow-GRPO does) ===
+# =====================================================================================
+# Both backward_* functions take one window: z [W, B, *D], t [W, B], and
+# step_loss(k, v_k) -> scalar, the loss of the window's k-th step given its velocity [B, *D].
+# They accumulate parameter gradients like loss.backward() and return the summed loss.
+# timings, if given, is a dict that receives seconds under "fwd_graph", "fwd_nograd" and
+# "backward" (synchronised on CUDA so that the numbers mean something).
+
+
+@contextlib.contextmanager
+def _timed(timings, key, device):
+    if timings is None:
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+
+def _check_window(z, t):
+    _check(z.ndim >= 2 and t.ndim == 2 and tuple(t.shape) == tuple(z.shape[:2]),
+           f"a window needs z: [W, B, *D] and t: [W, B] with matching W and B, got z {tuple(z.shape)}, t {tuple(t.shape)}")
+
+
+def backward_exact(velocity_fn, z, t, step_loss, timings=None):
+    """Exact gradient of a window: one forward with graph and one backward per step (W of each)."""
+    _check_window(z, t)
+    total = 0.0
+    for k in range(z.shape[0]):
+        with _timed(timings, "fwd_graph", z.device):
+            v_k = velocity_fn(z[k : k + 1], t[k : k + 1])[0]  # [B, *D]
+            loss = step_loss(k, v_k)
+        with _timed(timings, "backward", z.device):
+            loss.backward()
+        total += loss.item()
+    return total
+
+
+# =====================================================================================
+# === 6. JAGG: interpolate the Jacobians, back-propagate twice ===
+# =====================================================================================
+# The gradient of a window a..b is a sum of vector-Jacobian products:
+#     grad = sum_k g_k^T J_k,      g_k = dL_k/dv_k,   J_k = dv_theta(z_k, t_k)/dtheta.
+# g_k is cheap (the loss is a few elementwise ops on v_k); each J_k costs a full backward.
+# Training-free DiT accelerators (Delta-DiT, ScalingCache) exploit that a DiT's features and
+# velocities change smoothly, nearly linearly, along a trajectory. JAGG bets the Jacobians do
+# too, and interpolates them between the window's endpoints, weighted by t:
+#     J_k ~= (1 - alpha_k) J_a + alpha_k J_b,        alpha_k = (t_a - t_k) / (t_a - t_b).
+# The sum then collapses by linearity into two vector-Jacobian products,
+#     grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k,
+# which one backward of  sum(v_a * G_a) + sum(v_b * G_b)  through ONE forward on the double
+# batch [z_a; z_b] computes. Full backward passes per window: W -> 2 (as one double batch).
+#
+# When it is exact: if J(z, t) is affine in (z, t) along the window (e.g. v_theta linear in
+# (z, t), whatever its dependence on theta) and the states lie on the straight segment
+# z_k = (1 - alpha_k) z_a + alpha_k z_b, then J_k = (1 - alpha_k) J_a + alpha_k J_b exactly and
+# so is JAGG's gradient. With W = 2 there is no interior step, so it is always exact.
+
+
+def interpolation_weights(t):
+    """alpha_k = (t_a - t_k) / (t_a - t_b) for a window's times t: [W, B]. Returns [W, B]."""
+    span = t[0] - t[-1]  # [B]
+    _check(bool((span != 0).all()), "a window's endpoints must have different times (t_a != t_b)")
+    return (t[0] - t) / span  # [W, B]
+
+
+def backward_jagg(velocity_fn, z, t, step_loss, timings=None):
+    """JAGG gradient of a window: W - 2 forwards without graph, ONE joint forward with graph
+    on the two endpoints and ONE backward of the composite signals G_a, G_b."""
+    _check_window(z, t)
+    W = z.shape[0]
+    _check(W >= 2, f"JAGG needs a window of at least 2 steps, got W = {W}")
+    # G_a, G_b are accumulated in fp32 at least, whatever the network's precision.
+    acc = torch.promote_types(z.dtype, torch.float32)
+    alpha = interpolation_weights(t.to(acc))  # [W, B]
+    alpha = alpha.reshape(alpha.shape + (1,) * (z.ndim - 2))  # [W, B, 1..]
+
+    # The interior velocities are needed only for their upstream gradients g_k = dL_k/dv_k,
+    # never back-propagated through the network, so they need no graph: all W - 2 steps run
+    # as one batched forward that stores no activations.
+    v_mid = None
+    if W > 2:
+        with _timed(timings, "fwd_nograd", z.device), torch.no_grad():
+            v_mid = velocity_fn(z[1:-1], t[1:-1])  # [W-2, B, *D]
+
+    # The endpoints a and b: one forward with graph on the double batch [z_a; z_b].
+    ends = torch.tensor([0, W - 1], device=z.device)
+    with _timed(timings, "fwd_graph", z.device):
+        v_ends = velocity_fn(z[ends], t[ends])  # [2, B, *D]
+
+        # g_k for every step, from the loss alone: detach v_k, make it a leaf, differentiate.
+        v_all = v_ends.detach()  # [2, B, *D]
+        if v_mid is not None:
+            v_all = torch.cat([v_all[:1], v_mid.to(v_all.dtype), v_all[1:]])  # [W, B, *D]
+        G_a = torch.zeros_like(v_all[0], dtype=acc)  # [B, *D]
+        G_b = torch.zeros_like(v_all[0], dtype=acc)  # [B, *D]
+        total = 0.0
+        for k in range(W):
+            v_k = v_all[k].detach().requires_grad_(True)  # [B, *D]
+            loss = step_loss(k, v_k)
+            (g_k,) = torch.autograd.grad(loss, v_k)  # [B, *D]
+            # G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k
+            G_a += (1 - alpha[k]) * g_k.to(acc)
+            G_b += alpha[k] * g_k.to(acc)
+            total += loss.item()
+
+    # One backward: d/dtheta [ sum(v_a * G_a) + sum(v_b * G_b) ] = G_a^T J_a + G_b^T J_b.
+    with _timed(timings, "backward", z.device):
+        surrogate = (v_ends[0] * G_a.to(v_ends.dtype)).sum() + (v_ends[1] * G_b.to(v_ends.dtype)).sum()
+        surrogate.backward()
+    return total
+
+
+# =====================================================================================
+# === 7. Routing: which windows are linear enough for JAGG ===
+# =====================================================================================
+# OURS (the abstract names the knob jagg_frac but not the score): score a window by the cosine
+# similarity between its interior velocities and their endpoint interpolation. The velocities
+# come from the rollout, so the score costs no network call. If v itself moves linearly in t,
+# the features (and, JAGG bets, the Jacobians) likely do too.
+
+
+def linearity_score(v, t):
+    """Cosine similarity of the interior velocities v_k with (1 - alpha_k) v_a + alpha_k v_b,
+    averaged over interior steps and samples. v: [W, B, *D], t: [W, B]. 1.0 when W <= 2."""
+    W = v.shape[0]
+    if W <= 2:
+        return 1.0
+    alpha = interpolation_weights(t.float())  # [W, B]
+    alpha = alpha.reshape(alpha.shape + (1,) * (v.ndim - 2))  # [W, B, 1..]
+    v = v.float()
+    v_lin = (1 - alpha) * v[:1] + alpha * v[-1:]  # [W, B, *D]
+    cos = torch.nn.functional.cosine_similarity(
+        v[1:-1].flatten(2), v_lin[1:-1].flatten(2), dim=-1)  # [W-2, B]
+    return cos.mean().item()
+
+
+def window_bounds(num_steps, window):
+    """Split T steps into windows of W steps: [(a, b_exclusive), ...]; the last may be shorter."""
+    _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates between two endpoints), got {window}")
+    _check(window <= num_steps,
+           f"window ({window}) is longer than the trajectory ({num_steps} steps): use --window <= {num_steps}")
+    return [(a, min(a + window, num_steps)) for a in range(0, num_steps, window)]
+
+
+def route_windows(scores, lengths, jagg_frac):
+    """Send the jagg_frac fraction of windows with the highest scores to JAGG.
+
+    scores, lengths: one per window. A window of 1 step has no two endpoints and is always
+    exact (its exact gradient costs one backward anyway). Returns a list of bools.
+    """
+    _check(0.0 <= jagg_frac <= 1.0, f"jagg_frac must be in [0, 1], got {jagg_frac}")
+    eligible = [i for i, n in enumerate(lengths) if n >= 2]
+    n_jagg = round(jagg_frac * len(eligible))
+    # sorted() is stable: among equal scores the earlier window wins, so routing is reproducible.
+    chosen = set(sorted(eligible, key=lambda i: -scores[i])[:n_jagg])
+    return [i in chosen for i in range(len(scores))]
+
+
+# =====================================================================================
+# === 8. One training step over a batch of trajectories ===
+# =====================================================================================
+
+
+@dataclass
+class LossConfig:
+    """The knobs of the per-step loss (section 4) and of the SDE (section 1)."""
+
+    noise_level: float  # the SDE's noise level (Flow-GRPO: 0.7)
+    clip_range: float  # PPO/GRPO ratio clip epsilon
+    beta: float = 0.0  # weight of the KL to the reference model; 0 = no reference needed
+
+
+def make_step_loss(traj, advantages, a, b, cfg, v_ref=None, log=None):
+    """step_loss(k, v_k) for the window a..b-1 of traj, each step weighted 1/T so that a whole
+    trajectory's loss is the mean over its steps. v_ref: [b - a, B, *D] reference velocities
+    (needed when cfg.beta > 0). Each call appends its stats dict to the list log."""
+    T = traj.z.shape[0]
+
+    def step_loss(k, v_k):
+        i = a + k
+        _, log_prob, mean, std = sde_step(v_k, traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
+                                          prev_sample=traj.z_next[i])
+        mean_ref = None
+        if cfg.beta > 0:
+            _, _, mean_ref, _ = sde_step(v_ref[k], traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
+                                         prev_sample=traj.z_next[i])
+        loss, stats = grpo_step_loss(log_prob, traj.log_prob[i], advantages, cfg.clip_range,
+                                     mean=mean, mean_ref=mean_ref, std=std, beta=cfg.beta)
+        if log is not None:
+            log.append(stats)
+        return loss / T
+
+    return step_loss
+
+
+def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac,
+                     ref_velocity_fn=None, no_sync=contextlib.nullcontext, timings=None):
+    """Accumulate the gradient of the whole batch's loss, window by window, routed between
+    exact and JAGG. Does not step the optimizer. Returns (stats, routed), routed[i] is True
+    when window i ran JAGG.
+
+    no_sync: a context manager factory (DistributedDataParallel's model.no_sync) entered for
+    every window but the last, so that gradients are all-reduced once, at the last backward.
+    """
+    T = traj.z.shape[0]
+    bounds = window_bounds(T, window)
+    scores = [linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
+    routed = route_windows(scores, [b - a for a, b in bounds], jagg_frac)
+    log, loss, grad_steps = [], 0.0, 0
+    for i, ((a, b), use_jagg) in enumerate(zip(bounds, routed)):
+        v_ref = None
+        if cfg.beta > 0:
+            _check(ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
+            with torch.no_grad():
+                v_ref = ref_velocity_fn(traj.z[a:b], traj.t[a:b])  # [W, B, *D]
+        step_loss = make_step_loss(traj, advantages, a, b, cfg, v_ref, log)
+        sync = no_sync() if i < len(bounds) - 1 else contextlib.nullcontext()
+        with sync:
+            if use_jagg:
+                loss += backward_jagg(velocity_fn, traj.z[a:b], traj.t[a:b], step_loss, timings)
+                grad_steps += 2
+            else:
+                loss += backward_exact(velocity_fn, traj.z[a:b], traj.t[a:b], step_loss, timings)
+                grad_steps += b - a
+    stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
+    stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_steps=grad_steps, window_scores=scores)
+    return stats, routed
+
+
+def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, jagg_frac,
+               max_grad_norm=1.0, ref_velocity_fn=None, no_sync=contextlib.nullcontext):
+    """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
+    advantages: [B]). Windows of W steps, the top jagg_frac of them (by linearity score) by
+    JAGG, the rest exact. Returns a dict of statistics and the per-window routing."""
+    _check(advantages.shape == traj.log_prob.shape[1:],
+           f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
+    params = list(params)
+    timings = {}
+    optimizer.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac,
+                                     ref_velocity_fn, no_sync, timings)
+    stats["grad_seconds"] = time.perf_counter() - start
+    stats["backward_seconds"] = timings.get("backward", 0.0)
+    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    optimizer.step()
+    return stats, routed
+
+
+# =====================================================================================
+# === 9. Fidelity probe: is the approximation good on YOUR model? ===
+# =====================================================================================
+# JAGG's error depends on how linear the network's Jacobian is along a trajectory, which
+# differs between models. The probe computes both gradients of the same windows and reports
+# their cosine, so a user adapting JAGG sees at once whether it holds.
+
+
+def _flat_grad(params):
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double() for p in params])
+
+
+def gradient_cosines(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None):
+    """For each window of traj, the cosine between its JAGG and its exact gradient (a list).
+    Leaves the parameters' .grad set to None."""
+    params = list(params)
+    cosines = []
+    for a, b in window_bounds(traj.z.shape[0], window):
+        v_ref = None
+        if cfg.beta > 0:
+            with torch.no_grad():
+                v_ref = ref_velocity_fn(traj.z[a:b], traj.t[a:b])  # [W, B, *D]
+        grads = []
+        for backward in (backward_exact, backward_jagg):
+            for p in params:
+                p.grad = None
+            backward(velocity_fn, traj.z[a:b], traj.t[a:b], make_step_loss(traj, advantages, a, b, cfg, v_ref))
+            grads.append(_flat_grad(params))  # [P]
+        cosines.append(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item())
+    for p in params:
+        p.grad = None
+    return cosines
+
+
+# =====================================================================================
+# === 10. Measuring it: one window's gradient, exact vs JAGG, interleaved ===
+# =====================================================================================
+
+
+def benchmark_window(velocity_fn, params, z, t, step_loss, repeats=5, warmup=1):
+    """Time one window's gradient (z: [W, B, *D], t: [W, B]) both ways, alternating which runs
+    first so that drift on a shared machine hits both alike; medians over repeats.
+
+    Returns {method: {"fwd_graph", "fwd_nograd", "backward", "total"}} in seconds.
+    """
+    params = list(params)
+    runs = {"exact": [], "jagg": []}
+    fns = {"exact": backward_exact, "jagg": backward_jagg}
+    for r in range(warmup + repeats):
+        order = ["exact", "jagg"] if r % 2 == 0 else ["jagg", "exact"]
+        for name in order:
+            for p in params:
+                p.grad = None
+            timings = {"fwd_graph": 0.0, "fwd_nograd": 0.0, "backward": 0.0}
+            fns[name](velocity_fn, z, t, step_loss, timings)
+            timings["total"] = sum(timings.values())
+            if r >= warmup:
+                runs[name].append(timings)
+    for p in params:
+        p.grad = None
+    return {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for name, rs in runs.items()}

@@ -1,0 +1,449 @@
+"""GRPO on a toy 2-D flow model, exact vs JAGG: the CPU demo and the evidence.
+
+    python train_toy.py                       # compare exact GRPO and JAGG (about 2 min on 2 cores)
+    python train_toy.py --method jagg --window 8 --jagg-frac 1.0
+    python train_toy.py --benchmark           # time one window's gradient, exact vs JAGG
+    torchrun --nproc_per_node=2 train_toy.py --method jagg   # DistributedDataParallel (gloo)
+
+What happens:
+1. A toy DiT (toy_dit.py) is pretrained by flow matching on a conditional 2-D distribution:
+   4 "prompts", each a mixture of Gaussians with several modes. The checkpoint is cached.
+2. GRPO fine-tunes it with a prompt-dependent reward: closeness to ONE target mode per prompt,
+   which the base model, spreading its samples over all modes, does not maximise.
+3. With --compare (the default) exact GRPO and JAGG train from the same checkpoint and seed;
+   the run writes the rewards, the backward time, the gradient fidelity and pictures to --out.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from PIL import Image, ImageDraw
+from tqdm import tqdm
+
+import jagg
+from common import COLORS, all_gather_cat, arg, init_distributed, line_chart, parse_config, save_png
+from common import torch_save, write_json, write_jsonl
+from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
+
+
+@dataclass
+class Config:
+    # --- what to run
+    method: str = arg("compare", "exact, jagg, or compare (both, from the same seed and checkpoint)",
+                      choices=["exact", "jagg", "compare"])
+    compare: bool = arg(False, "same as --method compare")
+    benchmark: bool = arg(False, "time one window's gradient exact vs JAGG at W = 4 and 8, then exit")
+    out: str = arg("runs/toy", "output folder: summary.json, metrics.jsonl, pictures")
+    seed: int = arg(0, "random seed (model init, data, rollouts); ranks add their rank")
+    # --- JAGG
+    window: int = arg(4, "W, sampling steps per window")
+    jagg_frac: float = arg(1.0, "fraction of windows (the most linear) trained by JAGG; the rest exact")
+    probe_every: int = arg(10, "every N GRPO steps, log the cosine of JAGG's gradient to the exact one per window (0: off)")
+    # --- GRPO
+    steps: int = arg(80, "GRPO steps (each: one batch of rollouts, --minibatches optimizer steps)")
+    num_steps: int = arg(16, "T, sampling steps of a rollout")
+    shift: float = arg(3.0, "sigma schedule shift (SD3-style; >1 spends more steps at high noise)")
+    noise_level: float = arg(0.7, "SDE noise level (Flow-GRPO's default 0.7)")
+    group_size: int = arg(16, "G, samples per prompt in a group")
+    minibatches: int = arg(4, "optimizer steps per batch of rollouts (the batch split into this many parts)")
+    lr: float = arg(1e-3, "AdamW learning rate for GRPO")
+    clip_range: float = arg(0.2, "GRPO ratio clip range")
+    beta: float = arg(0.0, "KL weight to the frozen base model (0: no reference forward)")
+    adv_clip: float = arg(5.0, "advantages are clipped to [-adv_clip, adv_clip]")
+    max_grad_norm: float = arg(1.0, "gradient clipping norm")
+    eval_every: int = arg(5, "evaluate the mean reward every N GRPO steps")
+    eval_samples: int = arg(512, "samples per prompt for evaluation")
+    # --- the base model
+    base_ckpt: str = arg("", "pretrained toy DiT to start from; empty: pretrain one (cached in runs/cache)")
+    pretrain_steps: int = arg(2000, "flow-matching steps when pretraining the base model")
+    pretrain_batch: int = arg(512, "batch size for pretraining")
+    hidden: int = arg(64, "toy DiT hidden size")
+    depth: int = arg(3, "toy DiT blocks")
+    # --- benchmark
+    bench_batch: int = arg(256, "batch size B of the benchmark's window")
+    bench_repeats: int = arg(7, "timed repeats per method in the benchmark (medians are reported)")
+
+    def validate(self):
+        """Every bad value is reported before any work starts or any file is touched."""
+        checks = [
+            (self.window >= 2, f"--window must be >= 2 (JAGG interpolates between 2 endpoints), got {self.window}"),
+            (self.window <= self.num_steps,
+             f"--window {self.window} is longer than the trajectory (--num-steps {self.num_steps}); use --window <= {self.num_steps}"),
+            (0.0 <= self.jagg_frac <= 1.0, f"--jagg-frac must be in [0, 1], got {self.jagg_frac}"),
+            (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
+            (self.group_size >= 2, f"--group-size must be >= 2 (advantages compare samples in a group), got {self.group_size}"),
+            (1 <= self.minibatches <= self.group_size * len(PROMPTS),
+             f"--minibatches must be in [1, batch size {self.group_size * len(PROMPTS)}], got {self.minibatches}"),
+            (self.noise_level > 0, f"--noise-level must be > 0, got {self.noise_level}"),
+            (self.probe_every >= 0 and self.eval_every >= 1, "--probe-every must be >= 0 and --eval-every >= 1"),
+            (self.base_ckpt == "" or os.path.isfile(self.base_ckpt),
+             f"--base-ckpt {self.base_ckpt!r} does not exist; omit --base-ckpt to pretrain and cache a base model"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SystemExit(f"error: {message}")
+        if self.compare:
+            self.method = "compare"
+
+
+# =====================================================================================
+# The toy task: 4 prompts, each a mixture of Gaussians; the reward prefers one mode per prompt
+# =====================================================================================
+
+PROMPTS = {  # name: (modes, target mode the reward prefers)
+    "ring": ([(2.0 * torch.cos(torch.tensor(i * 3.14159 / 4)).item(), 2.0 * torch.sin(torch.tensor(i * 3.14159 / 4)).item())
+              for i in range(8)], (1.414, 1.414)),
+    "grid": ([(x, y) for x in (-2.0, 0.0, 2.0) for y in (-2.0, 0.0, 2.0)], (2.0, -2.0)),
+    "diagonal": ([(s, s) for s in (-2.4, -0.8, 0.8, 2.4)], (-2.4, -2.4)),
+    "corners": ([(-2.0, -2.0), (-2.0, 2.0), (2.0, -2.0), (2.0, 2.0)], (-2.0, 2.0)),
+}
+MODE_STD = 0.2
+REWARD_WIDTH = 1.0
+
+
+def sample_data(labels, generator=None):
+    """Points of the prompts' distributions: labels [B] -> x [B, 2]."""
+    x = torch.empty(len(labels), 2)
+    for c, (modes, _) in enumerate(PROMPTS.values()):
+        m = labels == c
+        modes = torch.tensor(modes)  # [M, 2]
+        pick = torch.randint(len(modes), (int(m.sum()),), generator=generator)
+        x[m] = modes[pick] + MODE_STD * torch.randn(int(m.sum()), 2, generator=generator)
+    return x
+
+
+def reward_fn(x, labels):
+    """r(x, c) = exp(-||x - target_c||^2 / (2 width^2)): in (0, 1], 1 at the prompt's target mode."""
+    targets = torch.tensor([target for _, target in PROMPTS.values()])[labels]  # [B, 2]
+    return torch.exp(-((x - targets) ** 2).sum(-1) / (2 * REWARD_WIDTH**2))  # [B]
+
+
+def make_velocity_fn(model, labels):
+    """The contract with jagg.py: velocity_fn(z [S, B, 2], t [S, B]) -> v [S, B, 2]; the
+    prompt labels [B] are repeated over the S steps here, as the caller's job."""
+
+    def velocity_fn(z, t):
+        S, B = t.shape
+        v = model(z.reshape(S * B, 2), t.reshape(S * B), labels.repeat(S))  # [S*B, 2]
+        return v.reshape(S, B, 2)
+
+    return velocity_fn
+
+
+# =====================================================================================
+# The base model: pretrain once, cache, load safely
+# =====================================================================================
+
+
+def load_base(path, model_cfg):
+    """Load a base checkpoint (weights only, no pickled code), with a clear error if corrupt."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        if ckpt.get("model_cfg") != model_cfg.to_dict():
+            raise SystemExit(f"error: checkpoint {path} holds a toy DiT of another size ({ckpt.get('model_cfg')}); "
+                             f"pass matching --hidden/--depth or delete it to retrain")
+        model = ToyDiT(model_cfg)
+        model.load_state_dict(ckpt["model"])
+    except SystemExit:
+        raise
+    except Exception as e:
+        raise SystemExit(f"error: checkpoint {path} is corrupt or not a toy DiT checkpoint ({type(e).__name__}: {e}); "
+                         f"delete it to pretrain again") from None
+    return model
+
+
+def pretrain(cfg, model_cfg, path, rank):
+    torch.manual_seed(cfg.seed)
+    model = ToyDiT(model_cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.pretrain_steps)
+    bar = tqdm(range(cfg.pretrain_steps), desc="pretrain base DiT", disable=rank != 0, dynamic_ncols=True)
+    for _ in bar:
+        labels = torch.randint(len(PROMPTS), (cfg.pretrain_batch,))
+        loss = flow_matching_loss(model, sample_data(labels), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    torch_save(path, {"model_cfg": model_cfg.to_dict(), "model": model.state_dict()})
+    return model
+
+
+def base_model(cfg, rank):
+    model_cfg = ToyDiTConfig(num_classes=len(PROMPTS), hidden=cfg.hidden, depth=cfg.depth)
+    path = cfg.base_ckpt
+    if not path:
+        path = os.path.join("runs", "cache", f"toy_dit_h{cfg.hidden}_d{cfg.depth}_s{cfg.pretrain_steps}_seed{cfg.seed}.pt")
+        if not os.path.exists(path):
+            # One rank pretrains, the others wait and load the same file.
+            if rank == 0:
+                pretrain(cfg, model_cfg, path, rank)
+            if dist.is_initialized():
+                dist.barrier()
+    return load_base(path, model_cfg), path
+
+
+# =====================================================================================
+# Evaluation and pictures
+# =====================================================================================
+
+
+@torch.no_grad()
+def evaluate(model, cfg, sigmas, seed):
+    """Mean reward of eval_samples per prompt, from a fixed noise seed; returns (reward, x, labels)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(len(PROMPTS)).repeat_interleave(cfg.eval_samples)  # [E]
+    traj = jagg.rollout(make_velocity_fn(model, labels), torch.randn(len(labels), 2, generator=g),
+                        sigmas, cfg.noise_level, generator=g)
+    return reward_fn(traj.sample, labels).mean().item(), traj, labels
+
+
+def _to_px(p, size, lim=3.5):
+    return ((p[0] + lim) / (2 * lim) * size, (lim - p[1]) / (2 * lim) * size)
+
+
+def samples_picture(rows, size=180):
+    """rows: {row name: (x [E, 2], labels [E])}; one panel per prompt, target as a red cross."""
+    img = Image.new("RGB", (90 + size * len(PROMPTS), 24 + size * len(rows)), "white")
+    d = ImageDraw.Draw(img)
+    for j, name in enumerate(PROMPTS):
+        d.text((90 + j * size + 6, 6), name, fill="black")
+    for i, (row, (x, labels)) in enumerate(rows.items()):
+        d.text((6, 24 + i * size + size // 2), row, fill="black")
+        for j, (_, (modes, target)) in enumerate(PROMPTS.items()):
+            ox, oy = 90 + j * size, 24 + i * size
+            d.rectangle([ox, oy, ox + size - 1, oy + size - 1], outline=(200, 200, 200))
+            for m in modes:
+                mx, my = _to_px(m, size)
+                d.ellipse([ox + mx - 8, oy + my - 8, ox + mx + 8, oy + my + 8], outline=(210, 210, 210))
+            for p in x[labels == j].tolist():
+                px, py = _to_px(p, size)
+                d.ellipse([ox + px - 1, oy + py - 1, ox + px + 1, oy + py + 1], fill=COLORS.get(row, (0, 0, 0)))
+            tx, ty = _to_px(target, size)
+            d.line([ox + tx - 6, oy + ty - 6, ox + tx + 6, oy + ty + 6], fill="red", width=2)
+            d.line([ox + tx - 6, oy + ty + 6, ox + tx + 6, oy + ty - 6], fill="red", width=2)
+    return img
+
+
+def trajectories_picture(traj, routed, bounds, scores, n=24, width=640, panel=220):
+    """Each coordinate of n trajectories against the sampling step, from noise (left) to data
+    (right), on bands that show how each window trained: orange JAGG, blue exact."""
+    T = traj.z.shape[0]
+    img = Image.new("RGB", (width, 2 * panel + 70), "white")
+    d = ImageDraw.Draw(img)
+    z = torch.cat([traj.z, traj.z_next[-1:]])  # [T+1, B, 2]
+    idx = torch.linspace(0, z.shape[1] - 1, n).long()  # spread over the prompts
+    left, right = 40, width - 10
+
+    def x_px(k):
+        return left + k / T * (right - left)
+
+    for c in range(2):
+        top = 10 + c * panel
+        for (a, b), use_jagg, score in zip(bounds, routed, scores):
+            band = (253, 225, 195) if use_jagg else (205, 218, 245)
+            d.rectangle([x_px(a), top, x_px(b), top + panel - 20], fill=band)
+            d.text((x_px(a) + 4, top + 2), f"{'JAGG' if use_jagg else 'exact'} {score:.3f}", fill="black")
+        d.text((4, top + panel // 2 - 20), f"x{c + 1}", fill="black")
+        for i in idx.tolist():
+            pts = [(x_px(k), top + (panel - 20) / 2 - z[k, i, c].item() / 8 * (panel - 20)) for k in range(T + 1)]
+            d.line(pts, fill=(60, 60, 60), width=1)
+    d.text((left, 2 * panel), "sampling step: noise (left) -> data (right); bands: windows, "
+           "labelled with how they trained and their linearity score", fill="black")
+    d.text((left, 2 * panel + 18), "orange: JAGG (2 backward passes)   blue: exact (one backward per step)", fill="black")
+    return img
+
+
+# =====================================================================================
+# GRPO training: the whole loop in one place
+# =====================================================================================
+
+
+def train(cfg, method, base, rank, world):
+    """Fine-tune a copy of base with GRPO by method ('exact' or 'jagg'); returns (summary, rows, extras)."""
+    torch.manual_seed(cfg.seed)
+    model = copy.deepcopy(base)
+    ref = copy.deepcopy(base).requires_grad_(False) if cfg.beta > 0 else None
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    no_sync = net.no_sync if world > 1 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)  # [T+1]
+    loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
+    jagg_frac = cfg.jagg_frac if method == "jagg" else 0.0
+    # Each rank draws its own rollouts (groups stay on one rank, so advantages are local).
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+    labels = torch.arange(len(PROMPTS)).repeat_interleave(cfg.group_size)  # [B]
+    B = len(labels)
+
+    initial_reward, _, _ = evaluate(model, cfg, sigmas, seed=12345)
+    rows, curve, totals = [], [(0, initial_reward)], {"backward_seconds": 0.0, "grad_seconds": 0.0, "grad_steps": 0}
+    t_start = time.perf_counter()
+    eval_seconds = 0.0
+    bar = tqdm(range(1, cfg.steps + 1), desc=f"GRPO {method}", disable=rank != 0, dynamic_ncols=True)
+    for it in bar:
+        # --- rollouts, rewards, advantages
+        with torch.no_grad():
+            traj = jagg.rollout(make_velocity_fn(model, labels), torch.randn(B, 2, generator=g), sigmas,
+                                cfg.noise_level, generator=g)
+        rewards = reward_fn(traj.sample, labels)  # [B]
+        adv = jagg.group_advantages(rewards, labels, clip=cfg.adv_clip)  # [B]
+        # --- optimizer steps on minibatches of the rollouts
+        perm = torch.randperm(B, generator=g)
+        step_stats = []
+        for idx in perm.chunk(cfg.minibatches):
+            stats, routed = jagg.train_step(
+                make_velocity_fn(net, labels[idx]), model.parameters(), opt, traj.subset(idx), adv[idx], loss_cfg,
+                cfg.window, jagg_frac, cfg.max_grad_norm,
+                ref_velocity_fn=make_velocity_fn(ref, labels[idx]) if ref is not None else None,
+                no_sync=no_sync or contextlib.nullcontext)
+            step_stats.append(stats)
+        row = {"step": it, "method": method}
+        for key in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "grad_norm"):
+            row[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)
+        for key in totals:
+            row[f"time/{key}" if key.endswith("seconds") else f"train/{key}"] = sum(s[key] for s in step_stats)
+            totals[key] += row[f"time/{key}" if key.endswith("seconds") else f"train/{key}"]
+        row["rollout/reward_mean"] = all_gather_cat(rewards).mean().item()
+        row["routing/window_scores"] = step_stats[0]["window_scores"]
+        # --- evaluation and the fidelity probe (not timed as training)
+        t0 = time.perf_counter()
+        if it % cfg.eval_every == 0 or it == cfg.steps:
+            row["eval/reward"], _, _ = evaluate(model, cfg, sigmas, seed=12345)
+            curve.append((it, row["eval/reward"]))
+        if cfg.probe_every and (it % cfg.probe_every == 0 or it == 1):
+            idx = perm.chunk(cfg.minibatches)[0]
+            row["probe/grad_cosine"] = jagg.gradient_cosines(
+                make_velocity_fn(model, labels[idx]), model.parameters(), traj.subset(idx), adv[idx], loss_cfg,
+                cfg.window, ref_velocity_fn=make_velocity_fn(ref, labels[idx]) if ref is not None else None)
+        eval_seconds += time.perf_counter() - t0
+        rows.append(row)
+        bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}", clipfrac=f"{row['train/clipfrac']:.3f}",
+                        routed=f"{row['train/routed_frac']:.2f}", bwd=f"{row['time/backward_seconds']:.2f}s")
+    train_seconds = time.perf_counter() - t_start - eval_seconds
+
+    final_reward, final_traj, final_labels = evaluate(model, cfg, sigmas, seed=12345)
+    probes = [r["probe/grad_cosine"] for r in rows if "probe/grad_cosine" in r]
+    summary = {
+        "method": method,
+        "initial_reward": initial_reward,
+        "final_reward": final_reward,
+        "reward_gain": final_reward - initial_reward,
+        "backward_seconds": totals["backward_seconds"],
+        "grad_seconds": totals["grad_seconds"],
+        "train_seconds": train_seconds,
+        "grad_steps": totals["grad_steps"],
+        "window": cfg.window,
+        "jagg_frac": jagg_frac,
+        "probe_grad_cosine_per_window": [sum(p[i] for p in probes) / len(probes) for i in range(len(probes[0]))] if probes else None,
+        "world_size": world,
+        # A checksum of the trained parameters, gathered from every rank: equal values show the
+        # ranks stayed in sync (DDP averaged their different gradients identically).
+        "param_checksums": all_gather_cat(torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()[None]).tolist(),
+    }
+    return summary, rows, {"curve": curve, "final": (final_traj, final_labels)}
+
+
+def benchmark(cfg, base):
+    """One window's gradient, exact vs JAGG, at W = 4 and 8: interleaved, medians of repeats."""
+    torch.manual_seed(cfg.seed)
+    results = {}
+    sigmas = jagg.sigma_schedule(16, cfg.shift)
+    labels = torch.arange(cfg.bench_batch) % len(PROMPTS)  # [B]
+    with torch.no_grad():
+        traj = jagg.rollout(make_velocity_fn(base, labels), torch.randn(cfg.bench_batch, 2), sigmas, cfg.noise_level)
+    adv = torch.randn(cfg.bench_batch)  # [B]
+    loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range)
+    print(f"toy DiT, {sum(p.numel() for p in base.parameters())} parameters, B = {cfg.bench_batch}, "
+          f"{torch.get_num_threads()} threads, medians of {cfg.bench_repeats} interleaved repeats")
+    print(f"{'W':>3} {'method':>6} {'fwd_graph':>10} {'fwd_nograd':>10} {'backward':>10} {'total':>10}   (ms)")
+    for W in (4, 8):
+        step_loss = jagg.make_step_loss(traj, adv, 0, W, loss_cfg)
+        t = jagg.benchmark_window(make_velocity_fn(base, labels), base.parameters(), traj.z[:W], traj.t[:W],
+                                  step_loss, repeats=cfg.bench_repeats)
+        for name in ("exact", "jagg"):
+            print(f"{W:>3} {name:>6} " + " ".join(f"{1000 * t[name][k]:>10.2f}" for k in ("fwd_graph", "fwd_nograd", "backward", "total")))
+        results[W] = {
+            "window": W, "exact": t["exact"], "jagg": t["jagg"],
+            "backward_speedup": t["exact"]["backward"] / t["jagg"]["backward"],
+            "step_speedup": t["exact"]["total"] / t["jagg"]["total"],
+        }
+        print(f"    W = {W}: backward speedup {results[W]['backward_speedup']:.2f}x (ideal {W / 2:.1f}x), "
+              f"whole window-gradient speedup {results[W]['step_speedup']:.2f}x")
+    return results
+
+
+def main(argv=None):
+    cfg = parse_config(Config, argv, description=__doc__.split("\n")[0])
+    cfg.validate()
+    rank, world = init_distributed()
+    if rank == 0:
+        print("config: " + json.dumps(dataclasses.asdict(cfg)))
+    base, base_path = base_model(cfg, rank)
+
+    if cfg.benchmark:
+        results = benchmark(cfg, base)
+        if rank == 0:
+            write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "results": results})
+        return results
+
+    methods = ["exact", "jagg"] if cfg.method == "compare" else [cfg.method]
+    summaries, curves, finals = {}, {}, {}
+    for method in methods:
+        summary, rows, extras = train(cfg, method, base, rank, world)
+        summaries[method], curves[method], finals[method] = summary, extras["curve"], extras["final"]
+        if rank == 0:
+            folder = cfg.out if len(methods) == 1 else os.path.join(cfg.out, method)
+            write_jsonl(os.path.join(folder, "metrics.jsonl"), rows)
+            write_json(os.path.join(folder, "summary.json"), {**summary, "config": dataclasses.asdict(cfg), "base_ckpt": base_path})
+            print(f"[{method}] reward {summary['initial_reward']:.3f} -> {summary['final_reward']:.3f}, "
+                  f"backward {summary['backward_seconds']:.2f}s, window gradients {summary['grad_seconds']:.2f}s, "
+                  f"train {summary['train_seconds']:.1f}s, network steps with grad {summary['grad_steps']}")
+    if rank != 0:
+        return summaries
+
+    # --- pictures
+    sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)
+    _, base_traj, base_labels = evaluate(base, cfg, sigmas, seed=12345)
+    picture_rows = {"base": (base_traj.sample, base_labels)}
+    picture_rows.update({m: (finals[m][0].sample, finals[m][1]) for m in methods})
+    save_png(os.path.join(cfg.out, "samples.png"), samples_picture(picture_rows))
+    save_png(os.path.join(cfg.out, "reward_curves.png"),
+             line_chart(curves, "evaluation reward during GRPO", "GRPO step", "mean reward"))
+    traj = finals[methods[-1]][0]
+    bounds = jagg.window_bounds(cfg.num_steps, cfg.window)
+    scores = [jagg.linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
+    routed = jagg.route_windows(scores, [b - a for a, b in bounds], cfg.jagg_frac if methods[-1] == "jagg" else 0.0)
+    save_png(os.path.join(cfg.out, "trajectories.png"), trajectories_picture(traj, routed, bounds, scores))
+
+    if cfg.method == "compare":
+        ex, jg = summaries["exact"], summaries["jagg"]
+        comparison = {
+            "method": "compare",
+            "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] != 0 else None,
+            "backward_speedup": ex["backward_seconds"] / jg["backward_seconds"],
+            "grad_speedup": ex["grad_seconds"] / jg["grad_seconds"],
+            "grad_steps_ratio": ex["grad_steps"] / jg["grad_steps"],
+            "exact": ex, "jagg": jg, "config": dataclasses.asdict(cfg),
+        }
+        write_json(os.path.join(cfg.out, "summary.json"), comparison)
+        print(f"JAGG kept {100 * comparison['reward_gain_ratio']:.1f}% of exact GRPO's reward gain; "
+              f"backward {comparison['backward_speedup']:.2f}x faster, window gradients {comparison['grad_speedup']:.2f}x, "
+              f"{comparison['grad_steps_ratio']:.2f}x fewer network steps with grad")
+        if jg["probe_grad_cosine_per_window"]:
+            print("gradient cosine JAGG vs exact per window: "
+                  + " ".join(f"{c:.3f}" for c in jg["probe_grad_cosine_per_window"]))
+    print(f"wrote {cfg.out}/summary.json, metrics.jsonl, samples.png, reward_curves.png, trajectories.png")
+    return summaries
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
