@@ -127,7 +127,7 @@ def line_chart(series, title, x_label, y_label, size=(640, 400)):
         xp, _ = px(xv, y0)
         d.line([xp, bottom, xp, bottom + 4], fill="black")
         d.text((xp - 10, bottom + 8), f"{xv:.3g}", fill="black")
-    d.text((left, 8), title, fill="black")
+    d.text((left + 100, 8), title, fill="black")
     d.text(((left + right) // 2 - 30, size[1] - 18), x_label, fill="black")
     d.text((4, top - 22), y_label, fill="black")
     for i, (name, s) in enumerate(series.items()):
