@@ -95,6 +95,23 @@ def all_gather_cat(x):
     return torch.cat(parts)
 
 
+# ------------------------------------------------------------------ benchmark report
+
+
+def report_benchmark(t, W, scale=1.0, unit="s", prefix=""):
+    """Print jagg.benchmark_window's medians t as a table and the two speedups; return them."""
+    for name in ("exact", "jagg"):
+        print(f"{prefix}{name:>6} " + " ".join(f"{scale * t[name][k]:>10.3f}" for k in ("fwd_graph", "fwd_nograd", "backward", "total")))
+    speedups = {"backward_speedup": t["exact"]["backward"] / t["jagg"]["backward"],
+                "step_speedup": t["exact"]["total"] / t["jagg"]["total"]}
+    print(f"W = {W}: backward speedup {speedups['backward_speedup']:.2f}x (ideal {W / 2:.1f}x), "
+          f"whole window-gradient speedup {speedups['step_speedup']:.2f}x")
+    return speedups
+
+
+BENCHMARK_HEADER = f"{'method':>6} {'fwd_graph':>10} {'fwd_nograd':>10} {'backward':>10} {'total':>10}"
+
+
 # ------------------------------------------------------------------ pictures
 
 COLORS = {"exact": (40, 90, 200), "jagg": (230, 120, 20), "base": (150, 150, 150)}

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,8 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import jagg
-from common import all_gather_cat, arg, atomic_write, init_distributed, parse_config, save_png, write_json, write_jsonl
+from common import BENCHMARK_HEADER, all_gather_cat, arg, atomic_write, init_distributed, parse_config, report_benchmark
+from common import save_png, write_json, write_jsonl
 
 REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore"]
 DEFAULT_PROMPTS = [
@@ -535,22 +535,17 @@ def benchmark(cfg):
             torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
         "config": size, "batch": B, "tokens": (h // tc.patch_size) ** 2 + L, "bf16": use_bf16, "repeats": cfg.bench_repeats,
         "exact_backward_s": t["exact"]["backward"], "jagg_backward_s": t["jagg"]["backward"],
-        "backward_speedup": t["exact"]["backward"] / t["jagg"]["backward"],
         "exact_fwd_graph_s": t["exact"]["fwd_graph"], "jagg_fwd_graph_s": t["jagg"]["fwd_graph"],
         "jagg_fwd_nograd_s": t["jagg"]["fwd_nograd"],
         "exact_step_s": t["exact"]["total"], "jagg_step_s": t["jagg"]["total"],
-        "step_speedup": t["exact"]["total"] / t["jagg"]["total"],
     }
-    if cfg.json:
-        print(json.dumps(result))
-    else:
+    with contextlib.redirect_stdout(io.StringIO()) if cfg.json else contextlib.nullcontext():
         print(f"SD3 transformer '{size}', {result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}, "
               f"{result['tokens']} tokens, bf16 {use_bf16}, medians of {cfg.bench_repeats} interleaved repeats")
-        print(f"{'method':>6} {'fwd_graph':>10} {'fwd_nograd':>10} {'backward':>10} {'total':>10}   (s)")
-        for name in ("exact", "jagg"):
-            print(f"{name:>6} " + " ".join(f"{t[name][k]:>10.3f}" for k in ("fwd_graph", "fwd_nograd", "backward", "total")))
-        print(f"W = {W}: backward speedup {result['backward_speedup']:.2f}x (ideal {W / 2:.1f}x), "
-              f"whole window-gradient speedup {result['step_speedup']:.2f}x")
+        print(f"{BENCHMARK_HEADER}   (s)")
+        result.update(report_benchmark(t, W))
+    if cfg.json:
+        print(json.dumps(result))
     return result
 
 

@@ -29,7 +29,8 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import jagg
-from common import COLORS, all_gather_cat, arg, init_distributed, line_chart, parse_config, save_png
+from common import BENCHMARK_HEADER, COLORS, all_gather_cat, arg, init_distributed, line_chart, parse_config
+from common import report_benchmark, save_png
 from common import torch_save, write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
 
@@ -364,20 +365,12 @@ def benchmark(cfg, base):
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range)
     print(f"toy DiT, {sum(p.numel() for p in base.parameters())} parameters, B = {cfg.bench_batch}, "
           f"{torch.get_num_threads()} threads, medians of {cfg.bench_repeats} interleaved repeats")
-    print(f"{'W':>3} {'method':>6} {'fwd_graph':>10} {'fwd_nograd':>10} {'backward':>10} {'total':>10}   (ms)")
     for W in (4, 8):
         step_loss = jagg.make_step_loss(traj, adv, 0, W, loss_cfg)
         t = jagg.benchmark_window(make_velocity_fn(base, labels), base.parameters(), traj.z[:W], traj.t[:W],
                                   step_loss, repeats=cfg.bench_repeats)
-        for name in ("exact", "jagg"):
-            print(f"{W:>3} {name:>6} " + " ".join(f"{1000 * t[name][k]:>10.2f}" for k in ("fwd_graph", "fwd_nograd", "backward", "total")))
-        results[W] = {
-            "window": W, "exact": t["exact"], "jagg": t["jagg"],
-            "backward_speedup": t["exact"]["backward"] / t["jagg"]["backward"],
-            "step_speedup": t["exact"]["total"] / t["jagg"]["total"],
-        }
-        print(f"    W = {W}: backward speedup {results[W]['backward_speedup']:.2f}x (ideal {W / 2:.1f}x), "
-              f"whole window-gradient speedup {results[W]['step_speedup']:.2f}x")
+        print(f"\nW = {W}\n{BENCHMARK_HEADER}   (ms)")
+        results[W] = {"window": W, "exact": t["exact"], "jagg": t["jagg"], **report_benchmark(t, W, scale=1000)}
     return results
 
 
