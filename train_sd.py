@@ -274,13 +274,17 @@ def make_reward_fn(cfg, device):
     except Exception as e:
         raise SystemExit(f"error: could not load --reward-model {cfg.reward_model!r} as a CLIP model ({e})") from None
 
+    def projected(out):
+        # transformers 4 returns the projected embeddings; 5 returns an output whose pooler_output they are.
+        return out if torch.is_tensor(out) else out.pooler_output
+
     @torch.no_grad()
     def pickscore(images, prompts):
         # PickScore = logit_scale * cos(image embedding, text embedding).
         img = processor(images=images, return_tensors="pt").to(device)
         txt = processor(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt").to(device)
-        ie = torch.nn.functional.normalize(model.get_image_features(**img), dim=-1)
-        te = torch.nn.functional.normalize(model.get_text_features(**txt), dim=-1)
+        ie = torch.nn.functional.normalize(projected(model.get_image_features(**img)), dim=-1)
+        te = torch.nn.functional.normalize(projected(model.get_text_features(**txt)), dim=-1)
         return (model.logit_scale.exp() * (ie * te).sum(-1)).float().cpu()
 
     return pickscore
@@ -368,6 +372,7 @@ def sample_grid(images, prompts, rewards, cell=256):
 
 def train(cfg):
     rank, world = init_distributed()
+    torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -401,14 +406,12 @@ def train(cfg):
     h = cfg.resolution // pipe.vae_scale_factor
     # The prompts of an epoch are the same on every rank (shared seed); the noise differs per rank,
     # so a prompt's group is spread over the ranks and advantages use the gathered rewards.
-    prompt_gen = torch.Generator().manual_seed(cfg.seed)
-    for _ in range(start_epoch):
-        torch.randint(len(prompts_all), (cfg.prompts_per_epoch,), generator=prompt_gen)
-    noise_gen = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank + 7919 * start_epoch)
-
+    # Generators are seeded per epoch, so a resumed run draws what an uninterrupted one would.
     bar = tqdm(range(start_epoch + 1, cfg.epochs + 1), desc=f"GRPO {cfg.method}", disable=rank != 0, dynamic_ncols=True)
     for epoch in bar:
         # --- rollouts: sample, decode, reward
+        prompt_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        noise_gen = torch.Generator(device=device).manual_seed((cfg.seed * 1_000_003 + epoch) * 1009 + rank + 1)
         pick = torch.randint(len(prompts_all), (cfg.prompts_per_epoch,), generator=prompt_gen)  # [P]
         prompt_ids = pick.repeat_interleave(cfg.group_size)  # [B]
         prompts = [prompts_all[i] for i in prompt_ids.tolist()]

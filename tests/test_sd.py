@@ -99,6 +99,50 @@ def test_train_jagg_then_resume_and_exact(tiny_sd3, tmp_path):
     assert rows[0]["train/kl"] >= 0.0
 
 
+def test_resumed_run_equals_uninterrupted_run(tiny_sd3, tmp_path):
+    from safetensors.torch import load_file
+
+    straight = train_sd.main(run_args(tiny_sd3, tmp_path / "a", "--epochs", "2"))
+    train_sd.main(run_args(tiny_sd3, tmp_path / "b", "--epochs", "1"))
+    resumed = train_sd.main(run_args(tiny_sd3, tmp_path / "b", "--epochs", "2", "--resume", str(tmp_path / "b")))
+    assert straight[1]["rollout/reward_mean"] == pytest.approx(resumed[1]["rollout/reward_mean"], rel=1e-6)
+    a, b = load_file(tmp_path / "a" / "lora.safetensors"), load_file(tmp_path / "b" / "lora.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_full_finetune_with_ema_prompt_file_and_pickscore(tiny_sd3, tmp_path):
+    """The other options: full fine-tuning (a frozen copy as KL reference), EMA weights, prompts
+    from a file, and the PickScore reward with a tiny CLIP model saved here."""
+    from safetensors.torch import load_file
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    clip_dir = tmp_path / "clip"
+    config = CLIPConfig(text_config=dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_hidden_layers=1,
+                                         vocab_size=200, max_position_embeddings=77, bos_token_id=0, eos_token_id=1,
+                                         pad_token_id=1),
+                        vision_config=dict(hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                           num_hidden_layers=1, image_size=32, patch_size=8),
+                        projection_dim=16)
+    CLIPModel(config).save_pretrained(clip_dir)
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32),
+                              tokenizer=tiny_tokenizer(str(tmp_path / "clip_vocab")))
+    processor.save_pretrained(clip_dir)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\n\na blue dog\n")
+    out = tmp_path / "full"
+    rows = train_sd.main(run_args(tiny_sd3, out, "--epochs", "1", "--full-finetune", "--ema", "--ema-decay", "0.5",
+                                  "--prompts", str(prompts), "--reward", "pickscore", "--reward-model", str(clip_dir),
+                                  "--beta", "0.1"))
+    assert rows[0]["train/kl"] >= 0 and abs(rows[0]["rollout/reward_mean"]) > 0
+    weights = load_file(out / "transformer.safetensors")  # the EMA of all transformer weights
+    assert not any("lora" in k for k in weights) and len(weights) > 20
+    assert (out / "checkpoint" / "ema.safetensors").exists()
+    trained = load_file(out / "checkpoint" / "weights.safetensors")
+    assert any(not torch.equal(weights[k], trained[k]) for k in weights)  # EMA lags the trained weights
+
+
 def test_torchrun_two_ranks_share_groups_and_stay_in_sync(tiny_sd3, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_sd.py",
            *run_args(tiny_sd3, tmp_path, "--epochs", "1", "--group-size", "1", "--train-batch", "1")]
