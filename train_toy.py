@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -56,6 +57,7 @@ class Config:
     group_size: int = arg(16, "G, samples per prompt in a group")
     minibatches: int = arg(4, "optimizer steps per batch of rollouts (the batch split into this many parts)")
     lr: float = arg(1e-3, "AdamW learning rate for GRPO")
+    cosine_lr: bool = arg(True, "decay the learning rate to 0 along a cosine over the run")
     clip_range: float = arg(0.2, "GRPO ratio clip range")
     beta: float = arg(0.0, "KL weight to the frozen base model (0: no reference forward)")
     adv_clip: float = arg(5.0, "advantages are clipped to [-adv_clip, adv_clip]")
@@ -277,6 +279,10 @@ def train(cfg, method, base, rank, world):
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     no_sync = net.no_sync if world > 1 else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    # Cosine decay to zero: the policy settles at the end instead of jittering around the plateau,
+    # so the final reward measures what a method learned, not where the last update happened to land.
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / (cfg.steps * cfg.minibatches))) if cfg.cosine_lr else 1.0)
     sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     jagg_frac = cfg.jagg_frac if method == "jagg" else 0.0
@@ -307,6 +313,7 @@ def train(cfg, method, base, rank, world):
                 ref_velocity_fn=make_velocity_fn(ref, labels[idx]) if ref is not None else None,
                 no_sync=no_sync or contextlib.nullcontext)
             step_stats.append(stats)
+            sched.step()
         row = {"step": it, "method": method}
         for key in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "grad_norm"):
             row[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)

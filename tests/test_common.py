@@ -1,0 +1,36 @@
+"""The plumbing: atomic files and the dataclass command line."""
+
+import dataclasses
+
+import pytest
+
+import common
+
+
+def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "summary.json"
+    common.write_json(path, {"reward": 1.0})
+
+    def half_then_crash(f):
+        f.write('{"reward": ')
+        raise KeyboardInterrupt  # an interrupted run
+
+    with pytest.raises(KeyboardInterrupt):
+        common.atomic_write(path, half_then_crash)
+    assert path.read_text() == '{\n  "reward": 1.0\n}'
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left behind
+
+
+def test_parse_config_builds_flags_with_help_and_types():
+    @dataclasses.dataclass
+    class Cfg:
+        window: int = common.arg(4, "W, steps per window")
+        jagg_frac: float = common.arg(1.0, "fraction of windows")
+        method: str = common.arg("jagg", "which method", choices=["exact", "jagg"])
+        ema: bool = common.arg(False, "keep an EMA")
+
+    cfg = common.parse_config(Cfg, ["--window", "8", "--jagg-frac", "0.5", "--method", "exact", "--ema"])
+    assert cfg == Cfg(window=8, jagg_frac=0.5, method="exact", ema=True)
+    assert common.parse_config(Cfg, ["--no-ema"]).ema is False
+    with pytest.raises(SystemExit):
+        common.parse_config(Cfg, ["--method", "other"])
