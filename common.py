@@ -95,6 +95,25 @@ def all_gather_cat(x):
     return torch.cat(parts)
 
 
+# ------------------------------------------------------------------ metrics
+
+
+def step_metrics(step_stats):
+    """One metrics row from the stats of a batch's optimizer steps (jagg.train_step's dicts):
+    averages of the per-step diagnostics, sums of the counts and times, grouped by prefix."""
+    row = {f"train/{k}": sum(s[k] for s in step_stats) / len(step_stats)
+           for k in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "grad_norm")}
+    row["train/grad_steps"] = sum(s["grad_steps"] for s in step_stats)
+    row["time/backward_seconds"] = sum(s["backward_seconds"] for s in step_stats)
+    row["time/grad_seconds"] = sum(s["grad_seconds"] for s in step_stats)
+    return row
+
+
+def param_checksums(params):
+    """Each rank's sum of its parameters, gathered: equal values show the ranks stayed in sync."""
+    return all_gather_cat(torch.stack([p.detach().double().sum() for p in params]).sum()[None]).tolist()
+
+
 # ------------------------------------------------------------------ benchmark report
 
 

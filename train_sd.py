@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 import jagg
 from common import BENCHMARK_HEADER, all_gather_cat, arg, atomic_write, init_distributed, parse_config, report_benchmark
-from common import save_png, write_json, write_jsonl
+from common import param_checksums, save_png, step_metrics, write_json, write_jsonl
 
 REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore"]
 DEFAULT_PROMPTS = [
@@ -86,7 +86,7 @@ class Config:
                                choices=["auto", "bf16", "fp32"])
     ema: bool = arg(False, "keep an EMA of the trained weights (used for evaluation and saved)")
     ema_decay: float = arg(0.95, "EMA decay per optimizer step")
-    eval_every: int = arg(10, "evaluate and save a sample grid every N epochs")
+    eval_every: int = arg(10, "every N epochs, sample fixed prompts with fixed noise (EMA weights if kept): eval/reward and a grid")
     save_every: int = arg(10, "write a checkpoint every N epochs")
     device: str = arg("auto", "cuda, cpu, or auto")
     # --- benchmark
@@ -249,6 +249,53 @@ def decode(pipe, latents):
     return [Image.fromarray(im) for im in images]
 
 
+@torch.no_grad()
+def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16):
+    """Roll out the SDE sampler for prompts in chunks of cfg.rollout_batch.
+
+    Returns (traj, cond, uncond, images): trajectories over all B samples, their text embeddings
+    and the decoded images."""
+    device = sigmas.device
+    C, h = pipe.transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
+    trajs, conds, unconds, images = [], [], [], []
+    for s in tqdm(range(0, len(prompts), cfg.rollout_batch), desc="rollouts", leave=False, disable=not _is_main()):
+        chunk = prompts[s : s + cfg.rollout_batch]
+        cond, uncond = encode(pipe, chunk, device)
+        noise = torch.randn(len(chunk), C, h, h, generator=generator, device=device)  # [b, C, h, w]
+        traj = jagg.rollout(make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16),
+                            noise, sigmas, cfg.noise_level, generator=generator)
+        trajs.append(traj), conds.append(cond), unconds.append(uncond)
+        images += decode(pipe, traj.sample)
+    traj = jagg.Trajectory(**{f: torch.cat([getattr(t, f) for t in trajs], dim=1)  # [T, B, C, h, w]
+                              for f in jagg.Trajectory.__dataclass_fields__})
+    cond = tuple(torch.cat([c[i] for c in conds]) for i in range(2))  # ([B, L, E], [B, P])
+    uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
+    return traj, cond, uncond, images
+
+
+def _is_main():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@contextlib.contextmanager
+def ema_weights(transformer, ema):
+    """Temporarily load the EMA weights (if kept) into the trained parameters."""
+    if ema is None:
+        yield
+        return
+    params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(ema[n])
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved[n])
+
+
 # =====================================================================================
 # Rewards
 # =====================================================================================
@@ -402,8 +449,20 @@ def train(cfg):
     sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0)).to(device)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     jagg_frac = cfg.jagg_frac if cfg.method == "jagg" else 0.0
-    C = transformer.config.in_channels
-    h = cfg.resolution // pipe.vae_scale_factor
+    eval_prompts = prompts_all[:8]
+
+    def evaluate(epoch):
+        """Fixed prompts and noise, the EMA weights if kept: a reward curve and a grid of samples."""
+        transformer.eval()
+        with ema_weights(transformer, ema):
+            g = torch.Generator(device=device).manual_seed(cfg.seed + 12345)
+            _, _, _, images = sample(pipe, transformer, eval_prompts, cfg, sigmas, g, use_bf16)
+        rewards = reward_fn(images, eval_prompts)
+        save_png(os.path.join(cfg.out, f"samples_{epoch:04d}.png"), sample_grid(images, eval_prompts, rewards.tolist()))
+        return rewards.mean().item()
+
+    if rank == 0 and start_epoch == 0:
+        rows.append({"epoch": 0, "eval/reward": evaluate(0)})
     # The prompts of an epoch are the same on every rank (shared seed); the noise differs per rank,
     # so a prompt's group is spread over the ranks and advantages use the gathered rewards.
     # Generators are seeded per epoch, so a resumed run draws what an uninterrupted one would.
@@ -415,19 +474,8 @@ def train(cfg):
         pick = torch.randint(len(prompts_all), (cfg.prompts_per_epoch,), generator=prompt_gen)  # [P]
         prompt_ids = pick.repeat_interleave(cfg.group_size)  # [B]
         prompts = [prompts_all[i] for i in prompt_ids.tolist()]
-        trajs, conds, unconds, images = [], [], [], []
         transformer.eval()
-        for s in tqdm(range(0, len(prompts), cfg.rollout_batch), desc="rollouts", leave=False, disable=rank != 0):
-            chunk = prompts[s : s + cfg.rollout_batch]
-            cond, uncond = encode(pipe, chunk, device)
-            noise = torch.randn(len(chunk), C, h, h, generator=noise_gen, device=device)  # [b, C, h, w]
-            traj = jagg.rollout(make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16),
-                                noise, sigmas, cfg.noise_level, generator=noise_gen)
-            trajs.append(traj), conds.append(cond), unconds.append(uncond)
-            images += decode(pipe, traj.sample)
-        traj = jagg.Trajectory(**{f: torch.cat([getattr(t, f) for t in trajs], dim=1) for f in jagg.Trajectory.__dataclass_fields__})
-        cond = tuple(torch.cat([c[i] for c in conds]) for i in range(2))
-        uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
+        traj, cond, uncond, images = sample(pipe, transformer, prompts, cfg, sigmas, noise_gen, use_bf16)
         rewards = reward_fn(images, prompts).to(device)  # [B]
         # --- advantages over groups gathered from all ranks, then this rank's slice
         all_rewards, all_ids = all_gather_cat(rewards), all_gather_cat(prompt_ids.to(device))
@@ -454,12 +502,7 @@ def train(cfg):
                             ema[n].mul_(cfg.ema_decay).add_(p.detach().to(ema[n].device), alpha=1 - cfg.ema_decay)
 
         row = {"epoch": epoch, "method": cfg.method, "rollout/reward_mean": all_rewards.mean().item(),
-               "rollout/reward_std": all_rewards.std().item()}
-        for key in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "grad_norm"):
-            row[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)
-        row["train/grad_steps"] = sum(s["grad_steps"] for s in step_stats)
-        row["time/backward_seconds"] = sum(s["backward_seconds"] for s in step_stats)
-        row["time/grad_seconds"] = sum(s["grad_seconds"] for s in step_stats)
+               "rollout/reward_std": all_rewards.std().item(), **step_metrics(step_stats)}
         if cfg.probe_every and epoch % cfg.probe_every == 0:
             idx_d = perm[: cfg.train_batch].to(device)
             c, u = tuple(x[idx_d] for x in cond), tuple(x[idx_d] for x in uncond)
@@ -467,17 +510,14 @@ def train(cfg):
                 make_velocity_fn(transformer, c, u, cfg.guidance_scale, use_bf16), params, traj.subset(idx_d),
                 adv[idx_d], loss_cfg, cfg.window,
                 make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg, use_bf16) if cfg.beta > 0 else None)
-        # One number per rank: equal values show that DDP kept the ranks' weights in sync.
-        row["train/param_checksums"] = all_gather_cat(torch.stack([p.detach().double().sum() for p in params]).sum()[None]).tolist()
+        row["train/param_checksums"] = param_checksums(params)  # equal on every rank: DDP kept them in sync
         rows.append(row)
         bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}", kl=f"{row['train/kl']:.4f}",
                         clipfrac=f"{row['train/clipfrac']:.3f}", bwd=f"{row['time/backward_seconds']:.1f}s")
         if rank == 0:
-            write_jsonl(os.path.join(cfg.out, "metrics.jsonl"), rows)
             if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
-                n = min(8, len(images))
-                save_png(os.path.join(cfg.out, f"samples_{epoch:04d}.png"),
-                         sample_grid(images[:n], prompts[:n], rewards[:n].tolist()))
+                row["eval/reward"] = evaluate(epoch)
+            write_jsonl(os.path.join(cfg.out, "metrics.jsonl"), rows)
             if epoch % cfg.save_every == 0 or epoch == cfg.epochs:
                 save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows)
                 save_weights(os.path.join(cfg.out, "lora.safetensors" if not cfg.full_finetune else "transformer.safetensors"),

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import jagg
 from common import BENCHMARK_HEADER, COLORS, all_gather_cat, arg, init_distributed, line_chart, parse_config
-from common import report_benchmark, save_png
+from common import param_checksums, report_benchmark, save_png, step_metrics
 from common import torch_save, write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
 
@@ -277,7 +277,7 @@ def train(cfg, method, base, rank, world):
     model = copy.deepcopy(base)
     ref = copy.deepcopy(base).requires_grad_(False) if cfg.beta > 0 else None
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    no_sync = net.no_sync if world > 1 else None
+    no_sync = net.no_sync if world > 1 else contextlib.nullcontext
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     # Cosine decay to zero: the policy settles at the end instead of jittering around the plateau,
     # so the final reward measures what a method learned, not where the last update happened to land.
@@ -292,7 +292,7 @@ def train(cfg, method, base, rank, world):
     B = len(labels)
 
     initial_reward, _, _ = evaluate(model, cfg, sigmas, seed=12345)
-    rows, curve, totals = [], [(0, initial_reward)], {"backward_seconds": 0.0, "grad_seconds": 0.0, "grad_steps": 0}
+    rows, curve = [], [(0, initial_reward)]
     t_start = time.perf_counter()
     eval_seconds = 0.0
     bar = tqdm(range(1, cfg.steps + 1), desc=f"GRPO {method}", disable=rank != 0, dynamic_ncols=True)
@@ -307,25 +307,19 @@ def train(cfg, method, base, rank, world):
         perm = torch.randperm(B, generator=g)
         step_stats = []
         for idx in perm.chunk(cfg.minibatches):
-            stats, routed = jagg.train_step(
+            stats, _ = jagg.train_step(
                 make_velocity_fn(net, labels[idx]), model.parameters(), opt, traj.subset(idx), adv[idx], loss_cfg,
                 cfg.window, jagg_frac, cfg.max_grad_norm,
-                ref_velocity_fn=make_velocity_fn(ref, labels[idx]) if ref is not None else None,
-                no_sync=no_sync or contextlib.nullcontext)
+                ref_velocity_fn=make_velocity_fn(ref, labels[idx]) if ref is not None else None, no_sync=no_sync)
             step_stats.append(stats)
             sched.step()
-        row = {"step": it, "method": method}
-        for key in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "grad_norm"):
-            row[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)
-        for key in totals:
-            row[f"time/{key}" if key.endswith("seconds") else f"train/{key}"] = sum(s[key] for s in step_stats)
-            totals[key] += row[f"time/{key}" if key.endswith("seconds") else f"train/{key}"]
+        row = {"step": it, "method": method, **step_metrics(step_stats)}
         row["rollout/reward_mean"] = all_gather_cat(rewards).mean().item()
         row["routing/window_scores"] = step_stats[0]["window_scores"]
         # --- evaluation and the fidelity probe (not timed as training)
         t0 = time.perf_counter()
-        if it % cfg.eval_every == 0 or it == cfg.steps:
-            row["eval/reward"], _, _ = evaluate(model, cfg, sigmas, seed=12345)
+        if it % cfg.eval_every == 0 or it == cfg.steps:  # always after the last step: the final reward
+            row["eval/reward"], final_traj, final_labels = evaluate(model, cfg, sigmas, seed=12345)
             curve.append((it, row["eval/reward"]))
         if cfg.probe_every and (it % cfg.probe_every == 0 or it == 1):
             idx = perm.chunk(cfg.minibatches)[0]
@@ -338,24 +332,23 @@ def train(cfg, method, base, rank, world):
                         routed=f"{row['train/routed_frac']:.2f}", bwd=f"{row['time/backward_seconds']:.2f}s")
     train_seconds = time.perf_counter() - t_start - eval_seconds
 
-    final_reward, final_traj, final_labels = evaluate(model, cfg, sigmas, seed=12345)
+    final_reward = rows[-1]["eval/reward"]
     probes = [r["probe/grad_cosine"] for r in rows if "probe/grad_cosine" in r]
     summary = {
         "method": method,
         "initial_reward": initial_reward,
         "final_reward": final_reward,
         "reward_gain": final_reward - initial_reward,
-        "backward_seconds": totals["backward_seconds"],
-        "grad_seconds": totals["grad_seconds"],
+        "backward_seconds": sum(r["time/backward_seconds"] for r in rows),
+        "grad_seconds": sum(r["time/grad_seconds"] for r in rows),
         "train_seconds": train_seconds,
-        "grad_steps": totals["grad_steps"],
+        "grad_steps": sum(r["train/grad_steps"] for r in rows),
         "window": cfg.window,
         "jagg_frac": jagg_frac,
         "probe_grad_cosine_per_window": [sum(p[i] for p in probes) / len(probes) for i in range(len(probes[0]))] if probes else None,
         "world_size": world,
-        # A checksum of the trained parameters, gathered from every rank: equal values show the
-        # ranks stayed in sync (DDP averaged their different gradients identically).
-        "param_checksums": all_gather_cat(torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()[None]).tolist(),
+        # Each rank trained on its own rollouts: equal checksums show DDP kept the weights in sync.
+        "param_checksums": param_checksums(model.parameters()),
     }
     return summary, rows, {"curve": curve, "final": (final_traj, final_labels)}
 

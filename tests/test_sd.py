@@ -75,11 +75,13 @@ def test_train_jagg_then_resume_and_exact(tiny_sd3, tmp_path):
 
     out = tmp_path / "jagg"
     rows = train_sd.main(run_args(tiny_sd3, out, "--epochs", "1", "--method", "jagg", "--probe-every", "1"))
-    assert len(rows) == 1 and rows[0]["train/routed_frac"] == 1.0
-    assert len(rows[0]["probe/grad_cosine"]) == 2
+    # An evaluation before training (epoch 0), then the epoch's training and evaluation.
+    assert [r["epoch"] for r in rows] == [0, 1] and "eval/reward" in rows[0] and "eval/reward" in rows[1]
+    assert rows[1]["train/routed_frac"] == 1.0
+    assert len(rows[1]["probe/grad_cosine"]) == 2
     # T = 4, W = 2: JAGG runs 2 steps with grad per window, 2 windows, 2 minibatches.
-    assert rows[0]["train/grad_steps"] == 2 * 2 * 2
-    for name in ("metrics.jsonl", "samples_0001.png", "lora.safetensors", "config.json",
+    assert rows[1]["train/grad_steps"] == 2 * 2 * 2
+    for name in ("metrics.jsonl", "samples_0000.png", "samples_0001.png", "lora.safetensors", "config.json",
                  "checkpoint/weights.safetensors", "checkpoint/optimizer.pt", "checkpoint/state.json"):
         assert (out / name).exists(), name
     lora = load_file(out / "lora.safetensors")
@@ -88,15 +90,15 @@ def test_train_jagg_then_resume_and_exact(tiny_sd3, tmp_path):
     assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)
 
     rows = train_sd.main(run_args(tiny_sd3, out, "--epochs", "2", "--method", "jagg", "--resume", str(out)))
-    assert [r["epoch"] for r in rows] == [1, 2]
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
     assert json.load(open(out / "checkpoint" / "state.json"))["epoch"] == 2
     lora2 = load_file(out / "lora.safetensors")
     assert any(not torch.equal(lora[k], lora2[k]) for k in lora)
-    assert [json.loads(line)["epoch"] for line in open(out / "metrics.jsonl")] == [1, 2]
+    assert [json.loads(line)["epoch"] for line in open(out / "metrics.jsonl")] == [0, 1, 2]
 
     rows = train_sd.main(run_args(tiny_sd3, tmp_path / "exact", "--epochs", "1", "--method", "exact", "--beta", "0.1"))
-    assert rows[0]["train/routed_frac"] == 0.0 and rows[0]["train/grad_steps"] == 2 * 4
-    assert rows[0]["train/kl"] >= 0.0
+    assert rows[1]["train/routed_frac"] == 0.0 and rows[1]["train/grad_steps"] == 2 * 4
+    assert rows[1]["train/kl"] >= 0.0
 
 
 def test_resumed_run_equals_uninterrupted_run(tiny_sd3, tmp_path):
@@ -105,7 +107,8 @@ def test_resumed_run_equals_uninterrupted_run(tiny_sd3, tmp_path):
     straight = train_sd.main(run_args(tiny_sd3, tmp_path / "a", "--epochs", "2"))
     train_sd.main(run_args(tiny_sd3, tmp_path / "b", "--epochs", "1"))
     resumed = train_sd.main(run_args(tiny_sd3, tmp_path / "b", "--epochs", "2", "--resume", str(tmp_path / "b")))
-    assert straight[1]["rollout/reward_mean"] == pytest.approx(resumed[1]["rollout/reward_mean"], rel=1e-6)
+    assert straight[2]["rollout/reward_mean"] == pytest.approx(resumed[2]["rollout/reward_mean"], rel=1e-6)
+    assert straight[2]["eval/reward"] == pytest.approx(resumed[2]["eval/reward"], rel=1e-6)
     a, b = load_file(tmp_path / "a" / "lora.safetensors"), load_file(tmp_path / "b" / "lora.safetensors")
     assert a.keys() == b.keys()
     for k in a:
@@ -135,7 +138,7 @@ def test_full_finetune_with_ema_prompt_file_and_pickscore(tiny_sd3, tmp_path):
     rows = train_sd.main(run_args(tiny_sd3, out, "--epochs", "1", "--full-finetune", "--ema", "--ema-decay", "0.5",
                                   "--prompts", str(prompts), "--reward", "pickscore", "--reward-model", str(clip_dir),
                                   "--beta", "0.1"))
-    assert rows[0]["train/kl"] >= 0 and abs(rows[0]["rollout/reward_mean"]) > 0
+    assert rows[1]["train/kl"] >= 0 and abs(rows[1]["rollout/reward_mean"]) > 0
     weights = load_file(out / "transformer.safetensors")  # the EMA of all transformer weights
     assert not any("lora" in k for k in weights) and len(weights) > 20
     assert (out / "checkpoint" / "ema.safetensors").exists()
@@ -149,7 +152,7 @@ def test_torchrun_two_ranks_share_groups_and_stay_in_sync(tiny_sd3, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    row = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][1]  # epoch 1 (0 is the first eval)
     a, b = row["train/param_checksums"]
     assert a == pytest.approx(b, rel=1e-9, abs=1e-9)
     # One sample per prompt per rank: groups exist only across ranks, so a nonzero loss
@@ -251,3 +254,15 @@ def test_help_documents_every_flag():
     assert proc.returncode == 0
     for f in dataclasses.fields(train_sd.Config):
         assert "--" + f.name.replace("_", "-") in proc.stdout
+
+
+def test_ema_weights_are_swapped_in_and_restored():
+    model = torch.nn.Linear(2, 2)
+    model.bias.requires_grad_(False)
+    trained = model.weight.detach().clone()
+    ema = {"weight": torch.zeros(2, 2)}
+    with train_sd.ema_weights(model, ema):
+        assert torch.equal(model.weight, torch.zeros(2, 2))
+    assert torch.equal(model.weight, trained)
+    with train_sd.ema_weights(model, None):
+        assert torch.equal(model.weight, trained)
