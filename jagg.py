@@ -296,7 +296,13 @@ def interpolation_weights(t):
 
 def backward_jagg(velocity_fn, z, t, step_loss, timings=None):
     """JAGG gradient of a window: W - 2 forwards without graph, ONE joint forward with graph
-    on the two endpoints and ONE backward of the composite signals G_a, G_b."""
+    on the two endpoints and ONE backward of the composite signals G_a, G_b.
+
+    Exact (equal to backward_exact) when W = 2, or when the Jacobian d v_theta / d theta is
+    affine in (z, t) over the window and the states z_k lie on the segment from z_a to z_b at
+    the same alpha_k as their times; otherwise an approximation, as good as the Jacobian is
+    linear in t (gradient_cosines, section 9, measures it).
+    """
     _check_window(z, t)
     W = z.shape[0]
     _check(W >= 2, f"JAGG needs a window of at least 2 steps, got W = {W}")
