@@ -532,7 +532,7 @@ def train(cfg):
 # =====================================================================================
 
 SD3_CONFIGS = {
-    # SD3.5-medium's transformer (MMDiT-X, 2.5B parameters), from its published config.
+    # SD3.5-medium's transformer (MMDiT-X; 2.24B parameters by our count): 24 blocks, dual attention in blocks 0-12.
     "sd35-medium": dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
                         num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
                         pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
