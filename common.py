@@ -51,6 +51,9 @@ def atomic_write(path, write_fn, mode="w"):
     try:
         with os.fdopen(fd, mode) as f:
             write_fn(f)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -1,6 +1,7 @@
 """The plumbing: atomic files and the dataclass command line."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -19,6 +20,9 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
         common.atomic_write(path, half_then_crash)
     assert path.read_text() == '{\n  "reward": 1.0\n}'
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
 
 
 def test_parse_config_builds_flags_with_help_and_types():
