@@ -53,7 +53,7 @@ class Config:
     prompts: str = arg("", "text file with one prompt a line; empty: a small built-in list")
     reward: str = arg("jpeg_compressibility", "reward function", choices=REWARDS)
     reward_model: str = arg("", "for --reward pickscore: local directory of a CLIP model and processor (PickScore)")
-    resolution: int = arg(512, "image size in pixels")
+    resolution: int = arg(512, "image size in pixels (also the benchmark's, for SD3.5-medium or --model)")
     out: str = arg("runs/sd", "output folder: metrics.jsonl, sample grids, weights, checkpoint")
     resume: str = arg("", "continue from the checkpoint in this output folder")
     seed: int = arg(0, "random seed; ranks add their rank to the sampling seed")
@@ -90,7 +90,8 @@ class Config:
     save_every: int = arg(10, "write a checkpoint every N epochs")
     device: str = arg("auto", "cuda, cpu, or auto")
     # --- benchmark
-    benchmark: bool = arg(False, "time one window's gradient exact vs JAGG on the SD3 transformer, then exit")
+    benchmark: bool = arg(False, "time one window's gradient exact vs JAGG on the SD3 transformer (conditional branch "
+                                 "only: CFG's no-graph unconditional forward costs both methods the same), then exit")
     random_init: bool = arg(False, "benchmark: build the transformer from its config alone (no weights needed); the benchmark never uses gradient checkpointing")
     bench_size: str = arg("auto", "benchmark transformer with --random-init: sd35-medium, cpu (9M params), tiny; "
                                   "auto: sd35-medium on GPU, cpu on CPU", choices=["auto", "sd35-medium", "cpu", "tiny"])
@@ -428,7 +429,9 @@ def train(cfg):
     prompts_all = read_prompts(cfg.prompts) if cfg.prompts else DEFAULT_PROMPTS
     reward_fn = make_reward_fn(cfg, device)
     pipe, transformer = load_pipeline(cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
-    ref_transformer = copy.deepcopy(transformer).requires_grad_(False) if cfg.full_finetune and cfg.beta > 0 else None
+    ref_transformer = None
+    if cfg.full_finetune and cfg.beta > 0:  # a frozen copy, in the pipeline's precision (bf16 on GPU)
+        ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
     params = [p for p in transformer.parameters() if p.requires_grad]
     net = torch.nn.parallel.DistributedDataParallel(transformer, device_ids=[device.index] if device.type == "cuda" else None) \
         if world > 1 else transformer
@@ -565,7 +568,8 @@ def benchmark(cfg):
     tc = transformer.config
     B = cfg.bench_batch or (4 if device.type == "cuda" else 2)
     W, L = cfg.window, 77
-    h = tc.sample_size
+    # The reduced configurations at their own size; SD3.5-medium or a real model at --resolution.
+    h = tc.sample_size if size in ("cpu", "tiny") else cfg.resolution // 8  # latent side
     cond = (torch.randn(B, L, tc.joint_attention_dim, device=device), torch.randn(B, tc.pooled_projection_dim, device=device))
     velocity_fn = make_velocity_fn(transformer, cond, None, 1.0, use_bf16)
     sigmas = jagg.sigma_schedule(max(W, 10), 3.0).to(device)[: W + 1]  # the first W steps of a 10-step schedule

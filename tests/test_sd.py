@@ -224,6 +224,13 @@ def test_benchmark_json_has_the_keys():
     assert result["jagg_fwd_nograd_s"] > 0
 
 
+def test_benchmark_on_a_saved_model(tiny_sd3, capsys):
+    result = train_sd.main(["--benchmark", "--model", tiny_sd3, "--resolution", "64", "--window", "3",
+                            "--bench-repeats", "1", "--device", "cpu"])
+    assert result["config"] == tiny_sd3 and result["window"] == 3 and result["tokens"] == (64 // 8 // 2) ** 2 + 77
+    assert "whole window-gradient speedup" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--model", "/nonexistent/sd3"], "is not a directory"),
     (["--window", "5"], "longer than the trajectory"),
