@@ -421,6 +421,9 @@ def main(argv=None):
         ex, jg = summaries["exact"], summaries["jagg"]
         comparison = {
             "method": "compare",
+            "initial_reward": ex["initial_reward"],  # the same checkpoint and evaluation noise for both
+            **{key: {"exact": ex[key], "jagg": jg[key]}
+               for key in ("final_reward", "reward_gain", "backward_seconds", "grad_seconds", "train_seconds", "grad_steps")},
             "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] != 0 else None,
             "backward_speedup": ex["backward_seconds"] / jg["backward_seconds"],
             "grad_speedup": ex["grad_seconds"] / jg["grad_seconds"],

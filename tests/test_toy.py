@@ -41,6 +41,9 @@ def test_short_grpo_run_raises_reward_for_both_methods(base_ckpt, tmp_path):
         rows = [json.loads(line) for line in open(tmp_path / method / "metrics.jsonl")]
         assert len(rows) == 15 and all("train/clipfrac" in r and "time/backward_seconds" in r for r in rows)
     ex, jg = top["exact"], top["jagg"]
+    assert top["initial_reward"] == ex["initial_reward"]
+    for key in ("final_reward", "backward_seconds", "train_seconds", "grad_steps"):
+        assert top[key] == {"exact": ex[key], "jagg": jg[key]}
     # Same seed and checkpoint: the same starting point; JAGG ran 2 of every 4 steps with grad.
     assert ex["initial_reward"] == jg["initial_reward"]
     assert ex["grad_steps"] == 2 * jg["grad_steps"]
