@@ -436,29 +436,39 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac,
     exact and JAGG. Does not step the optimizer. Returns (stats, routed), routed[i] is True
     when window i ran JAGG.
 
-    no_sync: a context manager factory (DistributedDataParallel's model.no_sync) entered for
-    every window but the last, so that gradients are all-reduced once, at the last backward.
+    no_sync: a context manager factory (DistributedDataParallel's model.no_sync). Every backward
+    but the batch's last runs inside it, so gradients are all-reduced once per optimizer step.
     """
     T = traj.z.shape[0]
     bounds = window_bounds(T, window)
+    _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
     scores = [linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
     routed = route_windows(scores, [b - a for a, b in bounds], jagg_frac)
     log, loss, grad_steps = [], 0.0, 0
+
+    def run(backward, a, b, v_ref):
+        return backward(velocity_fn, traj.z[a:b], traj.t[a:b],
+                        make_step_loss(traj, advantages, a, b, cfg, v_ref, log), timings)
+
     for i, ((a, b), use_jagg) in enumerate(zip(bounds, routed)):
+        last = i == len(bounds) - 1
         v_ref = None
         if cfg.beta > 0:
-            _check(ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
             with torch.no_grad():
                 v_ref = ref_velocity_fn(traj.z[a:b], traj.t[a:b])  # [W, B, *D]
-        step_loss = make_step_loss(traj, advantages, a, b, cfg, v_ref, log)
-        sync = no_sync() if i < len(bounds) - 1 else contextlib.nullcontext()
-        with sync:
-            if use_jagg:
-                loss += backward_jagg(velocity_fn, traj.z[a:b], traj.t[a:b], step_loss, timings)
-                grad_steps += 2
-            else:
-                loss += backward_exact(velocity_fn, traj.z[a:b], traj.t[a:b], step_loss, timings)
-                grad_steps += b - a
+        if use_jagg:
+            with contextlib.nullcontext() if last else no_sync():
+                loss += run(backward_jagg, a, b, v_ref)
+            grad_steps += 2
+        else:
+            # Exact steps are independent, so the batch's very last backward can be split off:
+            # it alone runs outside no_sync and all-reduces everything accumulated before it.
+            m = b - 1 if last else b
+            with no_sync():
+                loss += run(backward_exact, a, m, None if v_ref is None else v_ref[: m - a])
+            if last:
+                loss += run(backward_exact, m, b, None if v_ref is None else v_ref[m - a :])
+            grad_steps += b - a
     stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
     stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_steps=grad_steps, window_scores=scores)
     return stats, routed
