@@ -39,6 +39,23 @@ def parse_config(cls, argv=None, description=None):
     return cls(**vars(parser.parse_args(argv)))
 
 
+def fail_on(checks):
+    """checks: [(ok, message)]. Exit with the first failed message, before any work is done."""
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+
+
+def jagg_flag_checks(window, num_steps, jagg_frac):
+    """The checks of --window and --jagg-frac that both training scripts make."""
+    return [
+        (window >= 2, f"--window must be >= 2 (JAGG interpolates between 2 endpoints), got {window}"),
+        (window <= num_steps,
+         f"--window {window} is longer than the trajectory (--num-steps {num_steps}); use --window <= {num_steps}"),
+        (0.0 <= jagg_frac <= 1.0, f"--jagg-frac must be in [0, 1], got {jagg_frac}"),
+    ]
+
+
 # ------------------------------------------------------------------ files
 
 
@@ -120,18 +137,18 @@ def param_checksums(params):
 # ------------------------------------------------------------------ benchmark report
 
 
-def report_benchmark(t, W, scale=1.0, unit="s", prefix=""):
-    """Print jagg.benchmark_window's medians t as a table and the two speedups; return them."""
+def report_benchmark(t, W, scale=1.0, unit="s"):
+    """Print jagg.benchmark_window's medians t as a table (times times scale, in unit) and the
+    two speedups; return the speedups."""
+    parts = ("fwd_graph", "fwd_nograd", "backward", "total")
+    print(f"{'method':>6} " + " ".join(f"{k:>10}" for k in parts) + f"   ({unit})")
     for name in ("exact", "jagg"):
-        print(f"{prefix}{name:>6} " + " ".join(f"{scale * t[name][k]:>10.3f}" for k in ("fwd_graph", "fwd_nograd", "backward", "total")))
+        print(f"{name:>6} " + " ".join(f"{scale * t[name][k]:>10.3f}" for k in parts))
     speedups = {"backward_speedup": t["exact"]["backward"] / t["jagg"]["backward"],
                 "step_speedup": t["exact"]["total"] / t["jagg"]["total"]}
     print(f"W = {W}: backward speedup {speedups['backward_speedup']:.2f}x (ideal {W / 2:.1f}x), "
           f"whole window-gradient speedup {speedups['step_speedup']:.2f}x")
     return speedups
-
-
-BENCHMARK_HEADER = f"{'method':>6} {'fwd_graph':>10} {'fwd_nograd':>10} {'backward':>10} {'total':>10}"
 
 
 # ------------------------------------------------------------------ pictures

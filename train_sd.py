@@ -35,7 +35,8 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import jagg
-from common import BENCHMARK_HEADER, all_gather_cat, arg, atomic_write, init_distributed, parse_config, report_benchmark
+from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks, parse_config
+from common import report_benchmark
 from common import param_checksums, save_png, step_metrics, write_json, write_jsonl
 
 REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore"]
@@ -106,11 +107,7 @@ class Config:
             if not self.random_init:
                 checks.append(_model_exists(self.model))
         else:
-            checks = [
-                (self.window >= 2, f"--window must be >= 2 (JAGG interpolates between 2 endpoints), got {self.window}"),
-                (self.window <= self.num_steps,
-                 f"--window {self.window} is longer than the trajectory (--num-steps {self.num_steps}); use --window <= {self.num_steps}"),
-                (0.0 <= self.jagg_frac <= 1.0, f"--jagg-frac must be in [0, 1], got {self.jagg_frac}"),
+            checks = jagg_flag_checks(self.window, self.num_steps, self.jagg_frac) + [
                 (self.group_size >= 2 or int(os.environ.get("WORLD_SIZE", 1)) > 1,
                  f"--group-size must be >= 2 on one process (advantages compare a group's samples), got {self.group_size}"),
                 (self.reward != "pickscore" or os.path.isdir(self.reward_model),
@@ -122,9 +119,7 @@ class Config:
                  f"--resume {self.resume!r} holds no checkpoint (expected {self.resume}/checkpoint/state.json)"),
                 _model_exists(self.model),
             ]
-        for ok, message in checks:
-            if not ok:
-                raise SystemExit(f"error: {message}")
+        fail_on(checks)
 
 
 def _model_exists(model):
@@ -589,7 +584,6 @@ def benchmark(cfg):
     with contextlib.redirect_stdout(io.StringIO()) if cfg.json else contextlib.nullcontext():
         print(f"SD3 transformer '{size}', {result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}, "
               f"{result['tokens']} tokens, bf16 {use_bf16}, medians of {cfg.bench_repeats} interleaved repeats")
-        print(f"{BENCHMARK_HEADER}   (s)")
         result.update(report_benchmark(t, W))
     if cfg.json:
         print(json.dumps(result))

@@ -30,7 +30,7 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import jagg
-from common import BENCHMARK_HEADER, COLORS, all_gather_cat, arg, init_distributed, line_chart, parse_config
+from common import COLORS, all_gather_cat, arg, fail_on, init_distributed, jagg_flag_checks, line_chart, parse_config
 from common import param_checksums, report_benchmark, save_png, step_metrics
 from common import torch_save, write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
@@ -76,11 +76,7 @@ class Config:
 
     def validate(self):
         """Every bad value is reported before any work starts or any file is touched."""
-        checks = [
-            (self.window >= 2, f"--window must be >= 2 (JAGG interpolates between 2 endpoints), got {self.window}"),
-            (self.window <= self.num_steps,
-             f"--window {self.window} is longer than the trajectory (--num-steps {self.num_steps}); use --window <= {self.num_steps}"),
-            (0.0 <= self.jagg_frac <= 1.0, f"--jagg-frac must be in [0, 1], got {self.jagg_frac}"),
+        fail_on(jagg_flag_checks(self.window, self.num_steps, self.jagg_frac) + [
             (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
             (self.group_size >= 2, f"--group-size must be >= 2 (advantages compare samples in a group), got {self.group_size}"),
             (1 <= self.minibatches <= self.group_size * len(PROMPTS),
@@ -89,10 +85,7 @@ class Config:
             (self.probe_every >= 0 and self.eval_every >= 1, "--probe-every must be >= 0 and --eval-every >= 1"),
             (self.base_ckpt == "" or os.path.isfile(self.base_ckpt),
              f"--base-ckpt {self.base_ckpt!r} does not exist; omit --base-ckpt to pretrain and cache a base model"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise SystemExit(f"error: {message}")
+        ])
         if self.compare:
             self.method = "compare"
 
@@ -291,7 +284,7 @@ def train(cfg, method, base, rank, world):
     labels = torch.arange(len(PROMPTS)).repeat_interleave(cfg.group_size)  # [B]
     B = len(labels)
 
-    initial_reward, _, _ = evaluate(model, cfg, sigmas, seed=12345)
+    initial_reward, initial_traj, initial_labels = evaluate(model, cfg, sigmas, seed=12345)
     rows, curve = [], [(0, initial_reward)]
     t_start = time.perf_counter()
     eval_seconds = 0.0
@@ -350,7 +343,7 @@ def train(cfg, method, base, rank, world):
         # Each rank trained on its own rollouts: equal checksums show DDP kept the weights in sync.
         "param_checksums": param_checksums(model.parameters()),
     }
-    return summary, rows, {"curve": curve, "final": (final_traj, final_labels)}
+    return summary, rows, {"curve": curve, "initial": (initial_traj, initial_labels), "final": (final_traj, final_labels)}
 
 
 def benchmark(cfg, base):
@@ -369,8 +362,8 @@ def benchmark(cfg, base):
         step_loss = jagg.make_step_loss(traj, adv, 0, W, loss_cfg)
         t = jagg.benchmark_window(make_velocity_fn(base, labels), base.parameters(), traj.z[:W], traj.t[:W],
                                   step_loss, repeats=cfg.bench_repeats)
-        print(f"\nW = {W}\n{BENCHMARK_HEADER}   (ms)")
-        results[W] = {"window": W, "exact": t["exact"], "jagg": t["jagg"], **report_benchmark(t, W, scale=1000)}
+        print()
+        results[W] = {"window": W, "exact": t["exact"], "jagg": t["jagg"], **report_benchmark(t, W, 1000, "ms")}
     return results
 
 
@@ -404,8 +397,7 @@ def main(argv=None):
         return summaries
 
     # --- pictures
-    sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)
-    _, base_traj, base_labels = evaluate(base, cfg, sigmas, seed=12345)
+    base_traj, base_labels = extras["initial"]  # the base model's evaluation, as every run starts
     picture_rows = {"base": (base_traj.sample, base_labels)}
     picture_rows.update({m: (finals[m][0].sample, finals[m][1]) for m in methods})
     save_png(os.path.join(cfg.out, "samples.png"), samples_picture(picture_rows))
