@@ -41,6 +41,7 @@ import contextlib
 import math
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -226,11 +227,11 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
 # =====================================================================================
 # === 5. Exact per-step backward: the baseline (what Flow-GRPO does) ===
 # =====================================================================================
-# Both backward_* functions take one window: z [W, B, *D], t [W, B], and
-# step_loss(k, v_k) -> scalar, the loss of the window's k-th step given its velocity [B, *D].
-# They accumulate parameter gradients like loss.backward() and return the summed loss.
-# timings, if given, is a dict that receives seconds under "fwd_graph", "fwd_nograd" and
-# "backward" (synchronised on CUDA so that the numbers mean something).
+# Both backward_* functions take S consecutive steps (the paper: a window of W): z [S, B, *D],
+# t [S, B], and step_loss(k, v_k) -> scalar, the loss of the k-th of those steps given its
+# velocity [B, *D]. They accumulate parameter gradients like loss.backward() and return the
+# summed loss. timings, if given, is a dict that receives seconds under "fwd_graph",
+# "fwd_nograd" and "backward" (synchronised on CUDA so that the numbers mean something).
 
 
 @contextlib.contextmanager
@@ -253,7 +254,7 @@ def _check_window(z, t):
 
 
 def backward_exact(velocity_fn, z, t, step_loss, timings=None):
-    """Exact gradient of a window: one forward with graph and one backward per step (W of each)."""
+    """Exact gradient of S steps: one forward with graph and one backward per step (S of each)."""
     _check_window(z, t)
     total = 0.0
     for k in range(z.shape[0]):
@@ -285,6 +286,21 @@ def backward_exact(velocity_fn, z, t, step_loss, timings=None):
 # (z, t), whatever its dependence on theta) and the states lie on the straight segment
 # z_k = (1 - alpha_k) z_a + alpha_k z_b, then J_k = (1 - alpha_k) J_a + alpha_k J_b exactly and
 # so is JAGG's gradient. With W = 2 there is no interior step, so it is always exact.
+#
+# Beyond the paper (OURS; two options of backward_jagg, both off by default):
+# - More anchors. The two endpoints generalise to sorted anchor steps a_0 = 0 < ... < a_m = S-1.
+#   A step between consecutive anchors a_j, a_{j+1} interpolates between those two ("hat"
+#   weights H in t; an anchor keeps weight 1 on itself):
+#       J_k ~= sum_j H[k, j] J_{a_j},    grad ~= sum_j G_j^T J_{a_j},    G_j = sum_k H[k, j] g_k,
+#   still ONE forward with graph (on the anchor rows) and ONE backward. The paper's window is
+#   anchors (0, S - 1): H[k, 0] = 1 - alpha_k, H[k, 1] = alpha_k. Every step an anchor is exact
+#   training. Exact under the paper's conditions, segment by segment between anchors.
+# - Rollout interiors. The rollout stored v_k(theta_old). To first order, with JAGG's own
+#   interpolated Jacobian,
+#       v_k(theta) ~= v_k(theta_old) + sum_j H[k, j] (v_{a_j}(theta) - v_{a_j}(theta_old)),
+#   so the interior steps call no network at all: the anchors' current velocities come from
+#   the one forward with graph. Exact while theta = theta_old (the first optimizer step after a
+#   rollout), and whenever v_theta changes affinely in (z, t) between anchors on a straight path.
 
 
 def interpolation_weights(t):
@@ -294,56 +310,102 @@ def interpolation_weights(t):
     return (t[0] - t) / span  # [W, B]
 
 
-def backward_jagg(velocity_fn, z, t, step_loss, timings=None):
-    """JAGG gradient of a window: W - 2 forwards without graph, ONE joint forward with graph
-    on the two endpoints and ONE backward of the composite signals G_a, G_b.
+def hat_weights(t, anchors):
+    """H[k, j], the weight of anchor j in step k's interpolated Jacobian, for times t: [S, B] and
+    anchor steps 0 = a_0 < ... < a_m = S - 1. Returns [S, M, B], M = len(anchors); rows sum to 1.
+    The paper's anchors (0, S - 1) give H[:, 0] = 1 - alpha and H[:, 1] = alpha."""
+    H = t.new_zeros(t.shape[0], len(anchors), t.shape[1])  # [S, M, B]
+    for j, (a, b) in enumerate(zip(anchors, anchors[1:])):
+        alpha = interpolation_weights(t[a : b + 1])  # [b - a + 1, B]: 0 at a_j, 1 at a_{j+1}
+        H[a : b + 1, j] = 1 - alpha
+        H[a : b + 1, j + 1] = alpha
+    return H
 
-    Exact (equal to backward_exact) when W = 2, or when the Jacobian d v_theta / d theta is
-    affine in (z, t) over the window and the states z_k lie on the segment from z_a to z_b at
-    the same alpha_k as their times; otherwise an approximation, as good as the Jacobian is
-    linear in t (gradient_cosines, section 9, measures it).
+
+def interpolate_from_anchors(v_anchor, v_old, H, anchors):
+    """Rollout interiors: v_k ~= v_old_k + sum_j H[k, j] (v_anchor_j - v_old_{a_j}), and exactly
+    v_anchor at the anchors. v_anchor: [M, B, *D] the anchors' velocities now; v_old: [S, B, *D]
+    the rollout's; H: [S, M, B] (hat_weights). Returns [S, B, *D] in H's dtype."""
+    H = H.reshape(H.shape + (1,) * (v_old.ndim - 2))  # [S, M, B, 1..]
+    v_old = v_old.to(H.dtype)  # [S, B, *D]
+    delta = v_anchor.to(H.dtype) - v_old[anchors]  # [M, B, *D]: how far each anchor moved since the rollout
+    v = v_old + (H * delta).sum(dim=1)  # [S, B, *D]
+    v[anchors] = v_anchor.to(H.dtype)  # known there, not interpolated (no rounding either)
+    return v
+
+
+def _anchor_steps(anchors, S):
+    steps = list(anchors)
+    _check(len(steps) >= 2 and steps[0] == 0 and steps[-1] == S - 1
+           and all(int(a) == a for a in steps) and all(a < b for a, b in zip(steps, steps[1:])),
+           f"anchors must be increasing step indices from 0 to S - 1 = {S - 1}, got {steps}")
+    return [int(a) for a in steps]
+
+
+def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_rollout=None):
+    """JAGG gradient of S steps: ONE forward with graph on the anchor steps (the paper: the two
+    endpoints, a double batch) and ONE backward of their composite signals G_j.
+
+    anchors: sorted step indices containing 0 and S - 1; None is (0, S - 1), the paper's window.
+    v_rollout: [S, B, *D] the rollout's velocities, or None. Without it the interior velocities
+    come from one forward without graph on the non-anchor steps (the paper); with it, from
+    interpolate_from_anchors, and velocity_fn is called once, on the anchors, and never again.
+
+    Exact (equal to backward_exact) when no two consecutive anchors have a step between them, or
+    when the Jacobian d v_theta / d theta is affine in (z, t) between consecutive anchors and the
+    states there lie on the straight line between them at the same alpha_k as their times; with
+    v_rollout, the interior velocities must be right too (they are while theta = theta_old).
+    Otherwise an approximation, as good as the Jacobian is linear in t (section 9 measures it).
+    Memory: the forward with graph holds the M anchor rows of B samples at once (the paper: 2).
     """
     _check_window(z, t)
-    W = z.shape[0]
-    _check(W >= 2, f"JAGG needs a window of at least 2 steps, got W = {W}")
-    # G_a, G_b are accumulated in fp32 at least, whatever the network's precision.
+    S = z.shape[0]
+    _check(S >= 2, f"JAGG needs a window of at least 2 steps, got W = {S}")
+    anchors = _anchor_steps((0, S - 1) if anchors is None else anchors, S)
+    _check(v_rollout is None or tuple(v_rollout.shape) == tuple(z.shape),
+           f"v_rollout must be [S, B, *D] like z {tuple(z.shape)}, got {None if v_rollout is None else tuple(v_rollout.shape)}")
+    # G_j is accumulated in fp32 at least, whatever the network's precision.
     acc = torch.promote_types(z.dtype, torch.float32)
-    alpha = interpolation_weights(t.to(acc))  # [W, B]
-    alpha = alpha.reshape(alpha.shape + (1,) * (z.ndim - 2))  # [W, B, 1..]
+    H = hat_weights(t.to(acc), anchors)  # [S, M, B]
+    interior = [k for k in range(S) if k not in anchors]
 
-    # The interior velocities are needed only for their upstream gradients g_k = dL_k/dv_k,
-    # never back-propagated through the network, so they need no graph: all W - 2 steps run
-    # as one batched forward that stores no activations.
+    # The paper's interiors: their velocities are needed only for the upstream gradients
+    # g_k = dL_k/dv_k, never back-propagated through the network, so they need no graph: all
+    # interior steps run as one batched forward that stores no activations.
     v_mid = None
-    if W > 2:
+    if v_rollout is None and interior:
         with _timed(timings, "fwd_nograd", z.device), torch.no_grad():
-            v_mid = velocity_fn(z[1:-1], t[1:-1])  # [W-2, B, *D]
+            v_mid = velocity_fn(z[interior], t[interior])  # [S-M, B, *D]
 
-    # The endpoints a and b: one forward with graph on the double batch [z_a; z_b].
-    ends = torch.tensor([0, W - 1], device=z.device)
+    # The anchors: one forward with graph on their stacked rows (the paper: [z_a; z_b]).
     with _timed(timings, "fwd_graph", z.device):
-        v_ends = velocity_fn(z[ends], t[ends])  # [2, B, *D]
+        v_anc = velocity_fn(z[anchors], t[anchors])  # [M, B, *D]
+
+        # Every step's velocity, without graph: the anchors' own, the interiors' from the forward
+        # above or, rollout interiors, from the anchors' change since the rollout.
+        if v_rollout is None:
+            v_all = v_anc.new_empty((S,) + tuple(v_anc.shape[1:]))  # [S, B, *D]
+            v_all[anchors] = v_anc.detach()
+            if interior:
+                v_all[interior] = v_mid.to(v_all.dtype)
+        else:
+            v_all = interpolate_from_anchors(v_anc.detach(), v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
 
         # g_k for every step, from the loss alone: detach v_k, make it a leaf, differentiate.
-        v_all = v_ends.detach()  # [2, B, *D]
-        if v_mid is not None:
-            v_all = torch.cat([v_all[:1], v_mid.to(v_all.dtype), v_all[1:]])  # [W, B, *D]
-        G_a = torch.zeros_like(v_all[0], dtype=acc)  # [B, *D]
-        G_b = torch.zeros_like(v_all[0], dtype=acc)  # [B, *D]
+        H = H.reshape(H.shape + (1,) * (z.ndim - 2))  # [S, M, B, 1..]
+        G = torch.zeros(v_anc.shape, dtype=acc, device=z.device)  # [M, B, *D]
         total = 0.0
-        for k in range(W):
+        for k in range(S):
             v_k = v_all[k].detach().requires_grad_(True)  # [B, *D]
             loss = step_loss(k, v_k)
             (g_k,) = torch.autograd.grad(loss, v_k)  # [B, *D]
-            # G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k
-            G_a += (1 - alpha[k]) * g_k.to(acc)
-            G_b += alpha[k] * g_k.to(acc)
+            # G_j = sum_k H[k, j] g_k  (the paper: G_a = sum_k (1 - alpha_k) g_k, G_b = sum_k alpha_k g_k)
+            G += H[k] * g_k.to(acc)  # [M, B, *D]
             total += loss.item()
 
-    # One backward: d/dtheta [ sum(v_a * G_a) + sum(v_b * G_b) ] = G_a^T J_a + G_b^T J_b.
+    # One backward: d/dtheta sum_j sum(v_{a_j} * G_j) = sum_j G_j^T J_{a_j}  (the paper: G_a^T J_a + G_b^T J_b).
     with _timed(timings, "backward", z.device):
-        surrogate = (v_ends[0] * G_a.to(v_ends.dtype)).sum() + (v_ends[1] * G_b.to(v_ends.dtype)).sum()
-        surrogate.backward()
+        (v_anc * G.to(v_anc.dtype)).sum().backward()
     return total
 
 
@@ -353,7 +415,12 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None):
 # OURS (the abstract names the knob jagg_frac but not the score): score a window by the cosine
 # similarity between its interior velocities and their endpoint interpolation. The velocities
 # come from the rollout, so the score costs no network call. If v itself moves linearly in t,
-# the features (and, JAGG bets, the Jacobians) likely do too.
+# the features (and, JAGG bets, the Jacobians) likely do too. The score is a guess; the probe
+# (section 9) measures, and route="probe" routes by what it measured.
+
+ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
+INTERIOR_MODES = ("forward", "rollout")  # the paper's no-graph forwards; OURS: rollout velocities
+ROUTES = ("velocity", "probe")  # OURS both: velocity linearity (free), or the probe's cosines
 
 
 def linearity_score(v, t):
@@ -379,17 +446,31 @@ def window_bounds(num_steps, window):
     return [(a, min(a + window, num_steps)) for a in range(0, num_steps, window)]
 
 
-def route_windows(scores, lengths, jagg_frac):
-    """Send the jagg_frac fraction of windows with the highest scores to JAGG.
+def segment_bounds(num_steps, window, anchors="window"):
+    """The segments routing chooses between, [(a, b_exclusive), ...]. "window": the paper's
+    disjoint windows (window_bounds). "shared": anchors every W - 1 steps and at T - 1, each
+    segment running from one anchor to the next inclusive: W steps (the last may be shorter),
+    and consecutive segments share their end step (T = 10, W = 4: anchors 0, 3, 6, 9)."""
+    _check(anchors in ANCHOR_MODES, f"anchors must be one of {ANCHOR_MODES}, got {anchors!r}")
+    bounds = window_bounds(num_steps, window)
+    if anchors == "window":
+        return bounds
+    ends = list(range(0, num_steps - 1, window - 1)) + [num_steps - 1]  # the anchor steps
+    return [(a, b + 1) for a, b in zip(ends, ends[1:])]
 
-    scores, lengths: one per window. A window of 1 step has no two endpoints and is always
+
+def route_windows(scores, lengths, jagg_frac, floor=None):
+    """Send the jagg_frac fraction of segments with the highest scores to JAGG, but none whose
+    score is below floor (None: no floor).
+
+    scores, lengths: one per segment. A segment of 1 step has no two endpoints and is always
     exact (its exact gradient costs one backward anyway). Returns a list of bools.
     """
     _check(0.0 <= jagg_frac <= 1.0, f"jagg_frac must be in [0, 1], got {jagg_frac}")
     eligible = [i for i, n in enumerate(lengths) if n >= 2]
     n_jagg = round(jagg_frac * len(eligible))
-    # sorted() is stable: among equal scores the earlier window wins, so routing is reproducible.
-    chosen = set(sorted(eligible, key=lambda i: -scores[i])[:n_jagg])
+    # sorted() is stable: among equal scores the earlier segment wins, so routing is reproducible.
+    chosen = {i for i in sorted(eligible, key=lambda i: -scores[i])[:n_jagg] if floor is None or scores[i] >= floor}
     return [i in chosen for i in range(len(scores))]
 
 
@@ -430,67 +511,128 @@ def make_step_loss(traj, advantages, a, b, cfg, v_ref=None, log=None):
     return step_loss
 
 
-def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac,
-                     ref_velocity_fn=None, no_sync=contextlib.nullcontext, timings=None):
-    """Accumulate the gradient of the whole batch's loss, window by window, routed between
-    exact and JAGG. Does not step the optimizer. Returns (stats, routed), routed[i] is True
-    when window i ran JAGG.
+def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None):
+    """The frozen reference model's velocities of S steps, for the KL term (no graph): a forward
+    at every step, or, with v_rollout (rollout interiors), at the anchors only, the interiors
+    interpolated from the reference's difference to the rollout's velocities there."""
+    with torch.no_grad():
+        if v_rollout is None:
+            return ref_velocity_fn(z, t)  # [S, B, *D]
+        anchors = _anchor_steps((0, z.shape[0] - 1) if anchors is None else anchors, z.shape[0])
+        v_anc = ref_velocity_fn(z[anchors], t[anchors])  # [M, B, *D]
+        H = hat_weights(t.to(torch.promote_types(z.dtype, torch.float32)), anchors)  # [S, M, B]
+        return interpolate_from_anchors(v_anc, v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
 
-    no_sync: a context manager factory (DistributedDataParallel's model.no_sync). Every backward
-    but the batch's last runs inside it, so gradients are all-reduced once per optimizer step.
+
+def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn=None,
+                     no_sync=contextlib.nullcontext, timings=None, anchors="window", interior="forward",
+                     route="velocity", probe_cosines=None, min_cosine=None):
+    """Accumulate the gradient of the whole batch's loss, segment by segment, routed between
+    exact and JAGG. Does not step the optimizer. Returns (stats, routed), routed[i] is True
+    when segment i (segment_bounds) was interpolated by JAGG.
+
+    anchors: "window" (the paper's windows) or "shared" (segments share their end anchors; all
+    interpolated segments that touch go through one backward_jagg call). interior: "forward"
+    (the paper) or "rollout" (the rollout's velocities, section 6). route: "velocity" ranks the
+    segments by linearity_score; "probe" by probe_cosines (section 9's average) once there are
+    any, never routing one below min_cosine. no_sync: a context manager factory
+    (DistributedDataParallel's model.no_sync); every backward but the batch's last runs inside
+    it, so gradients are all-reduced once per optimizer step.
     """
     T = traj.z.shape[0]
-    bounds = window_bounds(T, window)
+    bounds = segment_bounds(T, window, anchors)
+    _check(interior in INTERIOR_MODES, f"interior must be one of {INTERIOR_MODES}, got {interior!r}")
+    _check(route in ROUTES, f"route must be one of {ROUTES}, got {route!r}")
+    _check(probe_cosines is None or len(probe_cosines) == len(bounds),
+           f"probe_cosines needs one value per segment ({len(bounds)}), got {probe_cosines}")
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
     scores = [linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
-    routed = route_windows(scores, [b - a for a, b in bounds], jagg_frac)
-    log, loss, grad_steps = [], 0.0, 0
+    by_probe = route == "probe" and probe_cosines is not None  # before the first probe: by velocity
+    routed = route_windows(probe_cosines if by_probe else scores, [b - a for a, b in bounds], jagg_frac,
+                           floor=min_cosine if by_probe else None)
 
-    def run(backward, a, b, v_ref):
-        return backward(velocity_fn, traj.z[a:b], traj.t[a:b],
-                        make_step_loss(traj, advantages, a, b, cfg, v_ref, log), timings)
+    # JAGG calls: interpolated segments that share an end step (anchors="shared") merge into one
+    # call over all their steps, with all their anchors in one forward with graph.
+    runs = []  # (first step, end step exclusive, anchor steps)
+    for (a, b), use_jagg in zip(bounds, routed):
+        if use_jagg and runs and runs[-1][1] == a + 1:
+            runs[-1] = (runs[-1][0], b, runs[-1][2] + [b - 1])
+        elif use_jagg:
+            runs.append((a, b, [a, b - 1]))
+    # Exact calls: each segment's steps that no JAGG call (or earlier segment) has taken.
+    done = {k for a, b, _ in runs for k in range(a, b)}
+    calls = [(backward_jagg, a, b, steps) for a, b, steps in runs]
+    for (a, b), use_jagg in zip(bounds, routed):
+        steps = [k for k in range(a, b) if k not in done]
+        done.update(steps)
+        if steps:
+            calls.append((backward_exact, steps[0], steps[-1] + 1, None))
+    calls.sort(key=lambda call: call[1])
+    # Exact steps are independent, so the batch's very last backward can be split off: it alone
+    # runs outside no_sync and all-reduces everything accumulated before it.
+    backward, a, b, steps = calls[-1]
+    if backward is backward_exact and b - a > 1:
+        calls[-1:] = [(backward_exact, a, b - 1, None), (backward_exact, b - 1, b, None)]
 
-    for i, ((a, b), use_jagg) in enumerate(zip(bounds, routed)):
-        last = i == len(bounds) - 1
+    v_old = traj.v if interior == "rollout" else None
+    log, loss = [], 0.0
+    for i, (backward, a, b, steps) in enumerate(calls):
+        kwargs = {}
+        if backward is backward_jagg:
+            kwargs = {"anchors": [s - a for s in steps], "v_rollout": None if v_old is None else v_old[a:b]}
         v_ref = None
         if cfg.beta > 0:
-            with torch.no_grad():
-                v_ref = ref_velocity_fn(traj.z[a:b], traj.t[a:b])  # [W, B, *D]
-        if use_jagg:
-            with contextlib.nullcontext() if last else no_sync():
-                loss += run(backward_jagg, a, b, v_ref)
-            grad_steps += 2
-        else:
-            # Exact steps are independent, so the batch's very last backward can be split off:
-            # it alone runs outside no_sync and all-reduces everything accumulated before it.
-            m = b - 1 if last else b
-            with no_sync():
-                loss += run(backward_exact, a, m, None if v_ref is None else v_ref[: m - a])
-            if last:
-                loss += run(backward_exact, m, b, None if v_ref is None else v_ref[m - a :])
-            grad_steps += b - a
+            with _timed(timings, "fwd_ref", traj.z.device):
+                v_ref = reference_velocities(ref_velocity_fn, traj.z[a:b], traj.t[a:b], **kwargs)  # [b-a, B, *D]
+        with contextlib.nullcontext() if i == len(calls) - 1 else no_sync():
+            loss += backward(velocity_fn, traj.z[a:b], traj.t[a:b],
+                             make_step_loss(traj, advantages, a, b, cfg, v_ref, log), timings, **kwargs)
+    grad_steps = sum(b - a if steps is None else len(steps) for _, a, b, steps in calls)  # network rows with grad
     stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
     stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_steps=grad_steps, window_scores=scores)
     return stats, routed
 
 
+def _agree_across_ranks(flag, device):
+    """Under torch.distributed: True only if flag is True on every rank (so all ranks skip alike)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return bool(t.item() > 0)
+
+
 def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, jagg_frac,
-               max_grad_norm=1.0, ref_velocity_fn=None, no_sync=contextlib.nullcontext):
+               max_grad_norm=1.0, ref_velocity_fn=None, no_sync=contextlib.nullcontext, anchors="window",
+               interior="forward", route="velocity", probe_cosines=None, min_cosine=None, step=None):
     """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
-    advantages: [B]). Windows of W steps, the top jagg_frac of them (by linearity score) by
-    JAGG, the rest exact. Returns a dict of statistics and the per-window routing."""
+    advantages: [B]). Segments of W steps, the top jagg_frac of them by JAGG, the rest exact
+    (anchors ... min_cosine: see window_gradients). A step whose loss or gradient norm is not
+    finite is skipped: stats["skipped"] is True and a warning names step, the caller's step
+    number. Returns a dict of statistics and the per-segment routing."""
     _check(advantages.shape == traj.log_prob.shape[1:],
            f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
     params = list(params)
     timings = {}
     optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac,
-                                     ref_velocity_fn, no_sync, timings)
+    stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn, no_sync,
+                                     timings, anchors, interior, route, probe_cosines, min_cosine)
     stats["grad_seconds"] = time.perf_counter() - start
     stats["backward_seconds"] = timings.get("backward", 0.0)
     stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    optimizer.step()
+    # A non-finite loss or gradient (bf16 rollouts of real models do give NaN log-probabilities)
+    # would poison the weights and the optimizer's moments for good: skip the step instead,
+    # leaving both untouched, and say so.
+    finite = _agree_across_ranks(math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]), params[0].device)
+    stats["skipped"] = not finite
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        warnings.warn(f"optimizer step {'?' if step is None else step} skipped: non-finite loss ({stats['loss']}) "
+                      f"or gradient norm ({stats['grad_norm']}); parameters and optimizer state left as they were",
+                      RuntimeWarning, stacklevel=2)
     return stats, routed
 
 
@@ -498,29 +640,35 @@ def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, ja
 # === 9. Fidelity probe: is the approximation good on YOUR model? ===
 # =====================================================================================
 # JAGG's error depends on how linear the network's Jacobian is along a trajectory, which
-# differs between models. The probe computes both gradients of the same windows and reports
-# their cosine, so a user adapting JAGG sees at once whether it holds.
+# differs between models. The probe computes both gradients of the same segments and reports
+# their cosine, so a user adapting JAGG sees at once whether it holds. OURS: route="probe"
+# keeps an exponential average of these cosines per segment position and routes by it.
 
 
 def _flat_grad(params):
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double() for p in params])
 
 
-def gradient_cosines(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None):
-    """For each window of traj, the cosine between its JAGG and its exact gradient (a list).
+def gradient_cosines(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
+                     anchors="window", interior="forward"):
+    """For each segment of traj (segment_bounds), the cosine between the gradient of its steps
+    by JAGG between its two end steps, with interiors as `interior` says, and the exact one (a
+    list). Shared-anchor segments are measured one at a time, each with both its end anchors.
     Leaves the parameters' .grad set to None."""
     params = list(params)
     cosines = []
-    for a, b in window_bounds(traj.z.shape[0], window):
-        v_ref = None
-        if cfg.beta > 0:
-            with torch.no_grad():
-                v_ref = ref_velocity_fn(traj.z[a:b], traj.t[a:b])  # [W, B, *D]
+    for a, b in segment_bounds(traj.z.shape[0], window, anchors):
+        if b - a < 2:  # one step: always exact
+            cosines.append(1.0)
+            continue
+        z, t = traj.z[a:b], traj.t[a:b]
+        v_old = traj.v[a:b] if interior == "rollout" else None
         grads = []
-        for backward in (backward_exact, backward_jagg):
+        for backward, kwargs in ((backward_exact, {}), (backward_jagg, {"v_rollout": v_old})):
             for p in params:
                 p.grad = None
-            backward(velocity_fn, traj.z[a:b], traj.t[a:b], make_step_loss(traj, advantages, a, b, cfg, v_ref))
+            v_ref = reference_velocities(ref_velocity_fn, z, t, **kwargs) if cfg.beta > 0 else None
+            backward(velocity_fn, z, t, make_step_loss(traj, advantages, a, b, cfg, v_ref), **kwargs)
             grads.append(_flat_grad(params))  # [P]
         cosines.append(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item())
     for p in params:
@@ -528,30 +676,106 @@ def gradient_cosines(velocity_fn, params, traj, advantages, cfg, window, ref_vel
     return cosines
 
 
+def probe_average(average, cosines, decay):
+    """The running average route="probe" ranks by: average <- decay * average + (1 - decay) *
+    cosines per segment position; the first probe (average None) starts it."""
+    if average is None:
+        return list(cosines)
+    return [decay * m + (1 - decay) * c for m, c in zip(average, cosines)]
+
+
 # =====================================================================================
-# === 10. Measuring it: one window's gradient, exact vs JAGG, interleaved ===
+# === 10. Measuring it: exact vs JAGG, interleaved ===
 # =====================================================================================
+
+
+def _interleaved(fns, repeats, warmup):
+    """Call each fn() -> {key: seconds} warmup + repeats times, rotating which goes first so that
+    drift on a shared machine hits all alike. Returns {name: {key: median over repeats}}."""
+    names, runs = list(fns), {name: [] for name in fns}
+    for r in range(warmup + repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            out = fns[name]()
+            if r >= warmup:
+                runs[name].append(out)
+    return {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for name, rs in runs.items()}
 
 
 def benchmark_window(velocity_fn, params, z, t, step_loss, repeats=5, warmup=1):
-    """Time one window's gradient (z: [W, B, *D], t: [W, B]) both ways, alternating which runs
-    first so that drift on a shared machine hits both alike; medians over repeats.
+    """Time one window's gradient (z: [W, B, *D], t: [W, B]) both ways, interleaved; medians.
 
     Returns {method: {"fwd_graph", "fwd_nograd", "backward", "total"}} in seconds.
     """
     params = list(params)
-    runs = {"exact": [], "jagg": []}
-    fns = {"exact": backward_exact, "jagg": backward_jagg}
-    for r in range(warmup + repeats):
-        order = ["exact", "jagg"] if r % 2 == 0 else ["jagg", "exact"]
-        for name in order:
+
+    def timed(backward):
+        def run():
             for p in params:
                 p.grad = None
             timings = {"fwd_graph": 0.0, "fwd_nograd": 0.0, "backward": 0.0}
-            fns[name](velocity_fn, z, t, step_loss, timings)
+            backward(velocity_fn, z, t, step_loss, timings)
             timings["total"] = sum(timings.values())
-            if r >= warmup:
-                runs[name].append(timings)
+            return timings
+        return run
+
+    out = _interleaved({"exact": timed(backward_exact), "jagg": timed(backward_jagg)}, repeats, warmup)
     for p in params:
         p.grad = None
-    return {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for name, rs in runs.items()}
+    return out
+
+
+# The training modes the benchmarks compare: (anchors, interior); every JAGG mode interpolates
+# every segment (jagg_frac = 1).
+TRAINING_MODES = {
+    "exact": None,  # Flow-GRPO: one forward with graph and one backward per step
+    "jagg": ("window", "forward"),  # the paper
+    "jagg_shared": ("shared", "forward"),
+    "jagg_rollout": ("window", "rollout"),
+    "jagg_shared_rollout": ("shared", "rollout"),
+}
+
+
+def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
+                         rollout_fn=None, modes=tuple(TRAINING_MODES), repeats=3, warmup=1):
+    """Time the gradient of one whole trajectory (window_gradients, as training runs it: the KL
+    reference included when cfg.beta > 0) in each mode, and rollout_fn() if given, interleaved;
+    medians. Returns {mode: {"train_s", "fwd_graph", "fwd_nograd", "fwd_ref", "backward",
+    "backward_rows"[, "peak_mem_gb" on CUDA]}, "rollout": {"rollout_s"}} (times in seconds)."""
+    params = list(params)
+    device = traj.z.device
+    cuda = device.type == "cuda"
+
+    def timed(name):
+        anchors, interior = TRAINING_MODES[name] or ("window", "forward")
+
+        def run():
+            for p in params:
+                p.grad = None
+            timings = dict.fromkeys(("fwd_graph", "fwd_nograd", "fwd_ref", "backward"), 0.0)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            stats, _ = window_gradients(velocity_fn, traj, advantages, cfg, window, 0.0 if name == "exact" else 1.0,
+                                        ref_velocity_fn, timings=timings, anchors=anchors, interior=interior)
+            if cuda:
+                torch.cuda.synchronize(device)
+                timings["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            timings["train_s"] = time.perf_counter() - start
+            timings["backward_rows"] = stats["grad_steps"]
+            return timings
+        return run
+
+    def rollout():
+        timings = {}
+        with _timed(timings, "rollout_s", device):
+            rollout_fn()
+        return timings
+
+    fns = {name: timed(name) for name in modes}
+    if rollout_fn is not None:
+        fns["rollout"] = rollout
+    out = _interleaved(fns, repeats, warmup)
+    for p in params:
+        p.grad = None
+    return out

@@ -3,6 +3,7 @@ torch.func, torch.distributions' Gaussian density, and hand-checked statistics."
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.func import functional_call, jacrev
@@ -191,6 +192,236 @@ def test_jagg_runs_the_network_with_grad_on_two_steps_only():
     assert calls == [(1, True)] * W
 
 
+# ------------------------------------------------------------------ beyond the paper: anchors, rollout interiors
+
+
+def hat_matrix(t_col, anchors):
+    """H [S, M] computed independently of jagg.py: anchor j's hat function (1 at its own time, 0 at
+    the other anchors', linear in between) evaluated at each step's time, by numpy's interp."""
+    t_col, eye = t_col.numpy(), np.eye(len(anchors))
+    # np.interp wants increasing abscissae; t decreases along a trajectory, -t increases.
+    return torch.tensor(np.stack([np.interp(-t_col, -t_col[list(anchors)], eye[j]) for j in range(len(anchors))], 1))
+
+
+def explicit_anchor_gradient(model, z, t, step_loss, anchors, v_old=None):
+    """sum_j (sum_k H[k, j] g_k)^T J_{a_j}, the J's built by torch.func, the g_k at the velocities
+    JAGG uses: the model's own (forward interiors) or v_old_k + sum_j H[k, j] (v_{a_j} - v_old_{a_j})."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def f(p, z_k, t_k):  # [B, d]
+        return functional_call(model, p, (z_k, t_k))
+
+    H = hat_matrix(t[:, 0], anchors)  # [S, M]
+    J = [jacrev(f)(params, z[a], t[a]) for a in anchors]  # each {name: [B, d, *p.shape]}
+    v_anc = [f(params, z[a], t[a]) for a in anchors]  # each [B, d]
+    expected = {name: torch.zeros_like(p) for name, p in params.items()}
+    for k in range(z.shape[0]):
+        if v_old is None:
+            v_k = f(params, z[k], t[k])
+        else:
+            v_k = v_old[k] + sum(H[k, j] * (v_anc[j] - v_old[a]) for j, a in enumerate(anchors))
+        v_k = v_k.detach().requires_grad_(True)
+        (g_k,) = torch.autograd.grad(step_loss(k, v_k), v_k)  # [B, d]
+        for j in range(len(anchors)):
+            for name in params:
+                expected[name] += H[k, j] * torch.einsum("bi,bi...->...", g_k, J[j][name])
+    return torch.cat([expected[name].flatten() for name, _ in model.named_parameters()])
+
+
+def test_hat_weights_match_numpy_interp():
+    t = jagg.sigma_schedule(9, shift=3.0).double()[:-1, None].expand(9, 2)  # [S, B]
+    for anchors in ((0, 8), (0, 3, 6, 8), (0, 1, 2, 5, 8), tuple(range(9))):
+        H = jagg.hat_weights(t, list(anchors))  # [S, M, B]
+        torch.testing.assert_close(H[..., 0], hat_matrix(t[:, 0], anchors), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(H.sum(1), torch.ones(9, 2))
+    # The paper's window: 1 - alpha and alpha.
+    alpha = jagg.interpolation_weights(t)
+    torch.testing.assert_close(jagg.hat_weights(t, [0, 8]), torch.stack([1 - alpha, alpha], 1))
+
+
+@pytest.mark.parametrize("anchors", [(0, 6), (0, 2, 6), (0, 1, 4, 6), (0, 3, 4, 5, 6)])
+@pytest.mark.parametrize("rollout", [False, True])
+def test_jagg_with_anchors_equals_explicit_jacobians(anchors, rollout):
+    """Any anchors, forward or rollout interiors (the rollout by other, older parameters): JAGG's
+    one backward equals the explicit sum_j G_j^T J_{a_j} with hat weights H."""
+    torch.manual_seed(10)
+    model, old, (S, B, d) = MLPFlow(), MLPFlow(), (7, 3, 3)
+    z, t = window(S, B, d, straight=False, seed=11)
+    step_loss = make_loss(S, B, d, seed=12)
+    with torch.no_grad():
+        v_old = as_velocity_fn(old)(z, t) if rollout else None  # [S, B, d]
+    model.zero_grad(set_to_none=True)
+    jagg.backward_jagg(as_velocity_fn(model), z, t, step_loss, anchors=list(anchors), v_rollout=v_old)
+    g_jagg = torch.cat([p.grad.flatten() for p in model.parameters()])
+    expected = explicit_anchor_gradient(model, z, t, step_loss, anchors, v_old)
+    torch.testing.assert_close(g_jagg, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_default_anchors_are_the_papers_window():
+    torch.manual_seed(11)
+    model, (S, B, d) = MLPFlow(), (5, 3, 3)
+    z, t = window(S, B, d, straight=False)
+    _, g_default = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d))
+    model.zero_grad(set_to_none=True)
+    jagg.backward_jagg(as_velocity_fn(model), z, t, make_loss(S, B, d), anchors=(0, S - 1))
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), g_default, rtol=0, atol=0)
+    # Every step an anchor: the exact gradient.
+    model.zero_grad(set_to_none=True)
+    jagg.backward_jagg(as_velocity_fn(model), z, t, make_loss(S, B, d), anchors=range(S))
+    _, g_exact = grads_of(model, jagg.backward_exact, z, t, make_loss(S, B, d))
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), g_exact, rtol=1e-10, atol=1e-12)
+
+
+def test_rollout_interiors_equal_forward_interiors_on_policy_then_follow_the_formula():
+    """v_rollout from a rollout with the current parameters: the same gradient as forward interiors.
+    After an optimizer step they differ, and the rollout one matches the first-order formula."""
+    torch.manual_seed(12)
+    model = MLPFlow()
+    traj, adv = _toy_batch(model, T=8, B=6)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    a, b = 2, 7
+
+    def both():
+        out = []
+        for v_rollout in (None, traj.v[a:b]):
+            model.zero_grad(set_to_none=True)
+            jagg.backward_jagg(as_velocity_fn(model), traj.z[a:b], traj.t[a:b],
+                               jagg.make_step_loss(traj, adv, a, b, cfg), v_rollout=v_rollout)
+            out.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        return out
+
+    g_forward, g_rollout = both()
+    torch.testing.assert_close(g_rollout, g_forward, rtol=1e-10, atol=1e-12)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt.step()  # the gradient left by both(): theta moves away from the rollout's theta_old
+    g_forward, g_rollout = both()
+    assert (g_rollout - g_forward).norm() > 1e-6 * g_forward.norm()
+    expected = explicit_anchor_gradient(model, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg),
+                                        (0, b - a - 1), traj.v[a:b])
+    torch.testing.assert_close(g_rollout, expected, rtol=1e-9, atol=1e-10)
+
+
+def straight_trajectory(model, T=10, B=4, d=3, seed=0):
+    """A trajectory whose states lie on one straight line per sample, at alpha = the fraction of t
+    travelled, with the model's own velocities and log-probabilities (as a rollout would store)."""
+    g = torch.Generator().manual_seed(seed)
+    sigmas = jagg.sigma_schedule(T, shift=2.0)  # [T+1]
+    t = sigmas[:-1, None].expand(T, B).contiguous()  # [T, B]
+    alpha = jagg.interpolation_weights(t)[..., None]  # [T, B, 1]
+    z = (1 - alpha) * torch.randn(B, d, generator=g) + alpha * torch.randn(B, d, generator=g)  # [T, B, d]
+    z_next = torch.cat([z[1:], torch.randn(1, B, d, generator=g)])  # [T, B, d]
+    t_next = sigmas[1:, None].expand(T, B).contiguous()
+    with torch.no_grad():
+        v = as_velocity_fn(model)(z, t)  # [T, B, d]
+        log_prob = torch.stack([jagg.sde_step(v[k], z[k], t[k], t_next[k], 0.7, prev_sample=z_next[k])[1]
+                                for k in range(T)])  # [T, B]
+    return jagg.Trajectory(z=z, z_next=z_next, t=t, t_next=t_next, log_prob=log_prob, v=v)
+
+
+def window_grad(model, traj, adv, cfg, W, frac, ref=None, **routing):
+    model.zero_grad(set_to_none=True)
+    stats, routed = jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, W, frac,
+                                          ref_velocity_fn=None if ref is None else as_velocity_fn(ref), **routing)
+    return torch.cat([p.grad.flatten() for p in model.parameters()]), stats, routed
+
+
+@pytest.mark.parametrize("interior", ["forward", "rollout"])
+def test_shared_anchors_are_exact_for_a_linear_model_on_a_straight_path(interior):
+    """Even after an optimizer step (the rollout's velocities are stale): the change of a linear
+    model's velocity is affine in (z, t), so rollout interiors interpolate it exactly too."""
+    torch.manual_seed(13)
+    old, model = LinearFlow(), LinearFlow()
+    traj = straight_trajectory(old)
+    adv = torch.tensor([1.0, -0.5, 0.3, -0.8])
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.1)
+    g_exact, s_exact, _ = window_grad(model, traj, adv, cfg, 4, 0.0, ref=old)
+    g_shared, s_shared, routed = window_grad(model, traj, adv, cfg, 4, 1.0, ref=old, anchors="shared", interior=interior)
+    assert routed == [True] * 3 and s_exact["grad_steps"] == 10 and s_shared["grad_steps"] == 4
+    torch.testing.assert_close(g_shared, g_exact, rtol=1e-9, atol=1e-10)
+    assert s_shared["loss"] == pytest.approx(s_exact["loss"], rel=1e-10)
+    # On a nonlinear model the same call is an approximation.
+    mlp = MLPFlow()
+    traj = straight_trajectory(mlp)
+    g_exact, _, _ = window_grad(mlp, traj, adv, cfg, 4, 0.0, ref=mlp)
+    g_shared, _, _ = window_grad(mlp, traj, adv, cfg, 4, 1.0, ref=mlp, anchors="shared", interior=interior)
+    assert (g_shared - g_exact).norm() > 1e-4 * g_exact.norm()
+
+
+def test_shared_anchors_route_segments_and_keep_the_others_exact():
+    """T = 10, W = 4: segments 0-3, 3-6, 6-9. With the middle one kept exact, the gradient is JAGG's
+    with anchors 0, 3, 4, 5, 6, 9 over the whole trajectory: interior steps of an exact segment are anchors."""
+    torch.manual_seed(14)
+    model = MLPFlow()
+    traj, adv = _toy_batch(model, T=10, B=6)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    assert jagg.segment_bounds(10, 4, "shared") == [(0, 4), (3, 7), (6, 10)]
+    assert jagg.segment_bounds(10, 8, "shared") == [(0, 8), (7, 10)]
+    assert jagg.segment_bounds(16, 4, "shared")[-1] == (12, 16)
+    for interior in ("forward", "rollout"):
+        g, stats, routed = window_grad(model, traj, adv, cfg, 4, 2 / 3, anchors="shared", interior=interior,
+                                       route="probe", probe_cosines=[0.9, 0.1, 0.8])
+        assert routed == [True, False, True] and stats["grad_steps"] == 6
+        model.zero_grad(set_to_none=True)
+        jagg.backward_jagg(as_velocity_fn(model), traj.z, traj.t, jagg.make_step_loss(traj, adv, 0, 10, cfg),
+                           anchors=[0, 3, 4, 5, 6, 9], v_rollout=traj.v if interior == "rollout" else None)
+        torch.testing.assert_close(g, torch.cat([p.grad.flatten() for p in model.parameters()]), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("anchors, interior, policy_calls, ref_calls", [
+    ("window", "forward", [(2, False), (2, True)] * 2 + [(2, True)], [(4, False)] * 2 + [(2, False)]),
+    ("window", "rollout", [(2, True)] * 3, [(2, False)] * 3),
+    ("shared", "forward", [(6, False), (4, True)], [(10, False)]),
+    ("shared", "rollout", [(4, True)], [(4, False)]),
+])
+def test_the_network_sees_only_the_anchor_rows(anchors, interior, policy_calls, ref_calls):
+    """T = 10, W = 4. With rollout interiors the policy runs once per JAGG call, with grad, on the
+    anchors alone, and the reference model (beta > 0) on the anchors alone too."""
+    torch.manual_seed(15)
+    model, ref = MLPFlow(), MLPFlow()
+    traj, adv = _toy_batch(model, T=10, B=6)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.1)
+    calls, calls_ref = [], []
+    jagg.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg, 4, 1.0, as_velocity_fn(ref, calls_ref),
+                          anchors=anchors, interior=interior)
+    assert calls == policy_calls and calls_ref == ref_calls
+
+
+def test_rows_with_grad_per_trajectory():
+    """Backward rows for T = 10: exact 10, the paper's windows 6 (W = 4) and 4 (W = 8), shared anchors 4 and 3."""
+    torch.manual_seed(16)
+    model = MLPFlow()
+    traj, adv = _toy_batch(model, T=10, B=4)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    rows = {(W, anchors): window_grad(model, traj, adv, cfg, W, 1.0, anchors=anchors)[1]["grad_steps"]
+            for W in (4, 8) for anchors in ("window", "shared")}
+    assert rows == {(4, "window"): 6, (4, "shared"): 4, (8, "window"): 4, (8, "shared"): 3}
+    assert window_grad(model, traj, adv, cfg, 4, 0.0, anchors="shared")[1]["grad_steps"] == 10
+
+
+def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
+    torch.manual_seed(17)
+    model = MLPFlow()
+    traj, adv = _toy_batch(model, T=8, B=6)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stats, _ = jagg.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, 4, 1.0, step=6)
+    assert stats["skipped"] is False  # a normal step first, so the optimizer has state to keep
+
+    def nan_at_one_step(z, t):  # a velocity that is NaN at one sampling time, as a bf16 overflow would be
+        v = as_velocity_fn(model)(z, t)
+        return torch.where((t == traj.t[5, 0])[..., None], torch.nan, v)
+
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match="optimizer step 7 skipped: non-finite"):
+        stats, _ = jagg.train_step(nan_at_one_step, model.parameters(), opt, traj, adv, cfg, 4, 1.0, step=7)
+    assert stats["skipped"] is True and not math.isfinite(stats["loss"])
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    for p, saved in zip(model.parameters(), state):
+        assert opt.state[p].keys() == saved.keys() and all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+    assert all(p.grad is None for p in model.parameters())
+
+
 # ------------------------------------------------------------------ SDE, advantages, loss
 
 
@@ -366,6 +597,11 @@ def test_bad_input_raises_clear_errors():
         jagg.backward_exact(fn, z, t[:, :1], loss)
     with pytest.raises(ValueError, match="different times"):
         jagg.backward_jagg(fn, z, torch.ones(4, 2), loss)
+    for anchors in ((1, 3), (0, 2), (0, 2, 1, 3), (0, 1.5, 3), (0,)):
+        with pytest.raises(ValueError, match=r"anchors must be increasing step indices from 0 to S - 1 = 3"):
+            jagg.backward_jagg(fn, z, t, loss, anchors=anchors)
+    with pytest.raises(ValueError, match=r"v_rollout must be \[S, B, \*D\] like z"):
+        jagg.backward_jagg(fn, z, t, loss, v_rollout=z[:3])
     with pytest.raises(ValueError, match="window must be >= 2"):
         jagg.window_bounds(8, 1)
     with pytest.raises(ValueError, match="longer than the trajectory"):
@@ -383,5 +619,11 @@ def test_bad_input_raises_clear_errors():
         jagg.train_step(fn, model.parameters(), opt, traj, adv[:-1], cfg, 4, 1.0)
     with pytest.raises(ValueError, match="longer than the trajectory"):
         jagg.train_step(fn, model.parameters(), opt, traj, adv, cfg, 16, 1.0)
+    for kwargs, message in (({"anchors": "overlap"}, "anchors must be one of"),
+                            ({"interior": "cache"}, "interior must be one of"),
+                            ({"route": "random"}, "route must be one of"),
+                            ({"route": "probe", "probe_cosines": [0.9]}, "one value per segment")):
+        with pytest.raises(ValueError, match=message):
+            jagg.train_step(fn, model.parameters(), opt, traj, adv, cfg, 4, 1.0, **kwargs)
     # Nothing was changed by the failed calls.
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
