@@ -3,7 +3,9 @@
 - a command line built from a dataclass of hyperparameters (each field's help is its --help),
 - files written atomically (an interrupted run never leaves half a file),
 - torch.distributed set-up for torchrun,
-- small pillow drawing helpers (line charts), so that no plotting library is needed.
+- the benchmark reports both scripts print,
+- small pillow drawing helpers (line and scatter charts, stacked bars), so that no plotting
+  library is needed.
 """
 
 import argparse
@@ -14,7 +16,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 
 # ------------------------------------------------------------------ command line
@@ -46,14 +48,44 @@ def fail_on(checks):
             raise SystemExit(f"error: {message}")
 
 
-def jagg_flag_checks(window, num_steps, jagg_frac):
-    """The checks of --window and --jagg-frac that both training scripts make."""
+def jagg_flag_checks(cfg):
+    """The checks of the JAGG flags that both training scripts make (cfg: either script's Config)."""
     return [
-        (window >= 2, f"--window must be >= 2 (JAGG interpolates between 2 endpoints), got {window}"),
-        (window <= num_steps,
-         f"--window {window} is longer than the trajectory (--num-steps {num_steps}); use --window <= {num_steps}"),
-        (0.0 <= jagg_frac <= 1.0, f"--jagg-frac must be in [0, 1], got {jagg_frac}"),
+        (cfg.window >= 2, f"--window must be >= 2 (JAGG interpolates between 2 endpoints), got {cfg.window}"),
+        (cfg.window <= cfg.num_steps,
+         f"--window {cfg.window} is longer than the trajectory (--num-steps {cfg.num_steps}); use --window <= {cfg.num_steps}"),
+        (0.0 <= cfg.jagg_frac <= 1.0, f"--jagg-frac must be in [0, 1], got {cfg.jagg_frac}"),
+        (cfg.probe_every >= 0, f"--probe-every must be >= 0, got {cfg.probe_every}"),
+        (cfg.probe_batch >= 1, f"--probe-batch must be >= 1, got {cfg.probe_batch}"),
+        (0.0 <= cfg.probe_decay < 1.0, f"--probe-decay must be in [0, 1), got {cfg.probe_decay}"),
+        (-1.0 <= cfg.min_cosine <= 1.0, f"--min-cosine must be in [-1, 1] (a cosine), got {cfg.min_cosine}"),
+        (cfg.route != "probe" or cfg.probe_every >= 1,
+         "--route probe routes by the probe's measurements: give it --probe-every N >= 1"),
     ]
+
+
+def mode_name(method, anchors, interior):
+    """The name of a training mode, as jagg.TRAINING_MODES and the benchmarks' JSON spell it."""
+    if method == "exact":
+        return "exact"
+    return "jagg" + ("_shared" if anchors == "shared" else "") + ("_rollout" if interior == "rollout" else "")
+
+
+def writable_folder_check(path, flag="--out"):
+    """(ok, message) for fail_on: could the folder be created and written to? Tried with a
+    temporary entry in the folder, or in its nearest existing parent, that is removed at once:
+    nothing is left behind, so a later check may still fail cleanly."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is not a folder")
+        with tempfile.TemporaryDirectory(dir=existing, prefix=".write-check-"):
+            pass
+        return True, ""
+    except OSError as e:
+        return False, f"{flag} {path!r} cannot be created or written to ({e.strerror or e}); pass a writable folder"
 
 
 # ------------------------------------------------------------------ files
@@ -106,6 +138,13 @@ def init_distributed():
     return dist.get_rank(), dist.get_world_size()
 
 
+def mean_over_ranks(values, device="cpu"):
+    """The mean of a list of floats over all ranks (itself, alone): so every rank routes alike.
+    device: where the collective runs (a CUDA device under NCCL)."""
+    x = torch.tensor(values, dtype=torch.float64, device=device)
+    return all_gather_cat(x[None]).mean(0).tolist()
+
+
 def all_gather_cat(x):
     """Concatenate a tensor's copies from every rank along dim 0 (the tensor itself alone)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -124,6 +163,7 @@ def step_metrics(step_stats):
     row = {f"train/{k}": sum(s[k] for s in step_stats) / len(step_stats)
            for k in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "grad_norm")}
     row["train/grad_steps"] = sum(s["grad_steps"] for s in step_stats)
+    row["train/skipped_steps"] = sum(s["skipped"] for s in step_stats)
     row["time/backward_seconds"] = sum(s["backward_seconds"] for s in step_stats)
     row["time/grad_seconds"] = sum(s["grad_seconds"] for s in step_stats)
     return row
@@ -134,7 +174,7 @@ def param_checksums(params):
     return all_gather_cat(torch.stack([p.detach().double().sum() for p in params]).sum()[None]).tolist()
 
 
-# ------------------------------------------------------------------ benchmark report
+# ------------------------------------------------------------------ benchmark reports
 
 
 def report_benchmark(t, W, scale=1.0, unit="s"):
@@ -151,24 +191,76 @@ def report_benchmark(t, W, scale=1.0, unit="s"):
     return speedups
 
 
+TRAIN_PARTS = {  # benchmark_trajectory's keys -> what they are, for tables and the stacked bars
+    "fwd_graph": "forward with graph",
+    "fwd_nograd": "interior forwards (no graph)",
+    "fwd_ref": "reference forwards (KL)",
+    "backward": "backward",
+    "other": "loss and the rest",
+}
+
+
+def report_trajectory(t, W, scale=1.0, unit="s"):
+    """Print jagg.benchmark_trajectory's medians t as a table, one row per mode, with the
+    training-step and epoch (rollout + training) speedups over exact; return them as the
+    objects keyed by mode that the benchmarks' JSON carries."""
+    modes = [m for m in t if m != "rollout"]
+    rollout_s = t["rollout"]["rollout_s"] if "rollout" in t else 0.0
+    out = {"rollout_s": rollout_s, "train_s": {}, "train_speedup": {}, "epoch_speedup": {}, "backward_rows": {},
+           "train_parts_s": {}}
+    for m in modes:
+        parts = {k: t[m][k] for k in TRAIN_PARTS if k != "other"}
+        parts["other"] = max(t[m]["train_s"] - sum(parts.values()), 0.0)
+        out["train_s"][m], out["train_parts_s"][m] = t[m]["train_s"], parts
+        out["backward_rows"][m] = int(t[m]["backward_rows"])
+        out["train_speedup"][m] = t["exact"]["train_s"] / t[m]["train_s"]
+        out["epoch_speedup"][m] = (rollout_s + t["exact"]["train_s"]) / (rollout_s + t[m]["train_s"])
+        if "peak_mem_gb" in t[m]:
+            out.setdefault("peak_mem_gb", {})[m] = t[m]["peak_mem_gb"]
+    cols = ("fwd_graph", "fwd_nograd", "fwd_ref", "backward", "other")
+    mem = "peak_mem_gb" in out
+    print(f"{'mode':>20} {'rows':>5} " + " ".join(f"{c:>10}" for c in cols) + f" {'train':>9} {'x train':>8} {'x epoch':>8}"
+          + (f" {'peak GiB':>9}" if mem else "") + f"   ({unit})")
+    for m in modes:
+        print(f"{m:>20} {out['backward_rows'][m]:>5} " + " ".join(f"{scale * out['train_parts_s'][m][c]:>10.3f}" for c in cols)
+              + f" {scale * out['train_s'][m]:>9.3f} {out['train_speedup'][m]:>7.2f}x {out['epoch_speedup'][m]:>7.2f}x"
+              + (f" {out['peak_mem_gb'][m]:>9.1f}" if mem else ""))
+    print(f"W = {W}: one rollout {scale * rollout_s:.3f} {unit}; epoch = rollout + training of the same batch")
+    return out
+
+
 # ------------------------------------------------------------------ pictures
 
 COLORS = {"exact": (40, 90, 200), "jagg": (230, 120, 20), "base": (150, 150, 150)}
+PALETTE = [(40, 90, 200), (230, 120, 20), (40, 160, 80), (200, 50, 50), (140, 80, 180), (120, 120, 120),
+           (0, 170, 190), (190, 160, 0)]
 
 
-def line_chart(series, title, x_label, y_label, size=(640, 400)):
-    """A line chart of {name: [(x, y), ...]} with axes, ticks and a legend, drawn with pillow."""
+def font(size=14):
+    return ImageFont.load_default(size=size)
+
+
+def color_of(name, i):
+    return COLORS.get(name, PALETTE[i % len(PALETTE)])
+
+
+def chart(series, title, x_label, y_label, size=(780, 420), lines=True, marks=None, y_range=None):
+    """A chart of {name: [(x, y), ...]} with axes, ticks and a legend beside the plot, drawn with
+    pillow: lines (or, lines=False, dots: a scatter). marks: {name: [(x, y, filled)]}, circles
+    drawn filled or hollow on top of the series of that name. y_range: (low, high) or None."""
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
-    left, right, top, bottom = 60, size[0] - 20, 30, size[1] - 45
-    points = [p for s in series.values() for p in s]
+    small, large = font(13), font(15)
+    left, right, top, bottom = 70, size[0] - 200, 36, size[1] - 52
+    points = [p[:2] for s in series.values() for p in s] + [p[:2] for s in (marks or {}).values() for p in s]
     if not points:
         return img
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
-    pad = 0.05 * (y1 - y0)
-    y0, y1 = y0 - pad, y1 + pad
+    y0, y1 = y_range or (min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1)
+    if y_range is None:
+        pad = 0.05 * (y1 - y0)
+        y0, y1 = y0 - pad, y1 + pad
 
     def px(x, y):
         return (left + (x - x0) / (x1 - x0) * (right - left), bottom - (y - y0) / (y1 - y0) * (bottom - top))
@@ -178,18 +270,68 @@ def line_chart(series, title, x_label, y_label, size=(640, 400)):
         yv = y0 + i * (y1 - y0) / 4
         _, yp = px(x0, yv)
         d.line([left - 4, yp, left, yp], fill="black")
-        d.text((4, yp - 6), f"{yv:.3g}", fill="black")
+        d.text((left - 8, yp), f"{yv:.3g}", fill="black", font=small, anchor="rm")
         xv = x0 + i * (x1 - x0) / 4
         xp, _ = px(xv, y0)
         d.line([xp, bottom, xp, bottom + 4], fill="black")
-        d.text((xp - 10, bottom + 8), f"{xv:.3g}", fill="black")
-    d.text((left + 100, 8), title, fill="black")
-    d.text(((left + right) // 2 - 30, size[1] - 18), x_label, fill="black")
-    d.text((4, top - 22), y_label, fill="black")
-    for i, (name, s) in enumerate(series.items()):
-        color = COLORS.get(name, (60 + 60 * i % 200, 160, 60))
-        if len(s) > 1:
+        d.text((xp, bottom + 8), f"{xv:.3g}", fill="black", font=small, anchor="mt")
+    d.text(((left + right) / 2, 8), title, fill="black", font=large, anchor="mt")
+    d.text(((left + right) / 2, size[1] - 8), x_label, fill="black", font=small, anchor="md")
+    d.text((8, top - 22), y_label, fill="black", font=small)
+    names = list(dict.fromkeys(list(series) + list(marks or {})))
+    for i, name in enumerate(names):
+        color = color_of(name, i)
+        s = series.get(name, [])
+        if lines and len(s) > 1:
             d.line([px(x, y) for x, y in s], fill=color, width=2)
-        d.rectangle([right - 120, top + 10 + 16 * i, right - 108, top + 22 + 16 * i], fill=color)
-        d.text((right - 102, top + 10 + 16 * i), name, fill="black")
+        elif not lines:
+            for x, y in s:
+                cx, cy = px(x, y)
+                d.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill=color)
+        for x, y, filled in (marks or {}).get(name, []):
+            cx, cy = px(x, y)
+            d.ellipse([cx - 5, cy - 5, cx + 5, cy + 5], fill=color if filled else "white", outline=color, width=2)
+        ly = top + 6 + 22 * i  # the legend, beside the plot
+        d.rectangle([right + 16, ly + 2, right + 30, ly + 14], fill=color)
+        d.text((right + 36, ly), str(name), fill="black", font=small)
+    return img
+
+
+def line_chart(series, title, x_label, y_label, size=(780, 420)):
+    """A line chart of {name: [(x, y), ...]}."""
+    return chart(series, title, x_label, y_label, size)
+
+
+def training_step_bars(results, scale, unit, title):
+    """Stacked bars of where one training step's time goes, per W and mode: results {W:
+    report_trajectory's dict}, times times scale, in unit."""
+    bars = {f"W={W}  {m}": {k: scale * v for k, v in r["train_parts_s"][m].items()}
+            for W, r in results.items() for m in r["train_parts_s"]}
+    return stacked_bars(bars, TRAIN_PARTS, title, unit)
+
+
+def stacked_bars(bars, parts, title, unit, size=(900, 80)):
+    """Horizontal stacked bars: bars {label: {part: value}}, parts {part: legend text} in stacking
+    order; each bar's total is written at its end, the legend stands below the bars."""
+    small, large = font(13), font(15)
+    height = size[1] + 34 * len(bars) + 22 * ((len(parts) + 2) // 3)
+    img = Image.new("RGB", (size[0], height), "white")
+    d = ImageDraw.Draw(img)
+    left, right, top = 190, size[0] - 90, 40
+    total_max = max(sum(v.values()) for v in bars.values()) or 1.0
+    d.text(((left + right) / 2, 10), title, fill="black", font=large, anchor="mt")
+    for i, (label, values) in enumerate(bars.items()):
+        y = top + 34 * i
+        d.text((left - 8, y + 12), label, fill="black", font=small, anchor="rm")
+        x = left
+        for j, part in enumerate(parts):
+            w = values.get(part, 0.0) / total_max * (right - left)
+            d.rectangle([x, y, x + w, y + 24], fill=PALETTE[j % len(PALETTE)])
+            x += w
+        d.text((x + 6, y + 12), f"{sum(values.values()):.3g} {unit}", fill="black", font=small, anchor="lm")
+    y = top + 34 * len(bars) + 10
+    for j, text in enumerate(parts.values()):
+        lx, ly = left + (j % 3) * ((right - left) // 3), y + 22 * (j // 3)
+        d.rectangle([lx, ly + 2, lx + 14, ly + 14], fill=PALETTE[j % len(PALETTE)])
+        d.text((lx + 20, ly), text, fill="black", font=small)
     return img

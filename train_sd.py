@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,9 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import jagg
-from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks, parse_config
-from common import report_benchmark
-from common import param_checksums, save_png, step_metrics, write_json, write_jsonl
+from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks
+from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
+from common import save_png, step_metrics, training_step_bars, writable_folder_check, write_json, write_jsonl
 
 REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore"]
 DEFAULT_PROMPTS = [
@@ -60,9 +61,21 @@ class Config:
     seed: int = arg(0, "random seed; ranks add their rank to the sampling seed")
     # --- JAGG
     method: str = arg("jagg", "exact (Flow-GRPO) or jagg", choices=["exact", "jagg"])
-    window: int = arg(4, "W, sampling steps per window")
-    jagg_frac: float = arg(1.0, "fraction of windows (the most linear) trained by JAGG; the rest exact")
-    probe_every: int = arg(0, "every N epochs, log the cosine of JAGG's gradient to the exact one per window (0: off)")
+    window: int = arg(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
+    jagg_frac: float = arg(1.0, "fraction of windows (the best by --route) trained by JAGG; the rest exact")
+    anchors: str = arg("window", "window: the paper's disjoint windows; shared (ours): adjacent windows share their end "
+                                 "step, anchors every W - 1 steps, all in one forward with graph (more rows in memory at once)",
+                       choices=["window", "shared"])
+    interior: str = arg("forward", "velocities of the steps between anchors: forward (the paper: one no-graph CFG forward) "
+                                   "or rollout (ours: the rollout's, corrected by the anchors' change; no network call, "
+                                   "reference model included)", choices=["forward", "rollout"])
+    route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
+                                 "(ours: the probe's measured gradient cosines, averaged over probes)", choices=["velocity", "probe"])
+    probe_every: int = arg(0, "every N epochs, before training on the epoch's batch, measure the cosine of JAGG's gradient "
+                              "to the exact one per window on --probe-batch samples (0: off)")
+    probe_batch: int = arg(2, "samples the probe measures on (per rank; the cosines are averaged over ranks)")
+    probe_decay: float = arg(0.5, "--route probe ranks windows by an exponential average of the probes: weight of the old average")
+    min_cosine: float = arg(0.0, "--route probe never lets JAGG take a window whose averaged cosine is below this")
     # --- GRPO
     epochs: int = arg(100, "GRPO epochs (each: rollouts of --prompts-per-epoch prompts, then training)")
     num_steps: int = arg(10, "T, sampling steps of a rollout (Flow-GRPO trains with 10)")
@@ -91,9 +104,11 @@ class Config:
     save_every: int = arg(10, "write a checkpoint every N epochs")
     device: str = arg("auto", "cuda, cpu, or auto")
     # --- benchmark
-    benchmark: bool = arg(False, "time one window's gradient exact vs JAGG on the SD3 transformer (conditional branch "
-                                 "only: CFG's no-graph unconditional forward costs both methods the same), then exit")
-    random_init: bool = arg(False, "benchmark: build the transformer from its config alone (no weights needed); the benchmark never uses gradient checkpointing")
+    benchmark: bool = arg(False, "time one window's gradient exact vs JAGG on the conditional branch, then one whole "
+                                 "training step (--num-steps, CFG, KL reference at --beta, rollout) in every mode; "
+                                 "write benchmark.json and benchmark.png to --out, then exit")
+    random_init: bool = arg(False, "benchmark: build the transformer from its config alone (no weights needed); the "
+                                   "benchmark uses gradient checkpointing only if a GPU runs out of memory without it")
     bench_size: str = arg("auto", "benchmark transformer with --random-init: sd35-medium, cpu (9M params), tiny; "
                                   "auto: sd35-medium on GPU, cpu on CPU", choices=["auto", "sd35-medium", "cpu", "tiny"])
     bench_batch: int = arg(0, "benchmark batch size B (0: 4 on GPU, 2 on CPU)")
@@ -101,13 +116,13 @@ class Config:
     json: bool = arg(False, "benchmark: print one JSON object instead of a table")
 
     def validate(self):
-        """Every bad value is reported before any model is loaded or any file is touched."""
+        """Every bad value is reported before any model is loaded; the output folder is checked last."""
+        checks = jagg_flag_checks(self)
         if self.benchmark:
-            checks = [(self.window >= 2, f"--window must be >= 2, got {self.window}")]
             if not self.random_init:
                 checks.append(_model_exists(self.model))
         else:
-            checks = jagg_flag_checks(self.window, self.num_steps, self.jagg_frac) + [
+            checks += [
                 (self.group_size >= 2 or int(os.environ.get("WORLD_SIZE", 1)) > 1,
                  f"--group-size must be >= 2 on one process (advantages compare a group's samples), got {self.group_size}"),
                 (self.reward != "pickscore" or os.path.isdir(self.reward_model),
@@ -120,6 +135,29 @@ class Config:
                 _model_exists(self.model),
             ]
         fail_on(checks)
+        if self.resume and not self.benchmark:
+            fail_on(self.resume_checks())
+        fail_on([writable_folder_check(self.out)])
+
+    # The settings a checkpoint's weights depend on: resuming with others cannot load them.
+    CHECKPOINT_FLAGS = ("full_finetune", "lora_rank", "lora_alpha")
+
+    def resume_checks(self):
+        """Compare the run to the checkpoint's saved config, flag by flag."""
+        state = os.path.join(self.resume, "checkpoint", "state.json")
+        with open(state) as f:
+            saved = json.load(f).get("config")
+        if saved is None and os.path.isfile(os.path.join(self.resume, "config.json")):  # older checkpoints
+            with open(os.path.join(self.resume, "config.json")) as f:
+                saved = json.load(f)
+        def flag(key, value):
+            name = key.replace("_", "-")
+            return (f"--{name}" if value else f"--no-{name}") if isinstance(value, bool) else f"--{name} {value}"
+
+        return [(saved is None or key not in saved or saved[key] == getattr(self, key),
+                 f"--resume {self.resume!r}: the checkpoint was trained with {flag(key, saved and saved.get(key))}, "
+                 f"this run asks for {flag(key, getattr(self, key))}; resume with {flag(key, saved and saved.get(key))}")
+                for key in self.CHECKPOINT_FLAGS]
 
 
 def _model_exists(model):
@@ -348,7 +386,7 @@ def save_weights(path, state):
     atomic_write(path, lambda f: f.write(save(state)), mode="wb")
 
 
-def save_checkpoint(out, transformer, optimizer, ema, epoch, rows):
+def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
     """Write out/checkpoint/ as a whole: into a temporary folder, then renamed into place."""
     final, tmp = os.path.join(out, "checkpoint"), os.path.join(out, ".checkpoint.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -358,7 +396,8 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows):
         save_weights(os.path.join(tmp, "ema.safetensors"), ema)
     torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     write_jsonl(os.path.join(tmp, "metrics.jsonl"), rows)
-    write_json(os.path.join(tmp, "state.json"), {"epoch": epoch})
+    # --resume checks the config; the probe's average lets a resumed run route as an uninterrupted one would.
+    write_json(os.path.join(tmp, "state.json"), {"epoch": epoch, "config": config, "probe_average": probe_average})
     old = os.path.join(out, ".checkpoint.old")
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(final):
@@ -383,11 +422,11 @@ def load_checkpoint(folder, transformer, optimizer):
                 params[n].copy_(w)
         optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
         ema = load_file(os.path.join(ckpt, "ema.safetensors")) if os.path.exists(os.path.join(ckpt, "ema.safetensors")) else None
-        epoch = json.load(open(os.path.join(ckpt, "state.json")))["epoch"]
+        state = json.load(open(os.path.join(ckpt, "state.json")))
         rows = [json.loads(line) for line in open(os.path.join(ckpt, "metrics.jsonl"))]
     except Exception as e:
         raise SystemExit(f"error: cannot resume from {ckpt}: {e}") from None
-    return epoch, ema, rows
+    return state["epoch"], ema, rows, state.get("probe_average")
 
 
 # =====================================================================================
@@ -434,9 +473,9 @@ def train(cfg):
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     ema = {n: p.detach().clone() for n, p in transformer.named_parameters() if p.requires_grad} if cfg.ema else None
 
-    start_epoch, rows = 0, []
+    start_epoch, rows, probe_avg = 0, [], None
     if cfg.resume:
-        start_epoch, saved_ema, rows = load_checkpoint(cfg.resume, transformer, optimizer)
+        start_epoch, saved_ema, rows, probe_avg = load_checkpoint(cfg.resume, transformer, optimizer)
         ema = saved_ema if cfg.ema and saved_ema is not None else ema
     if rank == 0:
         os.makedirs(cfg.out, exist_ok=True)
@@ -480,44 +519,60 @@ def train(cfg):
         adv = jagg.group_advantages(all_rewards, all_ids, global_std=cfg.global_std, clip=cfg.adv_clip)
         adv = adv.reshape(world, -1)[rank]  # [B]
 
+        row = {"epoch": epoch, "method": cfg.method, "mode": mode_name(cfg.method, cfg.anchors, cfg.interior),
+               "rollout/reward_mean": all_rewards.mean().item(),
+               "rollout/reward_std": all_rewards.std().item()}
+        perm = torch.randperm(len(prompts), generator=prompt_gen)
+
+        def fns(idx_d, model):
+            """The velocity_fn (CFG) and the reference's for the samples idx_d."""
+            c, u = tuple(x[idx_d] for x in cond), tuple(x[idx_d] for x in uncond)
+            ref_fn = make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg, use_bf16) if cfg.beta > 0 else None
+            return make_velocity_fn(model, c, u, cfg.guidance_scale, use_bf16), ref_fn
+
+        # --- the fidelity probe, on a few samples before training on them: the cosine of the mode's
+        # gradient to the exact one per segment (averaged over ranks, so that all ranks route alike)
+        if cfg.probe_every and epoch % cfg.probe_every == 0:
+            start = time.perf_counter()
+            idx_d = perm[: cfg.probe_batch].to(device)
+            velocity_fn, ref_fn = fns(idx_d, transformer)
+            row["probe/grad_cosine"] = mean_over_ranks(jagg.gradient_cosines(
+                velocity_fn, params, traj.subset(idx_d), adv[idx_d], loss_cfg, cfg.window, ref_fn,
+                anchors=cfg.anchors, interior=cfg.interior), device)
+            probe_avg = jagg.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
+            row["time/probe_seconds"] = time.perf_counter() - start
+
         # --- training: minibatches of train_batch samples, one optimizer step each
         transformer.train()
-        perm = torch.randperm(len(prompts), generator=prompt_gen)
         step_stats = []
-        for idx in perm.split(cfg.train_batch):
+        minibatches = perm.split(cfg.train_batch)
+        for i, idx in enumerate(minibatches):
             idx_d = idx.to(device)
-            c = tuple(x[idx_d] for x in cond)
-            u = tuple(x[idx_d] for x in uncond)
-            ref_fn = make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg, use_bf16) if cfg.beta > 0 else None
-            stats, _ = jagg.train_step(make_velocity_fn(net, c, u, cfg.guidance_scale, use_bf16), params, optimizer,
-                                       traj.subset(idx_d), adv[idx_d], loss_cfg, cfg.window, jagg_frac,
-                                       cfg.max_grad_norm, ref_velocity_fn=ref_fn, no_sync=no_sync)
+            velocity_fn, ref_fn = fns(idx_d, net)
+            stats, routed = jagg.train_step(
+                velocity_fn, params, optimizer, traj.subset(idx_d), adv[idx_d], loss_cfg, cfg.window, jagg_frac,
+                cfg.max_grad_norm, ref_velocity_fn=ref_fn, no_sync=no_sync, anchors=cfg.anchors, interior=cfg.interior,
+                route=cfg.route, probe_cosines=probe_avg, min_cosine=cfg.min_cosine,
+                step=(epoch - 1) * len(minibatches) + i + 1)
             step_stats.append(stats)
-            if ema is not None:
+            if ema is not None and not stats["skipped"]:
                 with torch.no_grad():
                     for n, p in transformer.named_parameters():
                         if p.requires_grad:
                             ema[n].mul_(cfg.ema_decay).add_(p.detach().to(ema[n].device), alpha=1 - cfg.ema_decay)
-
-        row = {"epoch": epoch, "method": cfg.method, "rollout/reward_mean": all_rewards.mean().item(),
-               "rollout/reward_std": all_rewards.std().item(), **step_metrics(step_stats)}
-        if cfg.probe_every and epoch % cfg.probe_every == 0:
-            idx_d = perm[: cfg.train_batch].to(device)
-            c, u = tuple(x[idx_d] for x in cond), tuple(x[idx_d] for x in uncond)
-            row["probe/grad_cosine"] = jagg.gradient_cosines(
-                make_velocity_fn(transformer, c, u, cfg.guidance_scale, use_bf16), params, traj.subset(idx_d),
-                adv[idx_d], loss_cfg, cfg.window,
-                make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg, use_bf16) if cfg.beta > 0 else None)
+        row.update(step_metrics(step_stats))
+        row["routing/routed"] = routed  # the epoch's last optimizer step, per segment
         row["train/param_checksums"] = param_checksums(params)  # equal on every rank: DDP kept them in sync
         rows.append(row)
         bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}", kl=f"{row['train/kl']:.4f}",
-                        clipfrac=f"{row['train/clipfrac']:.3f}", bwd=f"{row['time/backward_seconds']:.1f}s")
+                        clipfrac=f"{row['train/clipfrac']:.3f}", bwd=f"{row['time/backward_seconds']:.1f}s",
+                        **({"skipped": row["train/skipped_steps"]} if row["train/skipped_steps"] else {}))
         if rank == 0:
             if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
                 row["eval/reward"] = evaluate(epoch)
             write_jsonl(os.path.join(cfg.out, "metrics.jsonl"), rows)
             if epoch % cfg.save_every == 0 or epoch == cfg.epochs:
-                save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows)
+                save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, dataclasses.asdict(cfg), probe_avg)
                 save_weights(os.path.join(cfg.out, "lora.safetensors" if not cfg.full_finetune else "transformer.safetensors"),
                              ema if ema is not None else trainable_state(transformer))
     if dist.is_initialized():
@@ -526,7 +581,7 @@ def train(cfg):
 
 
 # =====================================================================================
-# Benchmark: one window's gradient, exact vs JAGG, on the SD3 transformer
+# Benchmark: a window's gradient and a whole training step, exact vs JAGG's modes, on the SD3 transformer
 # =====================================================================================
 
 SD3_CONFIGS = {
@@ -547,6 +602,10 @@ SD3_CONFIGS = {
 
 
 def benchmark(cfg):
+    """One window's gradient on the conditional branch alone (the backward JAGG shrinks, as
+    before), then one whole trajectory's training computation in every mode, as train() runs it:
+    --num-steps steps, classifier-free guidance with the no-graph unconditional branch, the KL
+    reference at --beta, and one rollout of the same batch. Interleaved, medians of repeats."""
     from diffusers import SD3Transformer2DModel
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
@@ -554,37 +613,76 @@ def benchmark(cfg):
     torch.manual_seed(cfg.seed)
     if cfg.random_init:
         size = cfg.bench_size if cfg.bench_size != "auto" else ("sd35-medium" if device.type == "cuda" else "cpu")
-        transformer = SD3Transformer2DModel(**SD3_CONFIGS[size])
+        with torch.device(device):  # initialised where it runs: SD3.5-medium's 2.24B parameters take seconds on a GPU
+            transformer = SD3Transformer2DModel(**SD3_CONFIGS[size])
     else:
         size = cfg.model
         transformer = SD3Transformer2DModel.from_pretrained(os.path.expanduser(cfg.model), subfolder="transformer")
     transformer.to(device, torch.bfloat16 if use_bf16 else torch.float32)
-    # No gradient checkpointing here: the benchmark times the plain forward and backward passes.
+    params = list(transformer.parameters())  # all trained: the full fine-tuning case
     tc = transformer.config
     B = cfg.bench_batch or (4 if device.type == "cuda" else 2)
-    W, L = cfg.window, 77
+    W, T, L = cfg.window, cfg.num_steps, 77
     # The reduced configurations at their own size; SD3.5-medium or a real model at --resolution.
     h = tc.sample_size if size in ("cpu", "tiny") else cfg.resolution // 8  # latent side
     cond = (torch.randn(B, L, tc.joint_attention_dim, device=device), torch.randn(B, tc.pooled_projection_dim, device=device))
-    velocity_fn = make_velocity_fn(transformer, cond, None, 1.0, use_bf16)
-    sigmas = jagg.sigma_schedule(max(W, 10), 3.0).to(device)[: W + 1]  # the first W steps of a 10-step schedule
-    traj = jagg.rollout(velocity_fn, torch.randn(B, tc.in_channels, h, h, device=device), sigmas, cfg.noise_level)
-    step_loss = jagg.make_step_loss(traj, torch.randn(B, device=device), 0, W,
-                                    jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range))
-    t = jagg.benchmark_window(velocity_fn, transformer.parameters(), traj.z, traj.t, step_loss, repeats=cfg.bench_repeats)
+    uncond = (torch.randn(B, L, tc.joint_attention_dim, device=device), torch.randn(B, tc.pooled_projection_dim, device=device))
+    velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)  # CFG, as training runs it
+    cond_only = make_velocity_fn(transformer, cond, None, 1.0, use_bf16)  # the window-level rows: what JAGG shrinks
+    # The KL reference: the transformer itself (window_gradients calls it without grad), which costs
+    # what the adapter-disabled LoRA model or a frozen copy costs.
+    ref_fn = velocity_fn if cfg.beta > 0 else None
+    sigmas = jagg.sigma_schedule(T, 3.0).to(device)  # [T+1]
+    noise = torch.randn(B, tc.in_channels, h, h, device=device)  # [B, C, h, w]
+    traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level)
+    adv = torch.randn(B, device=device)  # [B]
+    loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
+    window_loss = jagg.make_step_loss(traj, adv, 0, W, jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range))
+
+    def measure():
+        t_window = jagg.benchmark_window(cond_only, params, traj.z[:W], traj.t[:W], window_loss, repeats=cfg.bench_repeats)
+        t_traj = jagg.benchmark_trajectory(velocity_fn, params, traj, adv, loss_cfg, W, ref_fn, repeats=cfg.bench_repeats,
+                                           rollout_fn=lambda: jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level))
+        return t_window, t_traj
+
+    # No gradient checkpointing unless the largest joint anchor batch does not fit: the benchmark
+    # times the plain forward and backward passes where it can.
+    checkpointing = False
+    try:
+        t, t_traj = measure()
+    except torch.OutOfMemoryError:
+        if device.type != "cuda":
+            raise
+        checkpointing = True
+        print("out of GPU memory without gradient checkpointing: timing every mode again with it")
+        for p in params:
+            p.grad = None
+        torch.cuda.empty_cache()
+        transformer.enable_gradient_checkpointing()
+        t, t_traj = measure()
     result = {
-        "window": W, "params": sum(p.numel() for p in transformer.parameters()), "device": str(
+        "window": W, "params": sum(p.numel() for p in params), "device": str(
             torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
         "config": size, "batch": B, "tokens": (h // tc.patch_size) ** 2 + L, "bf16": use_bf16, "repeats": cfg.bench_repeats,
+        "gradient_checkpointing": checkpointing,
         "exact_backward_s": t["exact"]["backward"], "jagg_backward_s": t["jagg"]["backward"],
         "exact_fwd_graph_s": t["exact"]["fwd_graph"], "jagg_fwd_graph_s": t["jagg"]["fwd_graph"],
         "jagg_fwd_nograd_s": t["jagg"]["fwd_nograd"],
         "exact_step_s": t["exact"]["total"], "jagg_step_s": t["jagg"]["total"],
+        "num_steps": T, "guidance_scale": cfg.guidance_scale, "beta": cfg.beta,
     }
     with contextlib.redirect_stdout(io.StringIO()) if cfg.json else contextlib.nullcontext():
-        print(f"SD3 transformer '{size}', {result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}, "
-              f"{result['tokens']} tokens, bf16 {use_bf16}, medians of {cfg.bench_repeats} interleaved repeats")
+        print(f"SD3 transformer '{size}', {result['params'] / 1e6:.1f}M parameters (all trained), {result['device']}, "
+              f"B = {B}, {result['tokens']} tokens, bf16 {use_bf16}, gradient checkpointing {checkpointing}, "
+              f"medians of {cfg.bench_repeats} interleaved repeats")
+        print(f"\n-- one window's gradient, conditional branch only (W = {W})")
         result.update(report_benchmark(t, W))
+        print(f"\n-- one training step: a whole trajectory (T = {T}, CFG {cfg.guidance_scale}, beta {cfg.beta}, W = {W})")
+        result.update(report_trajectory(t_traj, W))
+    write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
+    save_png(os.path.join(cfg.out, "benchmark.png"), training_step_bars(
+        {W: result}, 1.0, "s", f"SD3 '{size}' on {result['device']}: one GRPO training step "
+                               f"(T = {T}, CFG {cfg.guidance_scale}, beta {cfg.beta}, B = {B})"))
     if cfg.json:
         print(json.dumps(result))
     return result

@@ -1,8 +1,9 @@
 """GRPO on a toy 2-D flow model, exact vs JAGG: the CPU demo and the evidence.
 
-    python train_toy.py                       # compare exact GRPO and JAGG (about 2 min on 2 cores)
-    python train_toy.py --method jagg --window 8 --jagg-frac 1.0
-    python train_toy.py --benchmark           # time one window's gradient, exact vs JAGG
+    python train_toy.py                       # compare exact GRPO and the paper's JAGG (about 2 min on 2 cores)
+    python train_toy.py --anchors shared --interior rollout   # JAGG with no network call between anchors
+    python train_toy.py --jagg-frac 0.5 --route probe --probe-every 5   # route by measured fidelity
+    python train_toy.py --benchmark           # time a window's and a whole training step's gradient, every mode
     torchrun --nproc_per_node=2 train_toy.py --method jagg   # DistributedDataParallel (gloo)
 
 What happens:
@@ -30,9 +31,10 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import jagg
-from common import COLORS, all_gather_cat, arg, fail_on, init_distributed, jagg_flag_checks, line_chart, parse_config
-from common import param_checksums, report_benchmark, save_png, step_metrics
-from common import torch_save, write_json, write_jsonl
+from common import COLORS, all_gather_cat, arg, chart, fail_on, font, init_distributed, jagg_flag_checks
+from common import line_chart, mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
+from common import report_trajectory, save_png, step_metrics, torch_save, training_step_bars, writable_folder_check
+from common import write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
 
 
@@ -42,13 +44,25 @@ class Config:
     method: str = arg("compare", "exact, jagg, or compare (both, from the same seed and checkpoint)",
                       choices=["exact", "jagg", "compare"])
     compare: bool = arg(False, "same as --method compare")
-    benchmark: bool = arg(False, "time one window's gradient exact vs JAGG at W = 4 and 8, then exit")
+    benchmark: bool = arg(False, "time one window's gradient (exact vs JAGG) and one whole trajectory's in every mode, "
+                                 "with a rollout, at W = 4 and 8; write benchmark.json and benchmark.png, then exit")
     out: str = arg("runs/toy", "output folder: summary.json, metrics.jsonl, pictures")
     seed: int = arg(0, "random seed (model init, data, rollouts); ranks add their rank")
     # --- JAGG
-    window: int = arg(4, "W, sampling steps per window")
-    jagg_frac: float = arg(1.0, "fraction of windows (the most linear) trained by JAGG; the rest exact")
-    probe_every: int = arg(10, "every N GRPO steps, log the cosine of JAGG's gradient to the exact one per window (0: off)")
+    window: int = arg(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
+    jagg_frac: float = arg(1.0, "fraction of windows (the best by --route) trained by JAGG; the rest exact")
+    anchors: str = arg("window", "window: the paper's disjoint windows; shared (ours): adjacent windows share their end "
+                                 "step, anchors every W - 1 steps, all in one forward with graph", choices=["window", "shared"])
+    interior: str = arg("forward", "velocities of the steps between anchors: forward (the paper: one no-graph forward) "
+                                   "or rollout (ours: the rollout's, corrected by the anchors' change; no network call)",
+                        choices=["forward", "rollout"])
+    route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
+                                 "(ours: the probe's measured gradient cosines, averaged over probes)", choices=["velocity", "probe"])
+    probe_every: int = arg(10, "every N GRPO steps (and at step 1), measure the cosine of JAGG's gradient to the exact one "
+                               "per window on --probe-batch samples, before training on the batch (0: off)")
+    probe_batch: int = arg(8, "samples the probe measures on")
+    probe_decay: float = arg(0.5, "--route probe ranks windows by an exponential average of the probes: weight of the old average")
+    min_cosine: float = arg(0.0, "--route probe never lets JAGG take a window whose averaged cosine is below this")
     # --- GRPO
     steps: int = arg(80, "GRPO steps (each: one batch of rollouts, --minibatches optimizer steps)")
     num_steps: int = arg(16, "T, sampling steps of a rollout")
@@ -71,21 +85,22 @@ class Config:
     hidden: int = arg(64, "toy DiT hidden size")
     depth: int = arg(3, "toy DiT blocks")
     # --- benchmark
-    bench_batch: int = arg(256, "batch size B of the benchmark's window")
+    bench_batch: int = arg(256, "batch size B of the benchmark")
     bench_repeats: int = arg(7, "timed repeats per method in the benchmark (medians are reported)")
 
     def validate(self):
-        """Every bad value is reported before any work starts or any file is touched."""
-        fail_on(jagg_flag_checks(self.window, self.num_steps, self.jagg_frac) + [
+        """Every bad value is reported before any work starts; the output folder is checked last."""
+        fail_on(jagg_flag_checks(self) + [
             (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
             (self.group_size >= 2, f"--group-size must be >= 2 (advantages compare samples in a group), got {self.group_size}"),
             (1 <= self.minibatches <= self.group_size * len(PROMPTS),
              f"--minibatches must be in [1, batch size {self.group_size * len(PROMPTS)}], got {self.minibatches}"),
             (self.noise_level > 0, f"--noise-level must be > 0, got {self.noise_level}"),
-            (self.probe_every >= 0 and self.eval_every >= 1, "--probe-every must be >= 0 and --eval-every >= 1"),
+            (self.eval_every >= 1, f"--eval-every must be >= 1, got {self.eval_every}"),
             (self.base_ckpt == "" or os.path.isfile(self.base_ckpt),
              f"--base-ckpt {self.base_ckpt!r} does not exist; omit --base-ckpt to pretrain and cache a base model"),
         ])
+        fail_on([writable_folder_check(self.out)])
         if self.compare:
             self.method = "compare"
 
@@ -230,33 +245,55 @@ def samples_picture(rows, size=180):
     return img
 
 
-def trajectories_picture(traj, routed, bounds, scores, n=24, width=640, panel=220):
+def trajectories_picture(traj, routed, bounds, scores, score_name, n=24, width=640, panel=220):
     """Each coordinate of n trajectories against the sampling step, from noise (left) to data
-    (right), on bands that show how each window trained: orange JAGG, blue exact."""
+    (right), on bands that show how each segment trained: orange JAGG, blue exact."""
     T = traj.z.shape[0]
-    img = Image.new("RGB", (width, 2 * panel + 70), "white")
+    img = Image.new("RGB", (width, 2 * panel + 76), "white")
     d = ImageDraw.Draw(img)
     z = torch.cat([traj.z, traj.z_next[-1:]])  # [T+1, B, 2]
     idx = torch.linspace(0, z.shape[1] - 1, n).long()  # spread over the prompts
     left, right = 40, width - 10
+    small = font(12)
 
     def x_px(k):
         return left + k / T * (right - left)
 
+    ends = [a for a, _ in bounds[1:]] + [T]  # a band runs to the next segment's first step
     for c in range(2):
         top = 10 + c * panel
-        for (a, b), use_jagg, score in zip(bounds, routed, scores):
+        for (a, _), end, use_jagg, score in zip(bounds, ends, routed, scores):
             band = (253, 225, 195) if use_jagg else (205, 218, 245)
-            d.rectangle([x_px(a), top, x_px(b), top + panel - 20], fill=band)
-            d.text((x_px(a) + 4, top + 2), f"{'JAGG' if use_jagg else 'exact'} {score:.3f}", fill="black")
-        d.text((4, top + panel // 2 - 20), f"x{c + 1}", fill="black")
+            d.rectangle([x_px(a), top, x_px(end), top + panel - 20], fill=band, outline="white")
+            d.text((x_px(a) + 4, top + 2), f"{'JAGG' if use_jagg else 'exact'}\n{score:.3f}", fill="black", font=small)
+        d.text((4, top + panel // 2 - 20), f"x{c + 1}", fill="black", font=small)
         for i in idx.tolist():
             pts = [(x_px(k), top + (panel - 20) / 2 - z[k, i, c].item() / 8 * (panel - 20)) for k in range(T + 1)]
             d.line(pts, fill=(60, 60, 60), width=1)
-    d.text((left, 2 * panel), "sampling step: noise (left) -> data (right); bands: windows, "
-           "labelled with how they trained and their linearity score", fill="black")
-    d.text((left, 2 * panel + 18), "orange: JAGG (2 backward passes)   blue: exact (one backward per step)", fill="black")
+    d.text((left, 2 * panel), "sampling step: noise (left) -> data (right); bands: segments, labelled with", fill="black",
+           font=small)
+    d.text((left, 2 * panel + 16), f"how they trained and their {score_name}. orange: JAGG (interpolated between "
+           "its end steps);", fill="black", font=small)
+    d.text((left, 2 * panel + 32), "blue: exact (one backward per step)", fill="black", font=small)
     return img
+
+
+def probe_pictures(rows):
+    """From the probe rows of a run: the measured cosine per segment position over training, a
+    filled circle where that position was routed to JAGG in that step; and the velocity score
+    against the measured cosine, one dot per segment and probe."""
+    probes = [r for r in rows if "probe/grad_cosine" in r]
+    positions = range(len(probes[0]["probe/grad_cosine"]))
+    over_time = chart(
+        {f"segment {j}": [(r["step"], r["probe/grad_cosine"][j]) for r in probes] for j in positions},
+        "probe: gradient cosine, JAGG vs exact, per segment (filled: routed to JAGG)", "GRPO step",
+        "cosine", marks={f"segment {j}": [(r["step"], r["probe/grad_cosine"][j], r["routing/routed"][j]) for r in probes]
+                         for j in positions})
+    scatter = chart(
+        {f"segment {j}": [(r["probe/velocity_score"][j], r["probe/grad_cosine"][j]) for r in probes] for j in positions},
+        "does the free velocity score predict the measured cosine?", "velocity linearity score (free, from the rollout)",
+        "measured gradient cosine", lines=False)
+    return over_time, scatter
 
 
 # =====================================================================================
@@ -279,91 +316,135 @@ def train(cfg, method, base, rank, world):
     sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     jagg_frac = cfg.jagg_frac if method == "jagg" else 0.0
+    routing = dict(anchors=cfg.anchors, interior=cfg.interior, route=cfg.route, min_cosine=cfg.min_cosine)
+    # The probe routes (counted as training) only where it decides something; else it is a diagnostic.
+    probe_routes = method == "jagg" and cfg.route == "probe"
     # Each rank draws its own rollouts (groups stay on one rank, so advantages are local).
     g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     labels = torch.arange(len(PROMPTS)).repeat_interleave(cfg.group_size)  # [B]
     B = len(labels)
 
+    def ref_fn(idx):
+        return make_velocity_fn(ref, labels[idx]) if ref is not None else None
+
     initial_reward, initial_traj, initial_labels = evaluate(model, cfg, sigmas, seed=12345)
     rows, curve = [], [(0, initial_reward)]
+    probe_avg, routed_count, opt_steps = None, None, 0
     t_start = time.perf_counter()
-    eval_seconds = 0.0
+    eval_seconds = probe_seconds = 0.0
     bar = tqdm(range(1, cfg.steps + 1), desc=f"GRPO {method}", disable=rank != 0, dynamic_ncols=True)
     for it in bar:
+        row = {"step": it, "method": method}
         # --- rollouts, rewards, advantages
         with torch.no_grad():
             traj = jagg.rollout(make_velocity_fn(model, labels), torch.randn(B, 2, generator=g), sigmas,
                                 cfg.noise_level, generator=g)
         rewards = reward_fn(traj.sample, labels)  # [B]
         adv = jagg.group_advantages(rewards, labels, clip=cfg.adv_clip)  # [B]
-        # --- optimizer steps on minibatches of the rollouts
         perm = torch.randperm(B, generator=g)
+        # --- the fidelity probe, on a few samples of this batch before training on it: the cosine
+        # of the mode's gradient to the exact one per segment (averaged over ranks, so all route alike)
+        if cfg.probe_every and (it % cfg.probe_every == 0 or it == 1):
+            t0 = time.perf_counter()
+            idx = perm[: cfg.probe_batch]
+            sub = traj.subset(idx)
+            row["probe/grad_cosine"] = mean_over_ranks(jagg.gradient_cosines(
+                make_velocity_fn(model, labels[idx]), model.parameters(), sub, adv[idx], loss_cfg, cfg.window,
+                ref_velocity_fn=ref_fn(idx), anchors=cfg.anchors, interior=cfg.interior))
+            row["probe/velocity_score"] = [jagg.linearity_score(sub.v[a:b], sub.t[a:b])
+                                           for a, b in jagg.segment_bounds(cfg.num_steps, cfg.window, cfg.anchors)]
+            probe_avg = jagg.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
+            row["time/probe_seconds"] = time.perf_counter() - t0
+            probe_seconds += row["time/probe_seconds"]
+            if not probe_routes:
+                eval_seconds += row["time/probe_seconds"]
+        # --- optimizer steps on minibatches of the rollouts
         step_stats = []
         for idx in perm.chunk(cfg.minibatches):
-            stats, _ = jagg.train_step(
+            stats, routed = jagg.train_step(
                 make_velocity_fn(net, labels[idx]), model.parameters(), opt, traj.subset(idx), adv[idx], loss_cfg,
-                cfg.window, jagg_frac, cfg.max_grad_norm,
-                ref_velocity_fn=make_velocity_fn(ref, labels[idx]) if ref is not None else None, no_sync=no_sync)
+                cfg.window, jagg_frac, cfg.max_grad_norm, ref_velocity_fn=ref_fn(idx), no_sync=no_sync,
+                probe_cosines=probe_avg, step=opt_steps + 1, **routing)
             step_stats.append(stats)
+            routed_count = [c + r for c, r in zip(routed_count or [0] * len(routed), routed)]
+            opt_steps += 1
             sched.step()
-        row = {"step": it, "method": method, **step_metrics(step_stats)}
+        row.update(step_metrics(step_stats))
         row["rollout/reward_mean"] = all_gather_cat(rewards).mean().item()
         row["routing/window_scores"] = step_stats[0]["window_scores"]
-        # --- evaluation and the fidelity probe (not timed as training)
+        row["routing/routed"] = routed  # the batch's last optimizer step
+        # --- evaluation (not timed as training)
         t0 = time.perf_counter()
         if it % cfg.eval_every == 0 or it == cfg.steps:  # always after the last step: the final reward
             row["eval/reward"], final_traj, final_labels = evaluate(model, cfg, sigmas, seed=12345)
             curve.append((it, row["eval/reward"]))
-        if cfg.probe_every and (it % cfg.probe_every == 0 or it == 1):
-            idx = perm.chunk(cfg.minibatches)[0]
-            row["probe/grad_cosine"] = jagg.gradient_cosines(
-                make_velocity_fn(model, labels[idx]), model.parameters(), traj.subset(idx), adv[idx], loss_cfg,
-                cfg.window, ref_velocity_fn=make_velocity_fn(ref, labels[idx]) if ref is not None else None)
         eval_seconds += time.perf_counter() - t0
         rows.append(row)
         bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}", clipfrac=f"{row['train/clipfrac']:.3f}",
-                        routed=f"{row['train/routed_frac']:.2f}", bwd=f"{row['time/backward_seconds']:.2f}s")
+                        routed=f"{row['train/routed_frac']:.2f}", bwd=f"{row['time/backward_seconds']:.2f}s",
+                        **({"skipped": row["train/skipped_steps"]} if row["train/skipped_steps"] else {}))
     train_seconds = time.perf_counter() - t_start - eval_seconds
 
     final_reward = rows[-1]["eval/reward"]
     probes = [r["probe/grad_cosine"] for r in rows if "probe/grad_cosine" in r]
     summary = {
         "method": method,
+        "mode": mode_name(method, cfg.anchors, cfg.interior),
+        "anchors": cfg.anchors,
+        "interior": cfg.interior,
+        "route": cfg.route,
         "initial_reward": initial_reward,
         "final_reward": final_reward,
         "reward_gain": final_reward - initial_reward,
         "backward_seconds": sum(r["time/backward_seconds"] for r in rows),
         "grad_seconds": sum(r["time/grad_seconds"] for r in rows),
+        # rollouts and optimizer steps (and the probe where it routes); not evaluation
         "train_seconds": train_seconds,
+        "probe_seconds": probe_seconds,
         "grad_steps": sum(r["train/grad_steps"] for r in rows),
+        "skipped_steps": sum(r["train/skipped_steps"] for r in rows),
         "window": cfg.window,
         "jagg_frac": jagg_frac,
-        "probe_grad_cosine_per_window": [sum(p[i] for p in probes) / len(probes) for i in range(len(probes[0]))] if probes else None,
+        # per segment position: the mean measured cosine, and how often JAGG took it
+        "probe_cosine_by_position": [sum(p[i] for p in probes) / len(probes) for i in range(len(probes[0]))] if probes else None,
+        "routed_frac_by_position": [c / opt_steps for c in routed_count],
         "world_size": world,
         # Each rank trained on its own rollouts: equal checksums show DDP kept the weights in sync.
         "param_checksums": param_checksums(model.parameters()),
     }
-    return summary, rows, {"curve": curve, "initial": (initial_traj, initial_labels), "final": (final_traj, final_labels)}
+    extras = {"curve": curve, "initial": (initial_traj, initial_labels), "final": (final_traj, final_labels),
+              "routed": routed, "route_scores": probe_avg if probe_routes and probe_avg else step_stats[-1]["window_scores"]}
+    return summary, rows, extras
 
 
 def benchmark(cfg, base):
-    """One window's gradient, exact vs JAGG, at W = 4 and 8: interleaved, medians of repeats."""
+    """Exact vs JAGG at W = 4 and 8: one window's gradient (the backward JAGG shrinks), then one
+    whole trajectory's in every training mode, with a rollout (what a GRPO step costs); interleaved."""
     torch.manual_seed(cfg.seed)
     results = {}
-    sigmas = jagg.sigma_schedule(16, cfg.shift)
+    sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)
     labels = torch.arange(cfg.bench_batch) % len(PROMPTS)  # [B]
+    velocity_fn = make_velocity_fn(base, labels)
+    ref = copy.deepcopy(base).requires_grad_(False)
+    noise = torch.randn(cfg.bench_batch, 2)  # [B, 2]
     with torch.no_grad():
-        traj = jagg.rollout(make_velocity_fn(base, labels), torch.randn(cfg.bench_batch, 2), sigmas, cfg.noise_level)
+        traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level)
     adv = torch.randn(cfg.bench_batch)  # [B]
-    loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range)
-    print(f"toy DiT, {sum(p.numel() for p in base.parameters())} parameters, B = {cfg.bench_batch}, "
-          f"{torch.get_num_threads()} threads, medians of {cfg.bench_repeats} interleaved repeats")
+    loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
+    print(f"toy DiT, {sum(p.numel() for p in base.parameters())} parameters, B = {cfg.bench_batch}, T = {cfg.num_steps}, "
+          f"beta {cfg.beta}, {torch.get_num_threads()} threads, medians of {cfg.bench_repeats} interleaved repeats")
     for W in (4, 8):
         step_loss = jagg.make_step_loss(traj, adv, 0, W, loss_cfg)
-        t = jagg.benchmark_window(make_velocity_fn(base, labels), base.parameters(), traj.z[:W], traj.t[:W],
-                                  step_loss, repeats=cfg.bench_repeats)
-        print()
+        t = jagg.benchmark_window(velocity_fn, base.parameters(), traj.z[:W], traj.t[:W], step_loss,
+                                  repeats=cfg.bench_repeats)
+        print(f"\n-- one window's gradient (W = {W})")
         results[W] = {"window": W, "exact": t["exact"], "jagg": t["jagg"], **report_benchmark(t, W, 1000, "ms")}
+        t = jagg.benchmark_trajectory(velocity_fn, base.parameters(), traj, adv, loss_cfg, W,
+                                      make_velocity_fn(ref, labels) if cfg.beta > 0 else None,
+                                      rollout_fn=lambda: jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level),
+                                      repeats=cfg.bench_repeats)
+        print(f"\n-- one whole trajectory's gradient (T = {cfg.num_steps}, W = {W}), every mode")
+        results[W].update(report_trajectory(t, W, 1000, "ms"))
     return results
 
 
@@ -379,57 +460,71 @@ def main(argv=None):
         results = benchmark(cfg, base)
         if rank == 0:
             write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "results": results})
+            save_png(os.path.join(cfg.out, "benchmark.png"), training_step_bars(
+                results, 1000, "ms", f"toy DiT: one GRPO training step (T = {cfg.num_steps}, B = {cfg.bench_batch}), "
+                                     "where the time goes"))
         return results
 
     methods = ["exact", "jagg"] if cfg.method == "compare" else [cfg.method]
-    summaries, curves, finals = {}, {}, {}
+    summaries, curves, finals, all_rows = {}, {}, {}, {}
     for method in methods:
         summary, rows, extras = train(cfg, method, base, rank, world)
-        summaries[method], curves[method], finals[method] = summary, extras["curve"], extras["final"]
+        summaries[method], curves[method], finals[method], all_rows[method] = summary, extras["curve"], extras, rows
         if rank == 0:
             folder = cfg.out if len(methods) == 1 else os.path.join(cfg.out, method)
             write_jsonl(os.path.join(folder, "metrics.jsonl"), rows)
             write_json(os.path.join(folder, "summary.json"), {**summary, "config": dataclasses.asdict(cfg), "base_ckpt": base_path})
-            print(f"[{method}] reward {summary['initial_reward']:.3f} -> {summary['final_reward']:.3f}, "
+            print(f"[{summary['mode']}] reward {summary['initial_reward']:.3f} -> {summary['final_reward']:.3f}, "
                   f"backward {summary['backward_seconds']:.2f}s, window gradients {summary['grad_seconds']:.2f}s, "
-                  f"train {summary['train_seconds']:.1f}s, network steps with grad {summary['grad_steps']}")
+                  f"train {summary['train_seconds']:.1f}s, network rows with grad {summary['grad_steps']}"
+                  + (f", {summary['skipped_steps']} steps skipped (non-finite)" if summary["skipped_steps"] else ""))
     if rank != 0:
         return summaries
 
     # --- pictures
     base_traj, base_labels = extras["initial"]  # the base model's evaluation, as every run starts
     picture_rows = {"base": (base_traj.sample, base_labels)}
-    picture_rows.update({m: (finals[m][0].sample, finals[m][1]) for m in methods})
+    picture_rows.update({m: (finals[m]["final"][0].sample, finals[m]["final"][1]) for m in methods})
     save_png(os.path.join(cfg.out, "samples.png"), samples_picture(picture_rows))
     save_png(os.path.join(cfg.out, "reward_curves.png"),
-             line_chart(curves, "evaluation reward during GRPO", "GRPO step", "mean reward"))
-    traj = finals[methods[-1]][0]
-    bounds = jagg.window_bounds(cfg.num_steps, cfg.window)
-    scores = [jagg.linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
-    routed = jagg.route_windows(scores, [b - a for a, b in bounds], cfg.jagg_frac if methods[-1] == "jagg" else 0.0)
-    save_png(os.path.join(cfg.out, "trajectories.png"), trajectories_picture(traj, routed, bounds, scores))
+             line_chart(curves, "evaluation reward during GRPO", "GRPO step", "mean reward (in (0, 1])"))
+    last = finals[methods[-1]]
+    score_name = "averaged probe cosine" if methods[-1] == "jagg" and cfg.route == "probe" else "velocity score"
+    save_png(os.path.join(cfg.out, "trajectories.png"), trajectories_picture(
+        last["final"][0], last["routed"], jagg.segment_bounds(cfg.num_steps, cfg.window, cfg.anchors),
+        last["route_scores"], score_name))
+    written = ["summary.json", "metrics.jsonl", "samples.png", "reward_curves.png", "trajectories.png"]
+    if cfg.probe_every:
+        over_time, scatter = probe_pictures(all_rows[methods[-1]])
+        save_png(os.path.join(cfg.out, "probe.png"), over_time)
+        save_png(os.path.join(cfg.out, "score_vs_cosine.png"), scatter)
+        written += ["probe.png", "score_vs_cosine.png"]
 
     if cfg.method == "compare":
         ex, jg = summaries["exact"], summaries["jagg"]
         comparison = {
             "method": "compare",
+            "mode": jg["mode"],
             "initial_reward": ex["initial_reward"],  # the same checkpoint and evaluation noise for both
             **{key: {"exact": ex[key], "jagg": jg[key]}
                for key in ("final_reward", "reward_gain", "backward_seconds", "grad_seconds", "train_seconds", "grad_steps")},
             "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] != 0 else None,
             "backward_speedup": ex["backward_seconds"] / jg["backward_seconds"],
             "grad_speedup": ex["grad_seconds"] / jg["grad_seconds"],
+            "train_speedup": ex["train_seconds"] / jg["train_seconds"],
             "grad_steps_ratio": ex["grad_steps"] / jg["grad_steps"],
             "exact": ex, "jagg": jg, "config": dataclasses.asdict(cfg),
         }
         write_json(os.path.join(cfg.out, "summary.json"), comparison)
-        print(f"JAGG kept {100 * comparison['reward_gain_ratio']:.1f}% of exact GRPO's reward gain; "
+        print(f"JAGG ({jg['mode']}) kept {100 * comparison['reward_gain_ratio']:.1f}% of exact GRPO's reward gain; "
               f"backward {comparison['backward_speedup']:.2f}x faster, window gradients {comparison['grad_speedup']:.2f}x, "
-              f"{comparison['grad_steps_ratio']:.2f}x fewer network steps with grad")
-        if jg["probe_grad_cosine_per_window"]:
-            print("gradient cosine JAGG vs exact per window: "
-                  + " ".join(f"{c:.3f}" for c in jg["probe_grad_cosine_per_window"]))
-    print(f"wrote {cfg.out}/summary.json, metrics.jsonl, samples.png, reward_curves.png, trajectories.png")
+              f"training (rollouts included) {comparison['train_speedup']:.2f}x, "
+              f"{comparison['grad_steps_ratio']:.2f}x fewer network rows with grad")
+        if jg["probe_cosine_by_position"]:
+            print("gradient cosine JAGG vs exact per segment: "
+                  + " ".join(f"{c:.3f}" for c in jg["probe_cosine_by_position"])
+                  + "; routed to JAGG: " + " ".join(f"{f:.2f}" for f in jg["routed_frac_by_position"]))
+    print(f"wrote {cfg.out}/: " + ", ".join(written))
     return summaries
 
 

@@ -38,3 +38,21 @@ def test_parse_config_builds_flags_with_help_and_types():
     assert common.parse_config(Cfg, ["--no-ema"]).ema is False
     with pytest.raises(SystemExit):
         common.parse_config(Cfg, ["--method", "other"])
+
+
+def test_writable_folder_check_leaves_nothing_behind(tmp_path):
+    assert common.writable_folder_check(str(tmp_path / "new" / "run")) == (True, "")
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor the probe entry
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    ok, message = common.writable_folder_check(str(blocker / "run"), "--out")
+    assert not ok and "--out" in message and "is not a folder" in message
+    assert not common.writable_folder_check("/proc/jagg-run")[0]  # a folder that cannot be created
+
+
+def test_mode_names_match_the_benchmark_modes():
+    import jagg
+
+    names = {common.mode_name(method, anchors, interior) for method in ("exact", "jagg")
+             for anchors in ("window", "shared") for interior in ("forward", "rollout")}
+    assert names == set(jagg.TRAINING_MODES)

@@ -305,7 +305,7 @@ def straight_trajectory(model, T=10, B=4, d=3, seed=0):
     """A trajectory whose states lie on one straight line per sample, at alpha = the fraction of t
     travelled, with the model's own velocities and log-probabilities (as a rollout would store)."""
     g = torch.Generator().manual_seed(seed)
-    sigmas = jagg.sigma_schedule(T, shift=2.0)  # [T+1]
+    sigmas = jagg.sigma_schedule(T, shift=2.0).double()  # [T+1], float64 like everything here
     t = sigmas[:-1, None].expand(T, B).contiguous()  # [T, B]
     alpha = jagg.interpolation_weights(t)[..., None]  # [T, B, 1]
     z = (1 - alpha) * torch.randn(B, d, generator=g) + alpha * torch.randn(B, d, generator=g)  # [T, B, d]
@@ -420,6 +420,63 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     for p, saved in zip(model.parameters(), state):
         assert opt.state[p].keys() == saved.keys() and all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
     assert all(p.grad is None for p in model.parameters())
+
+
+class BandFlow(torch.nn.Module):
+    """Linear in (z, t) but for two things. A parameter w whose Jacobian dv/dw = s(t) u is a bump
+    inside one time band (zero at its ends, so JAGG there misses it all) and zero elsewhere; w
+    starts at 0, so it leaves the velocity unchanged. And a fixed wiggle e(t) outside the band,
+    with no parameter in it: it bends the velocities there, but not the Jacobian."""
+
+    def __init__(self, t_hi, t_lo, d=3):
+        super().__init__()
+        self.linear, self.t_hi, self.t_lo = LinearFlow(d), t_hi, t_lo
+        self.w = torch.nn.Parameter(torch.zeros(()))
+        self.u = 5.0 * torch.ones(d)
+
+    def forward(self, z, t):  # z [N, d], t [N]
+        inside = (t <= self.t_hi) & (t >= self.t_lo)  # [N]
+        s = torch.where(inside, torch.sin(math.pi * (self.t_hi - t) / (self.t_hi - self.t_lo)), torch.zeros_like(t))
+        e = torch.where(inside, torch.zeros_like(t), 0.5 * torch.sin(25 * t))  # [N]
+        return self.linear(z, t) + (self.w * s + e)[:, None] * self.u
+
+
+@pytest.mark.parametrize("anchors, T, band", [("window", 12, 1), ("shared", 10, 1)])
+def test_probe_routing_keeps_the_nonlinear_segment_exact(anchors, T, band):
+    """One segment (the band) has a nonlinear Jacobian and linear velocities; the others the reverse.
+    The free velocity score prefers the band; the probe measures it and routes around it."""
+    torch.manual_seed(18)
+    bounds = jagg.segment_bounds(T, 4, anchors)  # three segments of 4 steps
+    t = jagg.sigma_schedule(T, shift=2.0).double()
+    a, b = bounds[band]
+    model = BandFlow(t_hi=t[a].item(), t_lo=t[b - 1].item())
+    traj = straight_trajectory(model, T=T, B=4)
+    adv = torch.tensor([1.0, -0.5, 0.3, -0.8])
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, 4, anchors=anchors)
+    assert cos[band] < 0.99 and all(c == pytest.approx(1.0, abs=1e-9) for i, c in enumerate(cos) if i != band)
+
+    _, stats, by_velocity = window_grad(model, traj, adv, cfg, 4, 1 / 3, anchors=anchors, route="velocity")
+    assert max(stats["window_scores"]) == stats["window_scores"][band] and by_velocity[band]  # the wrong choice
+    _, _, by_probe = window_grad(model, traj, adv, cfg, 4, 2 / 3, anchors=anchors, route="probe", probe_cosines=cos)
+    assert not by_probe[band] and sum(by_probe) == 2
+    # Before the first probe (no cosines yet) "probe" routes by velocity.
+    assert window_grad(model, traj, adv, cfg, 4, 1 / 3, anchors=anchors, route="probe")[2] == by_velocity
+    # The floor: even at jagg_frac = 1 a segment measured below min_cosine stays exact...
+    _, _, floored = window_grad(model, traj, adv, cfg, 4, 1.0, anchors=anchors, route="probe", probe_cosines=cos,
+                                min_cosine=0.99)
+    assert floored == [i != band for i in range(3)]
+    # ...and the gradient is then exact, since the segments left to JAGG are linear.
+    g, _, _ = window_grad(model, traj, adv, cfg, 4, 1.0, anchors=anchors, route="probe", probe_cosines=cos,
+                          min_cosine=0.99)
+    g_exact, _, _ = window_grad(model, traj, adv, cfg, 4, 0.0)
+    torch.testing.assert_close(g, g_exact, rtol=1e-9, atol=1e-10)
+
+
+def test_probe_average():
+    avg = jagg.probe_average(None, [0.5, 1.0], decay=0.75)
+    assert avg == [0.5, 1.0]
+    assert jagg.probe_average(avg, [1.0, 0.0], decay=0.75) == pytest.approx([0.625, 0.75])
 
 
 # ------------------------------------------------------------------ SDE, advantages, loss

@@ -100,6 +100,32 @@ def test_train_jagg_then_resume_and_exact(tiny_sd3, tmp_path):
     assert rows[1]["train/routed_frac"] == 0.0 and rows[1]["train/grad_steps"] == 2 * 4
     assert rows[1]["train/kl"] >= 0.0
 
+    # Resuming with a setting the checkpoint's weights depend on is refused up front, naming both values.
+    for flags, message in ((["--lora-rank", "8"], "trained with --lora-rank 4, this run asks for --lora-rank 8"),
+                           (["--full-finetune"], "trained with --no-full-finetune, this run asks for --full-finetune")):
+        with pytest.raises(SystemExit, match=message):
+            train_sd.main(run_args(tiny_sd3, out, "--epochs", "3", "--resume", str(out), *flags))
+    assert json.load(open(out / "checkpoint" / "state.json"))["epoch"] == 2
+
+
+def test_shared_anchors_rollout_interiors_and_probe_routing(tiny_sd3, tmp_path):
+    """T = 4, W = 3 with shared anchors: segments 0-2 and 2-3; the probe (before training, every
+    epoch) routes the better one to JAGG at --jagg-frac 0.5, and a resumed run keeps its average."""
+    out = tmp_path / "run"
+    args = ["--window", "3", "--anchors", "shared", "--interior", "rollout", "--route", "probe", "--probe-every", "1",
+            "--jagg-frac", "0.5", "--beta", "0.1"]
+    rows = train_sd.main(run_args(tiny_sd3, out, "--epochs", "1", *args))
+    row = rows[1]
+    assert row["mode"] == "jagg_shared_rollout" and len(row["probe/grad_cosine"]) == 2
+    assert row["time/probe_seconds"] > 0 and row["train/skipped_steps"] == 0
+    # The 3-step segment has an interior step, the 2-step one none (so it is exact: cosine 1).
+    assert row["probe/grad_cosine"][1] == pytest.approx(1.0, abs=1e-6) and row["probe/grad_cosine"][0] < 1.0
+    assert row["routing/routed"] == [False, True]
+    # Rows with grad per optimizer step: exact steps 0 and 1, anchors 2 and 3 of the interpolated segment; 2 steps.
+    assert row["train/grad_steps"] == 2 * 4
+    state = json.load(open(out / "checkpoint" / "state.json"))
+    assert state["probe_average"] == row["probe/grad_cosine"] and state["config"]["anchors"] == "shared"
+
 
 def test_resumed_run_equals_uninterrupted_run(tiny_sd3, tmp_path):
     from safetensors.torch import load_file
@@ -211,24 +237,38 @@ def test_jagg_on_sd3_transformer_equals_endpoint_interpolation(tiny_sd3):
     assert 0.0 < cos < 1.0 - 1e-9
 
 
-def test_benchmark_json_has_the_keys():
+def test_benchmark_json_has_the_keys(tmp_path):
     proc = subprocess.run([sys.executable, "train_sd.py", "--benchmark", "--random-init", "--bench-size", "tiny",
-                           "--window", "4", "--bench-repeats", "1", "--json"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                           "--window", "4", "--bench-repeats", "1", "--json", "--out", str(tmp_path / "bench")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("window", "params", "device", "exact_backward_s", "jagg_backward_s", "backward_speedup",
-                "exact_step_s", "jagg_step_s", "step_speedup"):
+                "exact_step_s", "jagg_step_s", "step_speedup", "num_steps", "guidance_scale", "beta", "rollout_s"):
         assert key in result, key
     assert result["window"] == 4 and result["device"] == "cpu" and result["params"] > 0
-    assert result["jagg_fwd_nograd_s"] > 0
+    assert result["jagg_fwd_nograd_s"] > 0 and result["gradient_checkpointing"] is False
+    assert (result["num_steps"], result["guidance_scale"], result["beta"]) == (10, 4.5, 0.04)  # Flow-GRPO's setting
+    modes = {"exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"}
+    for key in ("train_s", "train_speedup", "epoch_speedup", "backward_rows"):
+        assert set(result[key]) == modes, key
+    assert result["backward_rows"] == {"exact": 10, "jagg": 6, "jagg_shared": 4, "jagg_rollout": 6, "jagg_shared_rollout": 4}
+    for m in modes:
+        assert result["epoch_speedup"][m] == pytest.approx(
+            (result["rollout_s"] + result["train_s"]["exact"]) / (result["rollout_s"] + result["train_s"][m]))
+        # With beta > 0 every mode runs the reference model; with rollout interiors on the anchors only.
+        assert result["train_parts_s"][m]["fwd_ref"] > 0
+    assert "peak_mem_gb" not in result  # CUDA only
+    saved = json.load(open(tmp_path / "bench" / "benchmark.json"))
+    assert saved["result"] == result and (tmp_path / "bench" / "benchmark.png").stat().st_size > 1000
 
 
-def test_benchmark_on_a_saved_model(tiny_sd3, capsys):
+def test_benchmark_on_a_saved_model(tiny_sd3, tmp_path, capsys):
     result = train_sd.main(["--benchmark", "--model", tiny_sd3, "--resolution", "64", "--window", "3",
-                            "--bench-repeats", "1", "--device", "cpu"])
+                            "--bench-repeats", "1", "--device", "cpu", "--num-steps", "4", "--out", str(tmp_path)])
     assert result["config"] == tiny_sd3 and result["window"] == 3 and result["tokens"] == (64 // 8 // 2) ** 2 + 77
     assert "whole window-gradient speedup" in capsys.readouterr().out
+    assert result["num_steps"] == 4 and result["backward_rows"]["jagg_shared"] == 3  # anchors 0, 2, 3
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -238,6 +278,9 @@ def test_benchmark_on_a_saved_model(tiny_sd3, capsys):
     (["--prompts", "EMPTY"], "has no prompts"),
     (["--prompts", "/nonexistent/prompts.txt"], "does not exist"),
     (["--resume", "/nonexistent/run"], "holds no checkpoint"),
+    (["--out", "/proc/x"], "cannot be created or written to"),
+    (["--route", "probe"], "--route probe routes by the probe's measurements"),
+    (["--anchors", "shared", "--probe-decay", "1.0"], r"--probe-decay must be in \[0, 1\)"),
 ])
 def test_bad_input_fails_before_any_work(tiny_sd3, tmp_path, extra, message):
     empty = tmp_path / "empty.txt"

@@ -44,14 +44,46 @@ def test_short_grpo_run_raises_reward_for_both_methods(base_ckpt, tmp_path):
     assert top["initial_reward"] == ex["initial_reward"]
     for key in ("final_reward", "backward_seconds", "train_seconds", "grad_steps"):
         assert top[key] == {"exact": ex[key], "jagg": jg[key]}
+    assert top["train_speedup"] == pytest.approx(ex["train_seconds"] / jg["train_seconds"])
+    assert (top["mode"], jg["mode"], ex["mode"]) == ("jagg", "jagg", "exact")  # the paper's mode by default
     # Same seed and checkpoint: the same starting point; JAGG ran 2 of every 4 steps with grad.
     assert ex["initial_reward"] == jg["initial_reward"]
     assert ex["grad_steps"] == 2 * jg["grad_steps"]
-    cos = jg["probe_grad_cosine_per_window"]
-    assert len(cos) == 4 and all(0.3 < c < 1.0 for c in cos)
-    for picture in ("samples.png", "reward_curves.png", "trajectories.png"):
+    assert jg["skipped_steps"] == 0 and 0 < jg["probe_seconds"] < jg["train_seconds"]
+    for s in (ex, jg):  # the probe is a diagnostic in both runs: JAGG vs exact per window
+        cos = s["probe_cosine_by_position"]
+        assert len(cos) == 4 and all(0.3 < c < 1.0 for c in cos)
+    assert jg["routed_frac_by_position"] == [1.0] * 4 and ex["routed_frac_by_position"] == [0.0] * 4
+    for picture in ("samples.png", "reward_curves.png", "trajectories.png", "probe.png", "score_vs_cosine.png"):
         assert (tmp_path / picture).stat().st_size > 1000
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+
+
+def test_shared_anchors_with_rollout_interiors_raise_reward(base_ckpt, tmp_path):
+    train_toy.main(quick(base_ckpt, tmp_path, "--method", "jagg", "--anchors", "shared", "--interior", "rollout",
+                         "--steps", "15", "--probe-every", "0"))
+    s = json.load(open(tmp_path / "summary.json"))
+    assert (s["mode"], s["anchors"], s["interior"]) == ("jagg_shared_rollout", "shared", "rollout")
+    assert s["final_reward"] > s["initial_reward"] + 0.05, s
+    # T = 16, W = 4: anchors 0, 3, 6, 9, 12, 15 -> 6 rows with grad per optimizer step (the paper's windows: 8).
+    assert s["grad_steps"] == 6 * 4 * 15 and s["probe_cosine_by_position"] is None
+
+
+def test_probe_routing_follows_the_averaged_cosines(base_ckpt, tmp_path):
+    train_toy.main(quick(base_ckpt, tmp_path, "--method", "jagg", "--jagg-frac", "0.5", "--route", "probe",
+                         "--probe-every", "2", "--probe-decay", "0.5", "--steps", "5"))
+    s = json.load(open(tmp_path / "summary.json"))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert s["route"] == "probe" and [r["step"] for r in rows if "probe/grad_cosine" in r] == [1, 2, 4]
+    average = None
+    for r in rows:
+        if "probe/grad_cosine" in r:
+            average = r["probe/grad_cosine"] if average is None else [
+                0.5 * a + 0.5 * c for a, c in zip(average, r["probe/grad_cosine"])]
+        top_two = sorted(range(4), key=lambda i: -average[i])[:2]
+        assert r["routing/routed"] == [i in top_two for i in range(4)], (r["step"], average)
+    assert sum(s["routed_frac_by_position"]) == pytest.approx(2.0)
+    assert len(s["probe_cosine_by_position"]) == 4 and (tmp_path / "probe.png").exists()
 
 
 def test_torchrun_ranks_stay_in_sync(base_ckpt, tmp_path):
@@ -75,12 +107,26 @@ def test_torchrun_ranks_stay_in_sync(base_ckpt, tmp_path):
 def test_benchmark_prints_ratios_and_writes_json(base_ckpt, tmp_path, capsys):
     train_toy.main(quick(base_ckpt, tmp_path, "--benchmark", "--bench-batch", "16", "--bench-repeats", "1"))
     out = capsys.readouterr().out
-    assert "backward speedup" in out and "whole window-gradient speedup" in out
+    assert "backward speedup" in out and "whole window-gradient speedup" in out and "x epoch" in out
     results = json.load(open(tmp_path / "benchmark.json"))["results"]
     assert set(results) == {"4", "8"}
+    modes = {"exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"}
     for r in results.values():
         assert r["backward_speedup"] > 0 and r["step_speedup"] > 0
         assert r["jagg"]["fwd_nograd"] > 0 and r["exact"]["fwd_nograd"] == 0
+        assert r["rollout_s"] > 0 and set(r["train_s"]) == set(r["train_speedup"]) == set(r["epoch_speedup"]) == modes
+        assert r["train_speedup"]["exact"] == 1.0
+        for m in modes:
+            assert r["epoch_speedup"][m] == pytest.approx(
+                (r["rollout_s"] + r["train_s"]["exact"]) / (r["rollout_s"] + r["train_s"][m]))
+            assert sum(r["train_parts_s"][m].values()) == pytest.approx(r["train_s"][m])
+        # No-graph interior forwards only where the interiors are computed, not read from the rollout.
+        assert r["train_parts_s"]["jagg_shared"]["fwd_nograd"] > 0 and r["train_parts_s"]["jagg_rollout"]["fwd_nograd"] == 0
+    # T = 16 rows with grad: exact 16; W = 4: windows 8, shared anchors 6; W = 8: windows 4, shared 4 (0, 7, 14, 15).
+    assert results["4"]["backward_rows"] == {"exact": 16, "jagg": 8, "jagg_shared": 6, "jagg_rollout": 8,
+                                             "jagg_shared_rollout": 6}
+    assert results["8"]["backward_rows"]["jagg"] == 4 and results["8"]["backward_rows"]["jagg_shared"] == 4
+    assert (tmp_path / "benchmark.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("args, message", [
@@ -89,12 +135,24 @@ def test_benchmark_prints_ratios_and_writes_json(base_ckpt, tmp_path, capsys):
     (["--jagg-frac", "1.5"], r"--jagg-frac must be in \[0, 1\]"),
     (["--jagg-frac", "-0.5"], r"--jagg-frac must be in \[0, 1\]"),
     (["--base-ckpt", "/nonexistent/base.pt"], "does not exist"),
+    (["--route", "probe", "--probe-every", "0"], "--route probe routes by the probe's measurements"),
+    (["--probe-batch", "0"], "--probe-batch must be >= 1"),
+    (["--min-cosine", "2"], r"--min-cosine must be in \[-1, 1\]"),
 ])
 def test_bad_input_fails_before_touching_files(tmp_path, args, message):
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match=message):
         train_toy.main(["--out", str(out), *args])
     assert not out.exists()
+
+
+def test_unwritable_out_fails_before_any_work(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for out in ("/proc/x", str(blocker / "out")):
+        with pytest.raises(SystemExit, match="cannot be created or written to"):
+            train_toy.main(["--out", out, "--pretrain-steps", "1"])
+    assert not os.path.exists(os.path.join("runs", "cache", "toy_dit_h64_d3_s1_seed0.pt"))  # no pretraining started
 
 
 def test_corrupt_or_mismatched_checkpoint_is_a_clear_error(base_ckpt, tmp_path):
