@@ -650,7 +650,7 @@ def benchmark(cfg):
     checkpointing = False
     try:
         t, t_traj = measure()
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:
         if device.type != "cuda":
             raise
         checkpointing = True
