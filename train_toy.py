@@ -387,6 +387,13 @@ def train(cfg, method, base, rank, world):
 
     final_reward = rows[-1]["eval/reward"]
     probes = [r["probe/grad_cosine"] for r in rows if "probe/grad_cosine" in r]
+    # Every (probe, segment) pair, by how that step routed the segment: does JAGG take the faithful ones?
+    pairs = [(c, r["routing/routed"][j]) for r in rows if "probe/grad_cosine" in r for j, c in enumerate(r["probe/grad_cosine"])]
+
+    def mean_cosine(routed):
+        cs = [c for c, r in pairs if r == routed]
+        return sum(cs) / len(cs) if cs else None
+
     summary = {
         "method": method,
         "mode": mode_name(method, cfg.anchors, cfg.interior),
@@ -408,6 +415,8 @@ def train(cfg, method, base, rank, world):
         # per segment position: the mean measured cosine, and how often JAGG took it
         "probe_cosine_by_position": [sum(p[i] for p in probes) / len(probes) for i in range(len(probes[0]))] if probes else None,
         "routed_frac_by_position": [c / opt_steps for c in routed_count],
+        "cosine_routed": mean_cosine(True),  # mean probe cosine of the segments JAGG took in that step
+        "cosine_kept_exact": mean_cosine(False),
         "world_size": world,
         # Each rank trained on its own rollouts: equal checksums show DDP kept the weights in sync.
         "param_checksums": param_checksums(model.parameters()),

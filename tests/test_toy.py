@@ -83,6 +83,9 @@ def test_probe_routing_follows_the_averaged_cosines(base_ckpt, tmp_path):
         top_two = sorted(range(4), key=lambda i: -average[i])[:2]
         assert r["routing/routed"] == [i in top_two for i in range(4)], (r["step"], average)
     assert sum(s["routed_frac_by_position"]) == pytest.approx(2.0)
+    pairs = [(c, r["routing/routed"][j]) for r in rows if "probe/grad_cosine" in r for j, c in enumerate(r["probe/grad_cosine"])]
+    routed = [c for c, taken in pairs if taken]
+    assert s["cosine_routed"] == pytest.approx(sum(routed) / len(routed)) and len(routed) == 2 * 3
     assert len(s["probe_cosine_by_position"]) == 4 and (tmp_path / "probe.png").exists()
 
 
