@@ -12,6 +12,12 @@ of W steps, assumes the parameter-Jacobian of the velocity moves linearly in t a
 and so collapses the W per-step backward passes into ONE backward over the window's two
 endpoints (a double batch). See section 6 for the derivation and when it is exact.
 
+Beyond the paper (OURS, options that default to off; section 6 after the paper's derivation):
+adjacent windows can share their endpoints (anchors="shared": fewer rows with grad), and the
+steps between anchors can take the rollout's stored velocities, corrected to first order by
+the anchors' change (interior="rollout"), so that no interior step calls the network at all,
+the KL reference included. Routing can follow the fidelity probe's measurements (route="probe").
+
 Notation (code name -> symbol)
     T          number of sampling steps of a rollout
     W          window length (steps); a window runs from step a to step b = a + W - 1
@@ -24,9 +30,15 @@ Notation (code name -> symbol)
     alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the window's start a, 1 at its end b
     G_a, G_b   sum_k (1 - alpha_k) g_k  and  sum_k alpha_k g_k: the composite upstream signals
     J_a, J_b   the Jacobians at the window's endpoints, the only two JAGG back-propagates
+  beyond the paper:
+    anchors    a_0 = 0 < a_1 < ... < a_m = S - 1, the steps whose Jacobians are back-propagated
+               (the paper: the window's a and b)
+    H[k, j]    the hat weight of anchor j at step k (the paper: 1 - alpha_k and alpha_k)
+    G[j]       G_j = sum_k H[k, j] g_k (the paper: G_a and G_b)
+    v_old      v_k(theta_old), the rollout's velocities (Trajectory.v)
 
 Letters in shape comments: T steps, W window steps, S any number of steps, B samples,
-*D the shape of one sample (C, H, W for images; 2 for the toy), P parameters.
+M anchors, *D the shape of one sample (C, H, W for images; 2 for the toy), P parameters.
 
 The whole contract with a model is one function (section 2):
     velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D]
@@ -34,7 +46,7 @@ The caller's function owns any conditioning (prompts, classifier-free guidance).
 
 Run it:
     python train_toy.py          # the CPU demo: exact GRPO vs JAGG on a toy 2-D DiT
-    python -m pytest -q tests    # the checks: JAGG vs exact vs explicit Jacobians
+    python -m pytest -q          # the checks: JAGG vs exact vs explicit Jacobians
 """
 
 import contextlib
@@ -553,16 +565,18 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_
 
     # JAGG calls: interpolated segments that share an end step (anchors="shared") merge into one
     # call over all their steps, with all their anchors in one forward with graph.
-    runs = []  # (first step, end step exclusive, anchor steps)
+    runs = []  # (first step, end step exclusive, anchor steps) of each JAGG call
     for (a, b), use_jagg in zip(bounds, routed):
-        if use_jagg and runs and runs[-1][1] == a + 1:
+        if not use_jagg:
+            continue
+        if runs and runs[-1][1] == a + 1:  # starts on the previous call's last anchor: extend that call
             runs[-1] = (runs[-1][0], b, runs[-1][2] + [b - 1])
-        elif use_jagg:
+        else:
             runs.append((a, b, [a, b - 1]))
     # Exact calls: each segment's steps that no JAGG call (or earlier segment) has taken.
     done = {k for a, b, _ in runs for k in range(a, b)}
     calls = [(backward_jagg, a, b, steps) for a, b, steps in runs]
-    for (a, b), use_jagg in zip(bounds, routed):
+    for a, b in bounds:
         steps = [k for k in range(a, b) if k not in done]
         done.update(steps)
         if steps:

@@ -86,9 +86,10 @@ def window(W, B, d, straight, seed=0):
     return z, t
 
 
-def grads_of(model, backward, z, t, step_loss, calls=None):
+def grads_of(model, backward, z, t, step_loss, calls=None, **kwargs):
+    """(summed loss, flat gradient) of backward(velocity_fn, z, t, step_loss, **kwargs) from zero grads."""
     model.zero_grad(set_to_none=True)
-    loss = backward(as_velocity_fn(model, calls), z, t, step_loss)
+    loss = backward(as_velocity_fn(model, calls), z, t, step_loss, **kwargs)
     return loss, torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
@@ -250,9 +251,7 @@ def test_jagg_with_anchors_equals_explicit_jacobians(anchors, rollout):
     step_loss = make_loss(S, B, d, seed=12)
     with torch.no_grad():
         v_old = as_velocity_fn(old)(z, t) if rollout else None  # [S, B, d]
-    model.zero_grad(set_to_none=True)
-    jagg.backward_jagg(as_velocity_fn(model), z, t, step_loss, anchors=list(anchors), v_rollout=v_old)
-    g_jagg = torch.cat([p.grad.flatten() for p in model.parameters()])
+    _, g_jagg = grads_of(model, jagg.backward_jagg, z, t, step_loss, anchors=list(anchors), v_rollout=v_old)
     expected = explicit_anchor_gradient(model, z, t, step_loss, anchors, v_old)
     torch.testing.assert_close(g_jagg, expected, rtol=1e-9, atol=1e-10)
 
@@ -262,14 +261,12 @@ def test_default_anchors_are_the_papers_window():
     model, (S, B, d) = MLPFlow(), (5, 3, 3)
     z, t = window(S, B, d, straight=False)
     _, g_default = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d))
-    model.zero_grad(set_to_none=True)
-    jagg.backward_jagg(as_velocity_fn(model), z, t, make_loss(S, B, d), anchors=(0, S - 1))
-    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), g_default, rtol=0, atol=0)
+    _, g_paper = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d), anchors=(0, S - 1))
+    torch.testing.assert_close(g_paper, g_default, rtol=0, atol=0)
     # Every step an anchor: the exact gradient.
-    model.zero_grad(set_to_none=True)
-    jagg.backward_jagg(as_velocity_fn(model), z, t, make_loss(S, B, d), anchors=range(S))
+    _, g_all = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d), anchors=range(S))
     _, g_exact = grads_of(model, jagg.backward_exact, z, t, make_loss(S, B, d))
-    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), g_exact, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g_all, g_exact, rtol=1e-10, atol=1e-12)
 
 
 def test_rollout_interiors_equal_forward_interiors_on_policy_then_follow_the_formula():
@@ -282,13 +279,8 @@ def test_rollout_interiors_equal_forward_interiors_on_policy_then_follow_the_for
     a, b = 2, 7
 
     def both():
-        out = []
-        for v_rollout in (None, traj.v[a:b]):
-            model.zero_grad(set_to_none=True)
-            jagg.backward_jagg(as_velocity_fn(model), traj.z[a:b], traj.t[a:b],
-                               jagg.make_step_loss(traj, adv, a, b, cfg), v_rollout=v_rollout)
-            out.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        return out
+        return [grads_of(model, jagg.backward_jagg, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg),
+                         v_rollout=v_rollout)[1] for v_rollout in (None, traj.v[a:b])]
 
     g_forward, g_rollout = both()
     torch.testing.assert_close(g_rollout, g_forward, rtol=1e-10, atol=1e-12)
@@ -361,10 +353,9 @@ def test_shared_anchors_route_segments_and_keep_the_others_exact():
         g, stats, routed = window_grad(model, traj, adv, cfg, 4, 2 / 3, anchors="shared", interior=interior,
                                        route="probe", probe_cosines=[0.9, 0.1, 0.8])
         assert routed == [True, False, True] and stats["grad_steps"] == 6
-        model.zero_grad(set_to_none=True)
-        jagg.backward_jagg(as_velocity_fn(model), traj.z, traj.t, jagg.make_step_loss(traj, adv, 0, 10, cfg),
-                           anchors=[0, 3, 4, 5, 6, 9], v_rollout=traj.v if interior == "rollout" else None)
-        torch.testing.assert_close(g, torch.cat([p.grad.flatten() for p in model.parameters()]), rtol=1e-10, atol=1e-12)
+        _, expected = grads_of(model, jagg.backward_jagg, traj.z, traj.t, jagg.make_step_loss(traj, adv, 0, 10, cfg),
+                               anchors=[0, 3, 4, 5, 6, 9], v_rollout=traj.v if interior == "rollout" else None)
+        torch.testing.assert_close(g, expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("anchors, interior, policy_calls, ref_calls", [
