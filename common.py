@@ -251,7 +251,7 @@ def chart(series, title, x_label, y_label, size=(780, 420), lines=True, marks=No
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     small, large = font(13), font(15)
-    left, right, top, bottom = 70, size[0] - 200, 36, size[1] - 52
+    left, right, top, bottom = 70, size[0] - 200, 54, size[1] - 52
     points = [p[:2] for s in series.values() for p in s] + [p[:2] for s in (marks or {}).values() for p in s]
     if not points:
         return img

@@ -1,0 +1,120 @@
+"""Markdown tables for the README from the runs' own files, so that no number is copied by hand.
+
+    python tools/summarize.py compare runs/toy runs/toy_seed1 ...          # train_toy.py compare runs
+    python tools/summarize.py routing --exact runs/toy,runs/toy_seed1 runs/route_probe_seed0 ...
+    python tools/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # train_sd.py --benchmark
+    python tools/summarize.py toybench runs/toy_bench/benchmark.json       # train_toy.py --benchmark
+"""
+
+import argparse
+import json
+import os
+
+MODES = ["exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"]  # jagg.TRAINING_MODES' order
+
+
+def load(path):
+    with open(os.path.join(path, "summary.json") if os.path.isdir(path) else path) as f:
+        return json.load(f)
+
+
+def cosines(values):
+    return ", ".join(f"{c:.2f}" for c in values) if values else "-"
+
+
+def compare(runs):
+    print("| seed | mode | reward, exact | reward, JAGG | gain kept | backward | training step (rollouts incl.) "
+          "| probe cosine per segment |")
+    print("|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        s = load(run)
+        print(f"| {s['config']['seed']} | {s['mode']} | {s['initial_reward']:.3f} → {s['final_reward']['exact']:.3f} "
+              f"| {s['initial_reward']:.3f} → {s['final_reward']['jagg']:.3f} | {100 * s['reward_gain_ratio']:.1f} % "
+              f"| {s['backward_speedup']:.2f}x | {s['train_speedup']:.2f}x | {cosines(s['jagg']['probe_cosine_by_position'])} |")
+
+
+def routing(runs, exact):
+    gains = {}
+    for run in exact.split(","):
+        s = load(run)
+        gains[s["config"]["seed"]] = s["reward_gain"]["exact"]
+    print("| seed | route | reward gain (% of exact's) | mean cosine, routed to JAGG | mean cosine, kept exact "
+          "| fraction routed per segment |")
+    print("|---|---|---|---|---|---|")
+    for run in runs:
+        s = load(run)
+        seed = s["config"]["seed"]
+        print(f"| {seed} | {s['route']} | {s['reward_gain']:.3f} ({100 * s['reward_gain'] / gains[seed]:.0f} %) "
+              f"| {s['cosine_routed']:.3f} | {s['cosine_kept_exact']:.3f} | {cosines(s['routed_frac_by_position'])} |")
+
+
+def bench(files):
+    print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) | peak memory |")
+    print("|---|---|---|---|---|---|---|")
+    for path in files:
+        r = load(path)
+        r = r.get("result", r)
+        for m in MODES:
+            t = r["train_s"][m]
+            mem = f"{r['peak_mem_gb'][m]:.1f} GiB" if "peak_mem_gb" in r else "-"
+            print(f"| {r['window']} | {m} | {r['backward_rows'][m]} | {t:.3f} s | {r['train_speedup'][m]:.2f}x "
+                  f"| {r['epoch_speedup'][m]:.2f}x | {mem} |")
+
+
+def toybench(files):
+    for path in files:
+        results = load(path)["results"]
+        bench_rows = [{**r, "window": int(w)} for w, r in results.items()]
+        print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) |")
+        print("|---|---|---|---|---|---|")
+        for r in bench_rows:
+            for m in MODES:
+                t = r["train_s"][m]
+                print(f"| {r['window']} | {m} | {r['backward_rows'][m]} | {1000 * t:.1f} ms | {r['train_speedup'][m]:.2f}x "
+                      f"| {r['epoch_speedup'][m]:.2f}x |")
+
+
+def window_level(files):
+    """One window's gradient, exact vs JAGG: train_sd.py's benchmark.json (s) or train_toy.py's (ms)."""
+    print("| W | method | graph forwards | no-graph forwards | backward | total | backward speedup | total speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for path in files:
+        r = load(path)
+        if "results" in r:  # the toy's: {W: {"exact": {...}, "jagg": {...}, ...}}, in ms
+            runs = [(int(W), x["exact"], x["jagg"], x, 1000.0) for W, x in r["results"].items()]
+        else:
+            x = r.get("result", r)
+            e = {"fwd_graph": x["exact_fwd_graph_s"], "backward": x["exact_backward_s"], "total": x["exact_step_s"]}
+            j = {"fwd_graph": x["jagg_fwd_graph_s"], "fwd_nograd": x["jagg_fwd_nograd_s"],
+                 "backward": x["jagg_backward_s"], "total": x["jagg_step_s"]}
+            runs = [(x["window"], e, j, x, 1.0)]
+        for W, e, j, x, scale in runs:
+            f = "{:.1f}" if scale > 1 else "{:.3f}"
+            print(f"| {W} | exact | {f.format(scale * e['fwd_graph'])} | 0 | {f.format(scale * e['backward'])} "
+                  f"| {f.format(scale * e['total'])} | | |")
+            print(f"| {W} | JAGG | {f.format(scale * j['fwd_graph'])} | {f.format(scale * j['fwd_nograd'])} "
+                  f"| {f.format(scale * j['backward'])} | {f.format(scale * j['total'])} | **{x['backward_speedup']:.2f}x** "
+                  f"| **{x['step_speedup']:.2f}x** |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("table", choices=["compare", "routing", "bench", "toybench", "window"],
+                        help="which table: compare runs, routing runs, SD benchmark (training step or window level), toy benchmark")
+    parser.add_argument("paths", nargs="+", help="run folders (summary.json inside) or benchmark.json files")
+    parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
+    args = parser.parse_args()
+    if args.table == "compare":
+        compare(args.paths)
+    elif args.table == "routing":
+        routing(args.paths, args.exact)
+    elif args.table == "bench":
+        bench(args.paths)
+    elif args.table == "toybench":
+        toybench(args.paths)
+    else:
+        window_level(args.paths)
+
+
+if __name__ == "__main__":
+    main()
