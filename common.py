@@ -217,7 +217,7 @@ def report_trajectory(t, W, scale=1.0, unit="s"):
         out["epoch_speedup"][m] = (rollout_s + t["exact"]["train_s"]) / (rollout_s + t[m]["train_s"])
         if "peak_mem_gb" in t[m]:
             out.setdefault("peak_mem_gb", {})[m] = t[m]["peak_mem_gb"]
-    cols = ("fwd_graph", "fwd_nograd", "fwd_ref", "backward", "other")
+    cols = tuple(TRAIN_PARTS)
     mem = "peak_mem_gb" in out
     print(f"{'mode':>20} {'rows':>5} " + " ".join(f"{c:>10}" for c in cols) + f" {'train':>9} {'x train':>8} {'x epoch':>8}"
           + (f" {'peak GiB':>9}" if mem else "") + f"   ({unit})")
@@ -295,11 +295,6 @@ def chart(series, title, x_label, y_label, size=(780, 420), lines=True, marks=No
         d.rectangle([right + 16, ly + 2, right + 30, ly + 14], fill=color)
         d.text((right + 36, ly), str(name), fill="black", font=small)
     return img
-
-
-def line_chart(series, title, x_label, y_label, size=(780, 420)):
-    """A line chart of {name: [(x, y), ...]}."""
-    return chart(series, title, x_label, y_label, size)
 
 
 def training_step_bars(results, scale, unit, title):

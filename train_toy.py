@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import jagg
 from common import COLORS, all_gather_cat, arg, chart, fail_on, font, init_distributed, jagg_flag_checks
-from common import line_chart, mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
+from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
 from common import report_trajectory, save_png, step_metrics, torch_save, training_step_bars, writable_folder_check
 from common import write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
@@ -496,7 +496,7 @@ def main(argv=None):
     picture_rows.update({m: (finals[m]["final"][0].sample, finals[m]["final"][1]) for m in methods})
     save_png(os.path.join(cfg.out, "samples.png"), samples_picture(picture_rows))
     save_png(os.path.join(cfg.out, "reward_curves.png"),
-             line_chart(curves, "evaluation reward during GRPO", "GRPO step", "mean reward (in (0, 1])"))
+             chart(curves, "evaluation reward during GRPO", "GRPO step", "mean reward (in (0, 1])"))
     last = finals[methods[-1]]
     score_name = "averaged probe cosine" if methods[-1] == "jagg" and cfg.route == "probe" else "velocity score"
     save_png(os.path.join(cfg.out, "trajectories.png"), trajectories_picture(

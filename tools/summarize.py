@@ -48,30 +48,32 @@ def routing(runs, exact):
               f"| {s['cosine_routed']:.3f} | {s['cosine_kept_exact']:.3f} | {cosines(s['routed_frac_by_position'])} |")
 
 
+def training_step_rows(r, scale, unit):
+    """The rows of one W of a benchmark's training-step table (times times scale, in unit)."""
+    for m in MODES:
+        mem = f" {r['peak_mem_gb'][m]:.1f} GiB |" if "peak_mem_gb" in r else ""
+        print(f"| {r['window']} | {m} | {r['backward_rows'][m]} | {scale * r['train_s'][m]:.{1 if scale > 1 else 3}f} {unit} "
+              f"| {r['train_speedup'][m]:.2f}x | {r['epoch_speedup'][m]:.2f}x |{mem}")
+
+
 def bench(files):
-    print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) | peak memory |")
-    print("|---|---|---|---|---|---|---|")
-    for path in files:
-        r = load(path)
-        r = r.get("result", r)
-        for m in MODES:
-            t = r["train_s"][m]
-            mem = f"{r['peak_mem_gb'][m]:.1f} GiB" if "peak_mem_gb" in r else "-"
-            print(f"| {r['window']} | {m} | {r['backward_rows'][m]} | {t:.3f} s | {r['train_speedup'][m]:.2f}x "
-                  f"| {r['epoch_speedup'][m]:.2f}x | {mem} |")
+    """train_sd.py's training-step table, one benchmark.json per W; peak memory where measured (CUDA)."""
+    results = [load(path) for path in files]
+    results = [r.get("result", r) for r in results]
+    mem = all("peak_mem_gb" in r for r in results)
+    print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) |" + (" peak memory |" if mem else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if mem else ""))
+    for r in results:
+        training_step_rows(r, 1.0, "s")
 
 
 def toybench(files):
+    """train_toy.py's training-step table: its benchmark.json holds every W, in seconds; shown in ms."""
+    print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) |")
+    print("|---|---|---|---|---|---|")
     for path in files:
-        results = load(path)["results"]
-        bench_rows = [{**r, "window": int(w)} for w, r in results.items()]
-        print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) |")
-        print("|---|---|---|---|---|---|")
-        for r in bench_rows:
-            for m in MODES:
-                t = r["train_s"][m]
-                print(f"| {r['window']} | {m} | {r['backward_rows'][m]} | {1000 * t:.1f} ms | {r['train_speedup'][m]:.2f}x "
-                      f"| {r['epoch_speedup'][m]:.2f}x |")
+        for w, r in load(path)["results"].items():
+            training_step_rows({**r, "window": int(w)}, 1000.0, "ms")
 
 
 def window_level(files):
