@@ -154,10 +154,15 @@ class Config:
             name = key.replace("_", "-")
             return (f"--{name}" if value else f"--no-{name}") if isinstance(value, bool) else f"--{name} {value}"
 
-        return [(saved is None or key not in saved or saved[key] == getattr(self, key),
-                 f"--resume {self.resume!r}: the checkpoint was trained with {flag(key, saved and saved.get(key))}, "
-                 f"this run asks for {flag(key, getattr(self, key))}; resume with {flag(key, saved and saved.get(key))}")
-                for key in self.CHECKPOINT_FLAGS]
+        checks = []
+        for key in self.CHECKPOINT_FLAGS:
+            if saved is None or key not in saved:  # nothing recorded to compare with
+                continue
+            was, now = flag(key, saved[key]), flag(key, getattr(self, key))
+            checks.append((saved[key] == getattr(self, key),
+                           f"--resume {self.resume!r}: the checkpoint was trained with {was}, "
+                           f"this run asks for {now}; resume with {was}"))
+        return checks
 
 
 def _model_exists(model):
