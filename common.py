@@ -133,6 +133,8 @@ def init_distributed():
     """(rank, world_size), starting torch.distributed when run under torchrun (gloo on CPU)."""
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
+    if dist.is_initialized():  # a second run in the same process (train_sd.py --method compare)
+        return dist.get_rank(), dist.get_world_size()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()

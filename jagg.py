@@ -4,7 +4,9 @@ A single-file, model-agnostic reference implementation of JAGG (Jacobian-Aggrega
 Gradient), from "JAGG: Jacobian-Aggregated Group Gradient for Efficient GRPO Training of
 Diffusion Models" (arXiv 2607.17572, 2026), on top of Flow-GRPO's SDE sampler and loss
 (Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv 2505.05470).
-The paper's code is not public: where its abstract is silent, our choices are marked OURS.
+We follow the paper's abstract; where it is silent, our choices are marked OURS. The authors'
+early code (SchumiDing/eff_grpo, fastvideo/train_grpo_qwenimage_jagg.py, for Qwen-Image) has
+the same algebra but weights steps by index; weights="index" reproduces it (section 6).
 
 Exact GRPO on a diffusion model back-propagates through the transformer at every sampling step,
 because every step's loss depends on that step's velocity. JAGG splits the T steps into windows
@@ -28,6 +30,7 @@ Notation (code name -> symbol)
     g_k        dL_k / dv_k, the upstream gradient of step k's loss (cheap, no network)
     J_k        d v_k / d theta, the Jacobian of the network at step k (expensive)
     alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the window's start a, 1 at its end b
+               (weights="index", the authors' early code: k / (W - 1))
     G_a, G_b   sum_k (1 - alpha_k) g_k  and  sum_k alpha_k g_k: the composite upstream signals
     J_a, J_b   the Jacobians at the window's endpoints, the only two JAGG back-propagates
   beyond the paper:
@@ -315,20 +318,34 @@ def backward_exact(velocity_fn, z, t, step_loss, timings=None):
 #   rollout), and whenever v_theta changes affinely in (z, t) between anchors on a straight path.
 
 
-def interpolation_weights(t):
-    """alpha_k = (t_a - t_k) / (t_a - t_b) for a window's times t: [W, B]. Returns [W, B]."""
+# The weights: by t (the paper's abstract, our default) or by step index. The authors' early code
+# (SchumiDing/eff_grpo, fastvideo/train_grpo_qwenimage_jagg.py) weights by index,
+#     alpha_k = k / (W - 1)        (weights="index"),
+# which equals the t-weighting only when t is linear in k. With SD3's shifted schedule it is not:
+# the steps bunch up at high noise, and the two weightings differ inside every window.
+WEIGHTS = ("time", "index")
+
+
+def interpolation_weights(t, weights="time"):
+    """alpha_k for a window's times t: [W, B]. Returns [W, B]: by time (the paper's abstract),
+    alpha_k = (t_a - t_k) / (t_a - t_b); by index (the authors' early code), alpha_k = k / (W - 1)."""
+    _check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "index":
+        k = torch.arange(t.shape[0], dtype=t.dtype, device=t.device)  # [W]
+        return (k / (t.shape[0] - 1))[:, None].expand(t.shape)  # [W, B]
     span = t[0] - t[-1]  # [B]
     _check(bool((span != 0).all()), "a window's endpoints must have different times (t_a != t_b)")
     return (t[0] - t) / span  # [W, B]
 
 
-def hat_weights(t, anchors):
+def hat_weights(t, anchors, weights="time"):
     """H[k, j], the weight of anchor j in step k's interpolated Jacobian, for times t: [S, B] and
     anchor steps 0 = a_0 < ... < a_m = S - 1. Returns [S, M, B], M = len(anchors); rows sum to 1.
-    The paper's anchors (0, S - 1) give H[:, 0] = 1 - alpha and H[:, 1] = alpha."""
+    The paper's anchors (0, S - 1) give H[:, 0] = 1 - alpha and H[:, 1] = alpha. weights:
+    "time" or "index" (interpolation_weights), between each pair of consecutive anchors."""
     H = t.new_zeros(t.shape[0], len(anchors), t.shape[1])  # [S, M, B]
     for j, (a, b) in enumerate(zip(anchors, anchors[1:])):
-        alpha = interpolation_weights(t[a : b + 1])  # [b - a + 1, B]: 0 at a_j, 1 at a_{j+1}
+        alpha = interpolation_weights(t[a : b + 1], weights)  # [b - a + 1, B]: 0 at a_j, 1 at a_{j+1}
         H[a : b + 1, j] = 1 - alpha
         H[a : b + 1, j + 1] = alpha
     return H
@@ -354,7 +371,7 @@ def _anchor_steps(anchors, S):
     return [int(a) for a in steps]
 
 
-def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_rollout=None):
+def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_rollout=None, weights="time"):
     """JAGG gradient of S steps: ONE forward with graph on the anchor steps (the paper: the two
     endpoints, a double batch) and ONE backward of their composite signals G_j.
 
@@ -362,6 +379,8 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
     v_rollout: [S, B, *D] the rollout's velocities, or None. Without it the interior velocities
     come from one forward without graph on the non-anchor steps (the paper); with it, from
     interpolate_from_anchors, and velocity_fn is called once, on the anchors, and never again.
+    weights: "time" (the paper's abstract: alpha_k by t) or "index" (the authors' early code:
+    alpha_k = k / (W - 1) between consecutive anchors); see hat_weights.
 
     Exact (equal to backward_exact) when no two consecutive anchors have a step between them, or
     when the Jacobian d v_theta / d theta is affine in (z, t) between consecutive anchors and the
@@ -378,7 +397,7 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
            f"v_rollout must be [S, B, *D] like z {tuple(z.shape)}, got {None if v_rollout is None else tuple(v_rollout.shape)}")
     # G_j is accumulated in fp32 at least, whatever the network's precision.
     acc = torch.promote_types(z.dtype, torch.float32)
-    H = hat_weights(t.to(acc), anchors)  # [S, M, B]
+    H = hat_weights(t.to(acc), anchors, weights)  # [S, M, B]
     interior = [k for k in range(S) if k not in anchors]
 
     # The paper's interiors: their velocities are needed only for the upstream gradients
@@ -523,7 +542,7 @@ def make_step_loss(traj, advantages, a, b, cfg, v_ref=None, log=None):
     return step_loss
 
 
-def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None):
+def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None, weights="time"):
     """The frozen reference model's velocities of S steps, for the KL term (no graph): a forward
     at every step, or, with v_rollout (rollout interiors), at the anchors only, the interiors
     interpolated from the reference's difference to the rollout's velocities there."""
@@ -532,13 +551,13 @@ def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None):
             return ref_velocity_fn(z, t)  # [S, B, *D]
         anchors = _anchor_steps((0, z.shape[0] - 1) if anchors is None else anchors, z.shape[0])
         v_anc = ref_velocity_fn(z[anchors], t[anchors])  # [M, B, *D]
-        H = hat_weights(t.to(torch.promote_types(z.dtype, torch.float32)), anchors)  # [S, M, B]
+        H = hat_weights(t.to(torch.promote_types(z.dtype, torch.float32)), anchors, weights)  # [S, M, B]
         return interpolate_from_anchors(v_anc, v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
 
 
 def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn=None,
                      no_sync=contextlib.nullcontext, timings=None, anchors="window", interior="forward",
-                     route="velocity", probe_cosines=None, min_cosine=None):
+                     route="velocity", probe_cosines=None, min_cosine=None, weights="time"):
     """Accumulate the gradient of the whole batch's loss, segment by segment, routed between
     exact and JAGG. Does not step the optimizer. Returns (stats, routed), routed[i] is True
     when segment i (segment_bounds) was interpolated by JAGG.
@@ -547,7 +566,7 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_
     interpolated segments that touch go through one backward_jagg call). interior: "forward"
     (the paper) or "rollout" (the rollout's velocities, section 6). route: "velocity" ranks the
     segments by linearity_score; "probe" by probe_cosines (section 9's average) once there are
-    any, never routing one below min_cosine. no_sync: a context manager factory
+    any, never routing one below min_cosine. weights: "time" or "index" (hat_weights). no_sync: a context manager factory
     (DistributedDataParallel's model.no_sync); every backward but the batch's last runs inside
     it, so gradients are all-reduced once per optimizer step.
     """
@@ -555,6 +574,7 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_
     bounds = segment_bounds(T, window, anchors)
     _check(interior in INTERIOR_MODES, f"interior must be one of {INTERIOR_MODES}, got {interior!r}")
     _check(route in ROUTES, f"route must be one of {ROUTES}, got {route!r}")
+    _check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
     _check(probe_cosines is None or len(probe_cosines) == len(bounds),
            f"probe_cosines needs one value per segment ({len(bounds)}), got {probe_cosines}")
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
@@ -593,7 +613,8 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_
     for i, (backward, a, b, steps) in enumerate(calls):
         kwargs = {}
         if backward is backward_jagg:
-            kwargs = {"anchors": [s - a for s in steps], "v_rollout": None if v_old is None else v_old[a:b]}
+            kwargs = {"anchors": [s - a for s in steps], "v_rollout": None if v_old is None else v_old[a:b],
+                      "weights": weights}
         v_ref = None
         if cfg.beta > 0:
             with _timed(timings, "fwd_ref", traj.z.device):
@@ -618,7 +639,7 @@ def _agree_across_ranks(flag, device):
 
 def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, jagg_frac,
                max_grad_norm=1.0, ref_velocity_fn=None, no_sync=contextlib.nullcontext, anchors="window",
-               interior="forward", route="velocity", probe_cosines=None, min_cosine=None, step=None):
+               interior="forward", route="velocity", probe_cosines=None, min_cosine=None, step=None, weights="time"):
     """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
     advantages: [B]). Segments of W steps, the top jagg_frac of them by JAGG, the rest exact
     (anchors ... min_cosine: see window_gradients). A step whose loss or gradient norm is not
@@ -631,7 +652,7 @@ def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, ja
     optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()
     stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn, no_sync,
-                                     timings, anchors, interior, route, probe_cosines, min_cosine)
+                                     timings, anchors, interior, route, probe_cosines, min_cosine, weights)
     stats["grad_seconds"] = time.perf_counter() - start
     stats["backward_seconds"] = timings.get("backward", 0.0)
     stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
@@ -664,10 +685,10 @@ def _flat_grad(params):
 
 
 def gradient_cosines(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
-                     anchors="window", interior="forward"):
+                     anchors="window", interior="forward", weights="time"):
     """For each segment of traj (segment_bounds), the cosine between the gradient of its steps
-    by JAGG between its two end steps, with interiors as `interior` says, and the exact one (a
-    list). Shared-anchor segments are measured one at a time, each with both its end anchors.
+    by JAGG between its two end steps, with interiors as `interior` says and `weights` as the
+    weighting, and the exact one (a list). Shared-anchor segments are measured one at a time, each with both its end anchors.
     Leaves the parameters' .grad set to None."""
     params = list(params)
     cosines = []
@@ -678,7 +699,7 @@ def gradient_cosines(velocity_fn, params, traj, advantages, cfg, window, ref_vel
         z, t = traj.z[a:b], traj.t[a:b]
         v_old = traj.v[a:b] if interior == "rollout" else None
         grads = []
-        for backward, kwargs in ((backward_exact, {}), (backward_jagg, {"v_rollout": v_old})):
+        for backward, kwargs in ((backward_exact, {}), (backward_jagg, {"v_rollout": v_old, "weights": weights})):
             for p in params:
                 p.grad = None
             v_ref = reference_velocities(ref_velocity_fn, z, t, **kwargs) if cfg.beta > 0 else None

@@ -1,6 +1,7 @@
 """JAGG-GRPO on a real DiT checkpoint: Stable Diffusion 3 / 3.5 through diffusers.
 
     python train_sd.py --model stabilityai/stable-diffusion-3.5-medium --method jagg --window 4
+    python train_sd.py --model mini --reward shapes --method compare   # the small SD3 trained here, on a CPU
     torchrun --nproc_per_node=8 train_sd.py --model PATH --method jagg
     python train_sd.py --benchmark --window 4 --random-init [--json]   # exact vs JAGG timing
 
@@ -15,8 +16,10 @@ velocity_fn(z [S, B, C, H, W], t [S, B]) that jagg.py expects. The unconditional
 classifier-free guidance runs without a graph: the gradient flows through the conditional
 branch only, so neither method pays a backward for it.
 
-Weights cannot be downloaded on the machines this was written on: the tests build a tiny SD3
-pipeline in code, save it with save_pretrained, and run this script on it end to end.
+Weights cannot be downloaded on the machines this was written on: `--model mini` builds,
+pretrains and caches a small SD3 with SD3.5's parts (mini_sd3.py: three text encoders, a VAE,
+an MMDiT-X transformer) on a GenEval-like task, whose checker is `--reward shapes`; the tests
+run this script end to end on a tiny build of the same pipeline.
 """
 
 import contextlib
@@ -24,6 +27,7 @@ import copy
 import dataclasses
 import io
 import json
+import math
 import os
 import shutil
 import sys
@@ -38,9 +42,9 @@ from tqdm import tqdm
 import jagg
 from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
-from common import save_png, step_metrics, training_step_bars, writable_folder_check, write_json, write_jsonl
+from common import chart, font, save_png, step_metrics, training_step_bars, writable_folder_check, write_json, write_jsonl
 
-REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore"]
+REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", "shapes"]
 DEFAULT_PROMPTS = [
     "a photo of a cat sitting on a windowsill", "a red bicycle leaning against a brick wall",
     "a bowl of ramen with chopsticks", "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
@@ -51,16 +55,21 @@ DEFAULT_PROMPTS = [
 @dataclass
 class Config:
     # --- model and data
-    model: str = arg("stabilityai/stable-diffusion-3.5-medium", "diffusers StableDiffusion3Pipeline: hub id or local directory")
-    prompts: str = arg("", "text file with one prompt a line; empty: a small built-in list")
-    reward: str = arg("jpeg_compressibility", "reward function", choices=REWARDS)
+    model: str = arg("stabilityai/stable-diffusion-3.5-medium", "diffusers StableDiffusion3Pipeline: hub id or local "
+                     "directory; mini: the small SD3 of mini_sd3.py, pretrained once and cached in runs/cache")
+    prompts: str = arg("", "text file with one prompt a line; empty: a small built-in list (--model mini: its task's 48)")
+    reward: str = arg("jpeg_compressibility", "reward function; shapes: mini_sd3.py's GenEval-like checker (colours, "
+                                              "shapes, counts, left/right) for --model mini's prompts", choices=REWARDS)
     reward_model: str = arg("", "for --reward pickscore: local directory of a CLIP model and processor (PickScore)")
-    resolution: int = arg(512, "image size in pixels (also the benchmark's, for SD3.5-medium or --model)")
+    resolution: int = arg(0, "image size in pixels; 0: 512 (Flow-GRPO's) for SD3/SD3.5 and the benchmark, the size "
+                             "a --model mini was trained at")
     out: str = arg("runs/sd", "output folder: metrics.jsonl, sample grids, weights, checkpoint")
     resume: str = arg("", "continue from the checkpoint in this output folder")
     seed: int = arg(0, "random seed; ranks add their rank to the sampling seed")
     # --- JAGG
-    method: str = arg("jagg", "exact (Flow-GRPO) or jagg", choices=["exact", "jagg"])
+    method: str = arg("jagg", "exact (Flow-GRPO), jagg, or compare (exact, then jagg, from the same model and seed, "
+                              "into --out/exact and --out/jagg, with summary.json and pictures in --out)",
+                      choices=["exact", "jagg", "compare"])
     window: int = arg(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
     jagg_frac: float = arg(1.0, "fraction of windows (the best by --route) trained by JAGG; the rest exact")
     anchors: str = arg("window", "window: the paper's disjoint windows; shared (ours): adjacent windows share their end "
@@ -69,6 +78,8 @@ class Config:
     interior: str = arg("forward", "velocities of the steps between anchors: forward (the paper: one no-graph CFG forward) "
                                    "or rollout (ours: the rollout's, corrected by the anchors' change; no network call, "
                                    "reference model included)", choices=["forward", "rollout"])
+    weights: str = arg("time", "interpolation weights between anchors: time (the paper's abstract: alpha_k by t) or "
+                               "index (the authors' early code: alpha_k = k / (W - 1))", choices=["time", "index"])
     route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
                                  "(ours: the probe's measured gradient cosines, averaged over probes)", choices=["velocity", "probe"])
     probe_every: int = arg(0, "every N epochs, before training on the epoch's batch, measure the cosine of JAGG's gradient "
@@ -86,6 +97,9 @@ class Config:
     rollout_batch: int = arg(8, "samples per rollout forward pass")
     train_batch: int = arg(4, "samples per optimizer step")
     lr: float = arg(1e-4, "AdamW learning rate")
+    lr_schedule: str = arg("constant", "constant (Flow-GRPO's) or cosine (decay to 0 over --epochs: the policy settles, "
+                                       "so the final reward is a plateau, not the last update's jitter)",
+                           choices=["constant", "cosine"])
     weight_decay: float = arg(1e-4, "AdamW weight decay")
     clip_range: float = arg(1e-4, "GRPO ratio clip range (Flow-GRPO uses 1e-4)")
     beta: float = arg(0.04, "KL weight to the reference model (0: no reference forward)")
@@ -101,6 +115,8 @@ class Config:
     ema: bool = arg(False, "keep an EMA of the trained weights (used for evaluation and saved)")
     ema_decay: float = arg(0.95, "EMA decay per optimizer step")
     eval_every: int = arg(10, "every N epochs, sample fixed prompts with fixed noise (EMA weights if kept): eval/reward and a grid")
+    eval_samples: int = arg(8, "samples per evaluation: the prompts in order, cycled, each with its own fixed noise")
+    final_evals: int = arg(1, "final reward in summary.json: the mean of the last N evaluations after training started")
     save_every: int = arg(10, "write a checkpoint every N epochs")
     device: str = arg("auto", "cuda, cpu, or auto")
     # --- benchmark
@@ -133,11 +149,32 @@ class Config:
                 (not self.resume or os.path.isfile(os.path.join(self.resume, "checkpoint", "state.json")),
                  f"--resume {self.resume!r} holds no checkpoint (expected {self.resume}/checkpoint/state.json)"),
                 _model_exists(self.model),
+                (self.eval_samples >= 1, f"--eval-samples must be >= 1, got {self.eval_samples}"),
+                (self.final_evals >= 1, f"--final-evals must be >= 1, got {self.final_evals}"),
+                (self.resolution >= 0, f"--resolution must be >= 0 (0: the model's own), got {self.resolution}"),
+                (not (self.method == "compare" and self.resume),
+                 "--method compare trains both methods from the start; --resume one of its runs with "
+                 "--method exact|jagg --out DIR/exact|jagg --resume DIR/exact|jagg"),
+                self.shapes_prompt_check(),
             ]
         fail_on(checks)
         if self.resume and not self.benchmark:
             fail_on(self.resume_checks())
         fail_on([writable_folder_check(self.out)])
+
+    def shapes_prompt_check(self):
+        """--reward shapes scores prompts of mini_sd3.py's grammar only: say which one is not."""
+        if self.reward != "shapes" or (self.prompts and not os.path.isfile(self.prompts)):
+            return True, ""
+        import mini_sd3
+
+        for p in default_prompts(self):
+            try:
+                mini_sd3.parse(p)
+            except ValueError as e:
+                where = f"--prompts {self.prompts!r}" if self.prompts else "the built-in SD prompts (use --model mini)"
+                return False, f"--reward shapes: {where}: {e}"
+        return True, ""
 
     # The settings a checkpoint's weights depend on: resuming with others cannot load them.
     CHECKPOINT_FLAGS = ("full_finetune", "lora_rank", "lora_alpha")
@@ -167,6 +204,8 @@ class Config:
 
 def _model_exists(model):
     """A local path must exist; anything else is taken as a hub id and checked when loading."""
+    if model == "mini":  # built and cached on first use
+        return True, ""
     local = model.startswith((".", "/", "~")) or os.path.exists(model) or model.count("/") != 1
     return (not local or os.path.isdir(os.path.expanduser(model)),
             f"--model {model!r} is not a directory with a diffusers StableDiffusion3Pipeline (model_index.json)")
@@ -177,6 +216,17 @@ def read_prompts(path):
         return [line.strip() for line in f if line.strip()]
 
 
+def default_prompts(cfg):
+    """--prompts, else the mini model's task prompts (--model mini or --reward shapes), else a small list."""
+    if cfg.prompts:
+        return read_prompts(cfg.prompts)
+    if cfg.model == "mini" or cfg.reward == "shapes":
+        import mini_sd3
+
+        return mini_sd3.training_prompts()
+    return DEFAULT_PROMPTS
+
+
 # =====================================================================================
 # The model: loading, LoRA, and the velocity_fn that jagg.py sees
 # =====================================================================================
@@ -185,7 +235,7 @@ def read_prompts(path):
 def load_pipeline(cfg, device, dtype):
     from diffusers import StableDiffusion3Pipeline
 
-    path = os.path.expanduser(cfg.model)
+    path = mini_model_path() if cfg.model == "mini" else os.path.expanduser(cfg.model)
     # Components saved as [null, null] (T5 left out, no image encoder) must be passed as None.
     index = os.path.join(path, "model_index.json")
     absent = {}
@@ -218,6 +268,25 @@ def load_pipeline(cfg, device, dtype):
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     return pipe, transformer
+
+
+def mini_model_path():
+    """The cached mini SD3 (mini_sd3.py): the first process pretrains it (about 15 minutes on 2 CPU
+    cores, once), the other ranks wait for it."""
+    import mini_sd3
+
+    if _is_main():
+        path = mini_sd3.cached_pipeline()
+    if dist.is_initialized():
+        dist.barrier()
+    return mini_sd3.cached_pipeline() if not _is_main() else path
+
+
+def default_resolution(pipe, cfg):
+    """--resolution 0: the mini model's own size, else 512 (Flow-GRPO's for SD3.5)."""
+    if cfg.resolution:
+        return cfg.resolution
+    return pipe.transformer.config.sample_size * pipe.vae_scale_factor if cfg.model == "mini" else 512
 
 
 def autocast(device, enabled):
@@ -273,8 +342,11 @@ def make_ref_velocity_fn(transformer, ref_transformer, cond, uncond, cfg, use_bf
 @torch.no_grad()
 def encode(pipe, prompts, device):
     """(cond, uncond) text embeddings of the prompts, each (prompt_embeds, pooled)."""
+    # T5 tokens: SD3's 256, or fewer when the T5 tokenizer is shorter (the mini model's 16).
+    t5_len = min(256, pipe.tokenizer_3.model_max_length) if pipe.tokenizer_3 is not None else 256
     pe, npe, pooled, npooled = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-                                                  do_classifier_free_guidance=True, negative_prompt=[""] * len(prompts))
+                                                  do_classifier_free_guidance=True, negative_prompt=[""] * len(prompts),
+                                                  max_sequence_length=t5_len)
     return (pe.float(), pooled.float()), (npe.float(), npooled.float())
 
 
@@ -352,6 +424,10 @@ def make_reward_fn(cfg, device):
         return lambda images, prompts: torch.tensor([-jpeg_kb(im) for im in images])
     if cfg.reward == "jpeg_incompressibility":
         return lambda images, prompts: torch.tensor([jpeg_kb(im) for im in images])
+    if cfg.reward == "shapes":  # GenEval in miniature: colours, shapes, counts, left/right, from pixels
+        import mini_sd3
+
+        return lambda images, prompts: torch.tensor([mini_sd3.score(im, p) for im, p in zip(images, prompts)])
     from transformers import AutoModel, AutoProcessor
 
     try:
@@ -452,6 +528,23 @@ def sample_grid(images, prompts, rewards, cell=256):
     return grid
 
 
+def compare_grid(prompts, columns, cell=96):
+    """Rows of prompts, one column per model: {name: (images, rewards)}; each image with its score."""
+    label_w, head = 230, 28
+    img = Image.new("RGB", (label_w + cell * len(columns), head + len(prompts) * (cell + 18)), "white")
+    d = ImageDraw.Draw(img)
+    small = font(13)
+    for j, name in enumerate(columns):
+        d.text((label_w + j * cell + cell / 2, 8), name, fill="black", font=small, anchor="mt")
+    for i, p in enumerate(prompts):
+        y = head + i * (cell + 18)
+        d.text((8, y + cell / 2), p, fill="black", font=small, anchor="lm")
+        for j, (images, rewards) in enumerate(columns.values()):
+            img.paste(images[i].resize((cell, cell), Image.NEAREST), (label_w + j * cell, y))
+            d.text((label_w + j * cell + cell / 2, y + cell + 2), f"{rewards[i]:.2f}", fill="black", font=small, anchor="mt")
+    return img
+
+
 # =====================================================================================
 # Training: the whole loop in one place
 # =====================================================================================
@@ -465,9 +558,10 @@ def train(cfg):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     use_bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda")
-    prompts_all = read_prompts(cfg.prompts) if cfg.prompts else DEFAULT_PROMPTS
+    prompts_all = default_prompts(cfg)
     reward_fn = make_reward_fn(cfg, device)
     pipe, transformer = load_pipeline(cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
+    cfg = dataclasses.replace(cfg, resolution=default_resolution(pipe, cfg))
     ref_transformer = None
     if cfg.full_finetune and cfg.beta > 0:  # a frozen copy, in the pipeline's precision (bf16 on GPU)
         ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
@@ -491,7 +585,8 @@ def train(cfg):
     sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0)).to(device)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     jagg_frac = cfg.jagg_frac if cfg.method == "jagg" else 0.0
-    eval_prompts = prompts_all[:8]
+    eval_prompts = [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]
+    evaluated = {}  # epoch -> (images, rewards) of the evaluations: the first and the last are drawn
 
     def evaluate(epoch):
         """Fixed prompts and noise, the EMA weights if kept: a reward curve and a grid of samples."""
@@ -500,8 +595,15 @@ def train(cfg):
             g = torch.Generator(device=device).manual_seed(cfg.seed + 12345)
             _, _, _, images = sample(pipe, transformer, eval_prompts, cfg, sigmas, g, use_bf16)
         rewards = reward_fn(images, eval_prompts)
-        save_png(os.path.join(cfg.out, f"samples_{epoch:04d}.png"), sample_grid(images, eval_prompts, rewards.tolist()))
+        evaluated[epoch] = (images, rewards.tolist())
+        save_png(os.path.join(cfg.out, f"samples_{epoch:04d}.png"),
+                 sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16]))
         return rewards.mean().item()
+
+    def lr_at(epoch):
+        if cfg.lr_schedule == "cosine":  # by epoch, so a resumed run has the rate an uninterrupted one would
+            return cfg.lr * 0.5 * (1 + math.cos(math.pi * (epoch - 1) / cfg.epochs))
+        return cfg.lr
 
     if rank == 0 and start_epoch == 0:
         rows.append({"epoch": 0, "eval/reward": evaluate(0)})
@@ -510,6 +612,9 @@ def train(cfg):
     # Generators are seeded per epoch, so a resumed run draws what an uninterrupted one would.
     bar = tqdm(range(start_epoch + 1, cfg.epochs + 1), desc=f"GRPO {cfg.method}", disable=rank != 0, dynamic_ncols=True)
     for epoch in bar:
+        epoch_start = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(epoch)
         # --- rollouts: sample, decode, reward
         prompt_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
         noise_gen = torch.Generator(device=device).manual_seed((cfg.seed * 1_000_003 + epoch) * 1009 + rank + 1)
@@ -543,7 +648,7 @@ def train(cfg):
             velocity_fn, ref_fn = fns(idx_d, transformer)
             row["probe/grad_cosine"] = mean_over_ranks(jagg.gradient_cosines(
                 velocity_fn, params, traj.subset(idx_d), adv[idx_d], loss_cfg, cfg.window, ref_fn,
-                anchors=cfg.anchors, interior=cfg.interior), device)
+                anchors=cfg.anchors, interior=cfg.interior, weights=cfg.weights), device)
             probe_avg = jagg.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
             row["time/probe_seconds"] = time.perf_counter() - start
 
@@ -556,7 +661,7 @@ def train(cfg):
             velocity_fn, ref_fn = fns(idx_d, net)
             stats, routed = jagg.train_step(
                 velocity_fn, params, optimizer, traj.subset(idx_d), adv[idx_d], loss_cfg, cfg.window, jagg_frac,
-                cfg.max_grad_norm, ref_velocity_fn=ref_fn, no_sync=no_sync, anchors=cfg.anchors, interior=cfg.interior,
+                cfg.max_grad_norm, ref_velocity_fn=ref_fn, no_sync=no_sync, anchors=cfg.anchors, interior=cfg.interior, weights=cfg.weights,
                 route=cfg.route, probe_cosines=probe_avg, min_cosine=cfg.min_cosine,
                 step=(epoch - 1) * len(minibatches) + i + 1)
             step_stats.append(stats)
@@ -566,6 +671,8 @@ def train(cfg):
                         if p.requires_grad:
                             ema[n].mul_(cfg.ema_decay).add_(p.detach().to(ema[n].device), alpha=1 - cfg.ema_decay)
         row.update(step_metrics(step_stats))
+        row["time/train_seconds"] = time.perf_counter() - epoch_start  # rollouts, probe, training; not evaluation
+        row["train/lr"] = lr_at(epoch)
         row["routing/routed"] = routed  # the epoch's last optimizer step, per segment
         row["train/param_checksums"] = param_checksums(params)  # equal on every rank: DDP kept them in sync
         rows.append(row)
@@ -582,7 +689,40 @@ def train(cfg):
                              ema if ema is not None else trainable_state(transformer))
     if dist.is_initialized():
         dist.barrier()
-    return rows
+    summary = summarize(cfg, rows) if rank == 0 else None
+    if rank == 0:
+        write_json(os.path.join(cfg.out, "summary.json"), summary)
+        print(f"[{summary['mode']}] eval reward {summary['initial_reward']:.3f} -> {summary['final_reward']:.3f} "
+              f"(mean of the last {summary['final_evals_used']} evaluations of {cfg.eval_samples} samples), "
+              f"training {summary['train_seconds']:.0f} s (backward {summary['backward_seconds']:.0f} s), "
+              f"outputs in {cfg.out}/")
+    return rows, summary, evaluated
+
+
+def summarize(cfg, rows):
+    """A run's summary.json: rewards (the final one the mean of the last --final-evals
+    evaluations after epoch 0), times, and the probe's mean cosine per segment."""
+    evals = [(r["epoch"], r["eval/reward"]) for r in rows if "eval/reward" in r]
+    later = [v for e, v in evals if e > 0][-cfg.final_evals:] or [evals[-1][1]]
+    trained = [r for r in rows if r["epoch"] > 0]
+    probes = [r["probe/grad_cosine"] for r in trained if "probe/grad_cosine" in r]
+    return {
+        "method": cfg.method, "mode": mode_name(cfg.method, cfg.anchors, cfg.interior), "weights": cfg.weights,
+        "initial_reward": evals[0][1], "final_reward": sum(later) / len(later), "final_evals_used": len(later),
+        "reward_gain": sum(later) / len(later) - evals[0][1],
+        "eval_curve": evals,
+        # rollouts and optimizer steps, and the probe only where it routes (else it is a diagnostic)
+        "train_seconds": sum(r.get("time/train_seconds", 0.0) for r in trained) - (
+            0.0 if cfg.method == "jagg" and cfg.route == "probe" else sum(r.get("time/probe_seconds", 0.0) for r in trained)),
+        "backward_seconds": sum(r["time/backward_seconds"] for r in trained),
+        "grad_seconds": sum(r["time/grad_seconds"] for r in trained),
+        "probe_seconds": sum(r.get("time/probe_seconds", 0.0) for r in trained),
+        "grad_steps": sum(r["train/grad_steps"] for r in trained),
+        "skipped_steps": sum(r["train/skipped_steps"] for r in trained),
+        "window": cfg.window, "epochs": cfg.epochs,
+        "probe_cosine_by_position": [sum(p[i] for p in probes) / len(probes) for i in range(len(probes[0]))] if probes else None,
+        "config": dataclasses.asdict(cfg),
+    }
 
 
 # =====================================================================================
@@ -629,7 +769,7 @@ def benchmark(cfg):
     B = cfg.bench_batch or (4 if device.type == "cuda" else 2)
     W, T, L = cfg.window, cfg.num_steps, 77
     # The reduced configurations at their own size; SD3.5-medium or a real model at --resolution.
-    h = tc.sample_size if size in ("cpu", "tiny") else cfg.resolution // 8  # latent side
+    h = tc.sample_size if size in ("cpu", "tiny") else (cfg.resolution or 512) // 8  # latent side
     cond = (torch.randn(B, L, tc.joint_attention_dim, device=device), torch.randn(B, tc.pooled_projection_dim, device=device))
     uncond = (torch.randn(B, L, tc.joint_attention_dim, device=device), torch.randn(B, tc.pooled_projection_dim, device=device))
     velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)  # CFG, as training runs it
@@ -693,12 +833,56 @@ def benchmark(cfg):
     return result
 
 
+def compare(cfg):
+    """Exact GRPO, then JAGG in the mode the flags ask for, from the same model and seed (so the
+    same LoRA initialisation, prompts and evaluation noise); summary.json with the toy's
+    comparison keys, the reward curves and the samples before and after, side by side."""
+    runs = {}
+    for method in ("exact", "jagg"):
+        runs[method] = train(dataclasses.replace(cfg, method=method, out=os.path.join(cfg.out, method)))
+    if not _is_main():
+        return None
+    ex, jg = runs["exact"][1], runs["jagg"][1]
+    comparison = {
+        "method": "compare", "mode": jg["mode"], "weights": cfg.weights,
+        "initial_reward": ex["initial_reward"],  # the same model and evaluation noise for both
+        **{key: {"exact": ex[key], "jagg": jg[key]}
+           for key in ("final_reward", "reward_gain", "backward_seconds", "grad_seconds", "train_seconds", "grad_steps")},
+        "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] != 0 else None,
+        "backward_speedup": ex["backward_seconds"] / jg["backward_seconds"],
+        "grad_speedup": ex["grad_seconds"] / jg["grad_seconds"],
+        "train_speedup": ex["train_seconds"] / jg["train_seconds"],
+        "grad_steps_ratio": ex["grad_steps"] / jg["grad_steps"],
+        "exact": ex, "jagg": jg, "config": dataclasses.asdict(cfg),
+    }
+    write_json(os.path.join(cfg.out, "summary.json"), comparison)
+    save_png(os.path.join(cfg.out, "reward_curves.png"), chart(
+        {m: runs[m][1]["eval_curve"] for m in ("exact", "jagg")},
+        f"evaluation reward ({cfg.reward}, {cfg.eval_samples} samples, fixed noise)", "GRPO epoch", "mean reward"))
+    evals = {m: runs[m][2] for m in ("exact", "jagg")}
+    first, last = min(evals["exact"]), {m: max(e) for m, e in evals.items()}
+    prompts = default_prompts(cfg)
+    columns = {"base": evals["exact"][first], **{f"{m} (epoch {last[m]})": evals[m][last[m]] for m in ("exact", "jagg")}}
+    save_png(os.path.join(cfg.out, "samples.png"),
+             compare_grid([prompts[i % len(prompts)] for i in range(min(12, cfg.eval_samples))], columns))
+    print(f"JAGG ({jg['mode']}) kept {100 * (comparison['reward_gain_ratio'] or 0):.1f}% of exact GRPO's reward gain "
+          f"({jg['reward_gain']:+.3f} vs {ex['reward_gain']:+.3f}); backward {comparison['backward_speedup']:.2f}x faster, "
+          f"training (rollouts included) {comparison['train_speedup']:.2f}x, "
+          f"{comparison['grad_steps_ratio']:.2f}x fewer network rows with grad")
+    if jg["probe_cosine_by_position"]:
+        print("gradient cosine JAGG vs exact per segment: " + " ".join(f"{c:.3f}" for c in jg["probe_cosine_by_position"]))
+    print(f"wrote {cfg.out}/: summary.json, reward_curves.png, samples.png, exact/, jagg/")
+    return comparison
+
+
 def main(argv=None):
     cfg = parse_config(Config, argv, description=__doc__.split("\n")[0])
     cfg.validate()
     if cfg.benchmark:
         return benchmark(cfg)
-    return train(cfg)
+    if cfg.method == "compare":
+        return compare(cfg)
+    return train(cfg)[0]
 
 
 if __name__ == "__main__":

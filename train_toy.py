@@ -56,6 +56,8 @@ class Config:
     interior: str = arg("forward", "velocities of the steps between anchors: forward (the paper: one no-graph forward) "
                                    "or rollout (ours: the rollout's, corrected by the anchors' change; no network call)",
                         choices=["forward", "rollout"])
+    weights: str = arg("time", "interpolation weights between anchors: time (the paper's abstract: alpha_k by t) or "
+                               "index (the authors' early code: alpha_k = k / (W - 1))", choices=["time", "index"])
     route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
                                  "(ours: the probe's measured gradient cosines, averaged over probes)", choices=["velocity", "probe"])
     probe_every: int = arg(10, "every N GRPO steps (and at step 1), measure the cosine of JAGG's gradient to the exact one "
@@ -316,7 +318,8 @@ def train(cfg, method, base, rank, world):
     sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     jagg_frac = cfg.jagg_frac if method == "jagg" else 0.0
-    routing = dict(anchors=cfg.anchors, interior=cfg.interior, route=cfg.route, min_cosine=cfg.min_cosine)
+    routing = dict(anchors=cfg.anchors, interior=cfg.interior, route=cfg.route, min_cosine=cfg.min_cosine,
+                   weights=cfg.weights)
     # The probe routes (counted as training) only where it decides something; else it is a diagnostic.
     probe_routes = method == "jagg" and cfg.route == "probe"
     # Each rank draws its own rollouts (groups stay on one rank, so advantages are local).
@@ -350,7 +353,7 @@ def train(cfg, method, base, rank, world):
             sub = traj.subset(idx)
             row["probe/grad_cosine"] = mean_over_ranks(jagg.gradient_cosines(
                 make_velocity_fn(model, labels[idx]), model.parameters(), sub, adv[idx], loss_cfg, cfg.window,
-                ref_velocity_fn=ref_fn(idx), anchors=cfg.anchors, interior=cfg.interior))
+                ref_velocity_fn=ref_fn(idx), anchors=cfg.anchors, interior=cfg.interior, weights=cfg.weights))
             row["probe/velocity_score"] = [jagg.linearity_score(sub.v[a:b], sub.t[a:b])
                                            for a, b in jagg.segment_bounds(cfg.num_steps, cfg.window, cfg.anchors)]
             probe_avg = jagg.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)

@@ -293,6 +293,85 @@ def test_rollout_interiors_equal_forward_interiors_on_policy_then_follow_the_for
     torch.testing.assert_close(g_rollout, expected, rtol=1e-9, atol=1e-10)
 
 
+
+# ------------------------------------------------------------------ the authors' early code: index weights
+
+
+def authors_window_gradient(model, traj, adv, cfg, a, b):
+    """The authors' early scheme (SchumiDing/eff_grpo, grpo_group_backward), written here from its
+    description, not from jagg.py: W forwards without graph (the endpoints too), each step's
+    upstream gradient, weights by index alpha_j = j / (W - 1), then TWO separate forward-with-graph
+    + backward passes, one per endpoint. Returns the flat gradient it accumulates."""
+    W, fn = b - a, as_velocity_fn(model)
+    G_a, G_b = torch.zeros_like(traj.z[a]), torch.zeros_like(traj.z[a])  # [B, d]
+    for j in range(W):
+        k = a + j
+        with torch.no_grad():
+            v = fn(traj.z[k : k + 1], traj.t[k : k + 1])[0]
+        v.requires_grad_(True)
+        _, log_prob, _, _ = jagg.sde_step(v, traj.z[k], traj.t[k], traj.t_next[k], cfg.noise_level,
+                                          prev_sample=traj.z_next[k])
+        # Flow-GRPO's clipped surrogate, averaged over the batch and the T steps
+        ratio = torch.exp(log_prob - traj.log_prob[k])
+        loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_range, 1 + cfg.clip_range)).mean()
+        (g,) = torch.autograd.grad(loss / traj.z.shape[0], v)  # [B, d]
+        alpha = j / (W - 1)
+        G_a += (1 - alpha) * g
+        G_b += alpha * g
+    model.zero_grad(set_to_none=True)
+    for k, G in ((a, G_a), (b - 1, G_b)):  # one backward per endpoint
+        (fn(traj.z[k : k + 1], traj.t[k : k + 1])[0] * G).sum().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_index_weights_reproduce_the_authors_two_pass_scheme():
+    """weights="index" equals the authors' scheme to float64 round-off, on a nonlinear model and
+    SD3's shifted schedule (where t is not linear in the step index); weights="time" differs."""
+    torch.manual_seed(13)
+    model = MLPFlow()
+    g = torch.Generator().manual_seed(14)
+    traj = jagg.rollout(as_velocity_fn(model), torch.randn(6, 3, generator=g), jagg.sigma_schedule(10, shift=3.0).double(),
+                        0.7, generator=g)
+    adv = jagg.group_advantages(-traj.sample.norm(dim=-1), torch.arange(6) // 3)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    a, b = 1, 6  # W = 5, as the authors' run_jagg.sh
+    expected = authors_window_gradient(model, traj, adv, cfg, a, b)
+    z, t = traj.z[a:b], traj.t[a:b]
+    _, g_index = grads_of(model, jagg.backward_jagg, z, t, jagg.make_step_loss(traj, adv, a, b, cfg), weights="index")
+    torch.testing.assert_close(g_index, expected, rtol=1e-10, atol=1e-13)
+    _, g_time = grads_of(model, jagg.backward_jagg, z, t, jagg.make_step_loss(traj, adv, a, b, cfg))
+    assert (g_time - expected).norm() > 1e-3 * expected.norm()
+    # With times linear in the index (no shift) the two weightings are the same.
+    t_lin = torch.linspace(0.9, 0.5, 5)[:, None].expand(5, 6)  # [W, B]
+    torch.testing.assert_close(jagg.interpolation_weights(t_lin, "index"), jagg.interpolation_weights(t_lin))
+
+    # Through window_gradients (so train_step) and the probe: every window by the authors' scheme.
+    T, W = 10, 5
+    model.zero_grad(set_to_none=True)
+    stats, routed = jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, W, 1.0, weights="index")
+    assert all(routed)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    windows = [authors_window_gradient(model, traj, adv, cfg, a, a + W) for a in range(0, T, W)]
+    torch.testing.assert_close(got, sum(windows), rtol=1e-10, atol=1e-13)
+    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, W, weights="index")
+    for (a, b), c, gw in zip(jagg.window_bounds(T, W), cos, windows):
+        _, exact = grads_of(model, jagg.backward_exact, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg))
+        assert c == pytest.approx(cosine(gw, exact), abs=1e-10)
+    assert cos != pytest.approx(jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, W),
+                                abs=1e-6)
+
+
+def test_index_hat_weights_interpolate_over_step_numbers():
+    t = jagg.sigma_schedule(9, shift=3.0).double()[:-1, None].expand(9, 2)  # [S, B]
+    steps = torch.arange(9.0).double()
+    for anchors in ((0, 8), (0, 3, 6, 8), (0, 1, 2, 5, 8)):
+        H = jagg.hat_weights(t, list(anchors), weights="index")  # [S, M, B]
+        # The same hat functions over -k instead of t (hat_matrix interpolates over -t).
+        torch.testing.assert_close(H[..., 0], hat_matrix(-steps, anchors), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        jagg.hat_weights(t, [0, 8], weights="steps")
+
+
 def straight_trajectory(model, T=10, B=4, d=3, seed=0):
     """A trajectory whose states lie on one straight line per sample, at alpha = the fraction of t
     travelled, with the model's own velocities and log-probabilities (as a rollout would store)."""

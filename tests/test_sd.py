@@ -1,5 +1,7 @@
-"""train_sd.py end to end on a tiny SD3 pipeline built in code (no weights are downloaded):
-the real loading code, rollouts, rewards, JAGG and exact training, checkpoint and resume."""
+"""train_sd.py end to end on mini_sd3.py's pipeline at a tiny size, built and pretrained in code
+(no weights are downloaded): SD3.5's three-encoder path, the real loading code, rollouts, the
+shapes reward, JAGG and exact training, compare mode, checkpoint and resume; and the mini task's
+checker against rendered ground truth."""
 
 import dataclasses
 import json
@@ -9,58 +11,34 @@ import sys
 
 import pytest
 import torch
+from PIL import Image
 
 diffusers = pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
 pytest.importorskip("peft", reason="the optional extra: pip install -e '.[sd]'")
 
 import jagg  # noqa: E402
+import mini_sd3  # noqa: E402
 import train_sd  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tiny_tokenizer(folder):
-    """A CLIP tokenizer over a small vocabulary written here: letters and a few words."""
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for w in "a b c d e f g h i j k l m n o p q r s t u v w x y z cat dog red blue photo of".split():
-        vocab.setdefault(w, len(vocab))
-        vocab.setdefault(w + "</w>", len(vocab))
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "vocab.json"), "w") as f:
-        json.dump(vocab, f)
-    with open(os.path.join(folder, "merges.txt"), "w") as f:
-        f.write("#version: 0.2\n")
-    return CLIPTokenizer(vocab_file=os.path.join(folder, "vocab.json"), merges_file=os.path.join(folder, "merges.txt"),
-                         model_max_length=77)
+@pytest.fixture(scope="session")
+def tiny_build(tmp_path_factory):
+    """mini_sd3.py's pipeline at its tiny size (three text encoders, VAE, MMDiT-X transformer),
+    pretrained for seconds and saved with save_pretrained: (folder, pretraining history)."""
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny_sd3")
+    pipe = mini_sd3.build_pipeline("tiny")
+    history = mini_sd3.pretrain(pipe, mini_sd3.PretrainConfig(size="tiny", vae_steps=30, steps=40, batch=16, data=256,
+                                                              warmup=5), log=lambda *_: None)
+    pipe.save_pretrained(str(folder / "pipe"))
+    return str(folder / "pipe"), history
 
 
 @pytest.fixture(scope="session")
-def tiny_sd3(tmp_path_factory):
-    """A tiny StableDiffusion3Pipeline (T5 omitted), saved with save_pretrained."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tiny_sd3")
-    transformer = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-                                        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
-                                        pooled_projection_dim=32, out_channels=4, pos_embed_max_size=8)
-    clip = CLIPTextConfig(bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=16, intermediate_size=32,
-                          projection_dim=16, num_attention_heads=2, num_hidden_layers=2, vocab_size=200,
-                          max_position_embeddings=77, hidden_act="gelu")
-    vae = AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 8), latent_channels=4, norm_num_groups=4,
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                        sample_size=16, shift_factor=0.0609, scaling_factor=1.5035, use_quant_conv=False,
-                        use_post_quant_conv=False)
-    tok = tiny_tokenizer(str(folder / "vocab"))
-    pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-                                    text_encoder=CLIPTextModelWithProjection(clip), tokenizer=tok,
-                                    text_encoder_2=CLIPTextModelWithProjection(clip), tokenizer_2=tok,
-                                    text_encoder_3=None, tokenizer_3=None)
-    pipe.save_pretrained(str(folder / "pipe"))
-    return str(folder / "pipe")
+def tiny_sd3(tiny_build):
+    return tiny_build[0]
 
 
 def run_args(model, out, *extra):
@@ -156,7 +134,7 @@ def test_full_finetune_with_ema_prompt_file_and_pickscore(tiny_sd3, tmp_path):
                         projection_dim=16)
     CLIPModel(config).save_pretrained(clip_dir)
     processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32),
-                              tokenizer=tiny_tokenizer(str(tmp_path / "clip_vocab")))
+                              tokenizer=mini_sd3.build_tokenizers()[0])
     processor.save_pretrained(clip_dir)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cat\n\na blue dog\n")
@@ -316,3 +294,90 @@ def test_ema_weights_are_swapped_in_and_restored():
     assert torch.equal(model.weight, trained)
     with train_sd.ema_weights(model, None):
         assert torch.equal(model.weight, trained)
+
+
+# ------------------------------------------------------------------ the mini SD3: task, checker, builder
+
+
+def test_checker_scores_ground_truth_high_and_each_mistake_low():
+    import random
+
+    rng = random.Random(0)
+    single, count, relation = mini_sd3.all_prompts()
+    for prompts in (single, count, relation):
+        scores = [mini_sd3.score(mini_sd3.render(p, rng), p) for p in rng.choices(prompts, k=60)]
+        assert sum(scores) / len(scores) > 0.9
+
+    def mean_score(asked, drawn):
+        return sum(mini_sd3.score(mini_sd3.render(drawn, rng), asked) for _ in range(20)) / 20
+
+    assert mean_score("a red circle", "a blue circle") < 0.05  # colour
+    for asked, drawn in (("a red circle", "a red square"), ("a green triangle", "a green circle"),
+                         ("a blue square", "a blue triangle")):
+        assert mean_score(asked, drawn) < 0.1  # shape
+    assert mean_score("a red circle left of a blue square", "a red circle right of a blue square") < 0.1  # order
+    assert mean_score("two yellow squares", "a yellow square") < 0.3  # count
+    # One of two objects wrong: half credit, GenEval's all-or-nothing made graded.
+    assert 0.3 < mean_score("a red circle left of a blue square", "a red circle left of a blue triangle") < 0.6
+    blank = Image.new("RGB", (32, 32), mini_sd3.BACKGROUND)
+    assert mini_sd3.score(blank, "two red circles") == 0.0
+    with pytest.raises(ValueError, match="not in the mini SD3 grammar"):
+        mini_sd3.score(blank, "a photo of a cat")
+
+
+def test_mini_pipeline_loads_with_three_encoders_and_pretraining_lowers_the_loss(tiny_build):
+    from diffusers import StableDiffusion3Pipeline
+
+    folder, history = tiny_build
+    assert history["vae"][1] < history["vae"][0] and history["flow"][1] < history["flow"][0]
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder)
+    assert all(m is not None for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3,
+                                       pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3))
+    assert type(pipe.text_encoder_3).__name__ == "T5EncoderModel" and pipe.scheduler.config.shift == 3.0
+    # Every word of the grammar is one token for CLIP and for T5 (bos/eos aside): prompts are read, not spelled.
+    prompt = "a yellow triangle left of a green square"
+    assert len(pipe.tokenizer(prompt).input_ids) == 8 + 2 and len(pipe.tokenizer_3(prompt).input_ids) == 8 + 1
+    # The T5 half of the embeddings carries the prompt (a T5-less pipeline would give zeros there).
+    cond, _ = train_sd.encode(pipe, ["a red circle", "two blue squares"], "cpu")
+    t5_part = cond[0][:, mini_sd3.MAX_TOKENS:]  # [B, 16, E]: CLIP's 16 tokens come first
+    assert t5_part.abs().sum() > 0 and not torch.allclose(t5_part[0], t5_part[1])
+
+
+def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path):
+    out = tmp_path / "cmp"
+    comparison = train_sd.main(run_args(tiny_sd3, out, "--epochs", "2", "--method", "compare", "--probe-every", "1",
+                                        "--anchors", "shared", "--interior", "rollout", "--eval-samples", "6",
+                                        "--final-evals", "2", "--lr-schedule", "cosine", "--reward", "shapes"))
+    for key in ("mode", "initial_reward", "final_reward", "reward_gain", "reward_gain_ratio", "train_speedup",
+                "backward_speedup"):
+        assert key in comparison, key
+    assert comparison["mode"] == "jagg_shared_rollout"
+    assert set(comparison["final_reward"]) == set(comparison["reward_gain"]) == {"exact", "jagg"}
+    saved = json.load(open(out / "summary.json"))
+    assert saved["jagg"]["probe_cosine_by_position"] and len(saved["jagg"]["probe_cosine_by_position"]) == 3  # anchors 0, 1, 2, 3
+    ex = saved["exact"]
+    # final: the mean of the last two evaluations after training started (epochs 1 and 2)
+    assert ex["final_reward"] == pytest.approx((ex["eval_curve"][1][1] + ex["eval_curve"][2][1]) / 2)
+    assert ex["initial_reward"] == saved["jagg"]["initial_reward"]  # same model, same evaluation noise
+    for name in ("reward_curves.png", "samples.png", "exact/metrics.jsonl", "jagg/metrics.jsonl", "exact/summary.json",
+                 "jagg/lora.safetensors"):
+        assert (out / name).exists(), name
+    rows = [json.loads(line) for line in open(out / "exact" / "metrics.jsonl")]
+    assert rows[1]["train/lr"] == pytest.approx(1e-2) and rows[2]["train/lr"] == pytest.approx(0.5e-2)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prompts", "CAT", "--reward", "shapes"], "not in the mini SD3 grammar"),
+    (["--method", "compare", "--resume", "RUN"], "--method compare trains both methods from the start"),
+    (["--eval-samples", "0"], "--eval-samples must be >= 1"),
+])
+def test_mini_flags_fail_before_any_work(tiny_sd3, tmp_path, extra, message):
+    cat = tmp_path / "cat.txt"
+    cat.write_text("a red circle\na photo of a cat\n")
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "checkpoint" / "state.json").write_text("{}")
+    extra = [str(cat) if e == "CAT" else str(run) if e == "RUN" else e for e in extra]
+    with pytest.raises(SystemExit, match=message):
+        train_sd.main(run_args(tiny_sd3, tmp_path / "out", *extra))
+    assert not (tmp_path / "out").exists()
