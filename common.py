@@ -11,6 +11,7 @@
 import argparse
 import dataclasses
 import json
+import math
 import os
 import tempfile
 
@@ -246,6 +247,27 @@ def color_of(name, i):
     return COLORS.get(name, PALETTE[i % len(PALETTE)])
 
 
+def nice_ticks(low, high, target=5):
+    """Round tick values covering [low, high]: steps of 1, 2, 2.5 or 5 times a power of ten, about
+    `target` of them (0.2, 0.4, 0.6 or 0, 20, 40, not 0.181, 0.319). Returns (ticks, lo, hi):
+    the axis range widened to the first and last tick."""
+    if high <= low:
+        high = low + 1.0
+    raw = (high - low) / max(1, target - 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw * (1 - 1e-9))
+    first, last = math.floor(low / step + 1e-9), math.ceil(high / step - 1e-9)
+    ticks = [round(i * step, 10) for i in range(first, last + 1)]
+    return ticks, ticks[0], ticks[-1]
+
+
+def tick_label(v, ticks):
+    """A tick's text with as many decimals as the step needs (0.25 -> '0.25', 20.0 -> '20')."""
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) + (1 if round(step / 10 ** math.floor(math.log10(step)), 6) == 2.5 else 0)
+    return f"{v:.{decimals}f}"
+
+
 def chart(series, title, x_label, y_label, size=(780, 420), lines=True, marks=None, y_range=None):
     """A chart of {name: [(x, y), ...]} with axes, ticks and a legend beside the plot, drawn with
     pillow: lines (or, lines=False, dots: a scatter). marks: {name: [(x, y, filled)]}, circles
@@ -258,25 +280,26 @@ def chart(series, title, x_label, y_label, size=(780, 420), lines=True, marks=No
     if not points:
         return img
     xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = y_range or (min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1)
+    # Axes run between round ticks that cover the data (y_range, if given, is kept as it is).
+    x_ticks, x0, x1 = nice_ticks(min(xs), max(xs))
     if y_range is None:
-        pad = 0.05 * (y1 - y0)
-        y0, y1 = y0 - pad, y1 + pad
+        y_ticks, y0, y1 = nice_ticks(min(ys), max(ys))
+    else:
+        (y0, y1), y_ticks = y_range, [v for v in nice_ticks(*y_range)[0] if y_range[0] <= v <= y_range[1]]
 
     def px(x, y):
         return (left + (x - x0) / (x1 - x0) * (right - left), bottom - (y - y0) / (y1 - y0) * (bottom - top))
 
     d.rectangle([left, top, right, bottom], outline="black")
-    for i in range(5):
-        yv = y0 + i * (y1 - y0) / 4
+    for yv in y_ticks:
         _, yp = px(x0, yv)
         d.line([left - 4, yp, left, yp], fill="black")
-        d.text((left - 8, yp), f"{yv:.3g}", fill="black", font=small, anchor="rm")
-        xv = x0 + i * (x1 - x0) / 4
+        d.line([left + 1, yp, right - 1, yp], fill=(232, 232, 232))  # a light grid line
+        d.text((left - 8, yp), tick_label(yv, y_ticks), fill="black", font=small, anchor="rm")
+    for xv in x_ticks:
         xp, _ = px(xv, y0)
         d.line([xp, bottom, xp, bottom + 4], fill="black")
-        d.text((xp, bottom + 8), f"{xv:.3g}", fill="black", font=small, anchor="mt")
+        d.text((xp, bottom + 8), tick_label(xv, x_ticks), fill="black", font=small, anchor="mt")
     d.text(((left + right) / 2, 8), title, fill="black", font=large, anchor="mt")
     d.text(((left + right) / 2, size[1] - 8), x_label, fill="black", font=small, anchor="md")
     d.text((8, top - 22), y_label, fill="black", font=small)

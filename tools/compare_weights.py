@@ -1,0 +1,102 @@
+"""Which interpolation weighting is closer to the exact gradient: by t (the paper's abstract, our
+default) or by step index (the authors' early code)? The fidelity probe on the same rollouts.
+
+    python tools/compare_weights.py toy            # the toy DiT of train_toy.py (its cached base model)
+    python tools/compare_weights.py mini           # the mini SD3 of mini_sd3.py (cached; pretrained if missing)
+
+For each model: rollouts from the base model (T and the schedule its script trains with, W = 4),
+then jagg.gradient_cosines, the cosine of JAGG's gradient to the exact one per window, with
+weights="time" and weights="index" on identical batches, averaged over --batches batches.
+Prints a markdown table and writes it as JSON to --out.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jagg  # noqa: E402
+from common import write_json  # noqa: E402
+
+WEIGHTS = ("time", "index")
+
+
+def toy_batches(args):
+    """(velocity_fn, params, traj, adv) per batch, from train_toy.py's base model and task."""
+    import train_toy
+
+    cfg = train_toy.Config()
+    model, _ = train_toy.base_model(cfg, rank=0)
+    sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)
+    g = torch.Generator().manual_seed(args.seed)
+    labels = torch.arange(len(train_toy.PROMPTS)).repeat_interleave(args.batch // len(train_toy.PROMPTS))  # [B]
+    fn = train_toy.make_velocity_fn(model, labels)
+    for _ in range(args.batches):
+        with torch.no_grad():
+            traj = jagg.rollout(fn, torch.randn(len(labels), 2, generator=g), sigmas, cfg.noise_level, generator=g)
+        adv = jagg.group_advantages(train_toy.reward_fn(traj.sample, labels), labels)
+        yield fn, list(model.parameters()), traj, adv, cfg.num_steps
+
+
+def mini_batches(args):
+    """The same from the mini SD3 (CFG 4.5, T = 10, full fine-tuning's parameters, the shapes reward)."""
+    import train_sd
+
+    cfg = train_sd.Config(model=args.model, reward="shapes", full_finetune=True, gradient_checkpointing=False,
+                          device="cpu", rollout_batch=args.batch, seed=args.seed)
+    pipe, transformer = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, resolution=train_sd.default_resolution(pipe, cfg))
+    prompts_all = train_sd.default_prompts(cfg)
+    reward_fn = train_sd.make_reward_fn(cfg, "cpu")
+    sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0))
+    g = torch.Generator().manual_seed(args.seed)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    for _ in range(args.batches):
+        pick = torch.randint(len(prompts_all), (args.batch // 4,), generator=g)
+        prompts = [prompts_all[i] for i in pick.repeat_interleave(4).tolist()]  # groups of 4
+        traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16=False)
+        adv = jagg.group_advantages(reward_fn(images, prompts), pick.repeat_interleave(4))
+        fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16=False)
+        yield fn, params, traj, adv, cfg.num_steps
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model_kind", choices=["toy", "mini"], help="which model to probe")
+    parser.add_argument("--model", default="mini", help="for mini: a saved mini pipeline folder, or mini (the cached one)")
+    parser.add_argument("--window", type=int, default=4, help="W")
+    parser.add_argument("--batches", type=int, default=8, help="rollout batches to average over")
+    parser.add_argument("--batch", type=int, default=16, help="samples per batch (a multiple of 4)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the rollouts")
+    parser.add_argument("--out", default="", help="JSON file for the results (default runs/weights_<model>.json)")
+    args = parser.parse_args(argv)
+    if args.batch % 4 or args.batch < 4:
+        parser.error(f"--batch must be a positive multiple of 4 (groups of 4 samples), got {args.batch}")
+    loss_cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    sums = {(a, w): None for a in ("window", "shared") for w in WEIGHTS}
+    batches = toy_batches(args) if args.model_kind == "toy" else mini_batches(args)
+    for fn, params, traj, adv, T in batches:
+        for anchors, weights in sums:
+            cos = jagg.gradient_cosines(fn, params, traj, adv, loss_cfg, args.window, anchors=anchors, weights=weights)
+            sums[anchors, weights] = cos if sums[anchors, weights] is None else [s + c for s, c in zip(sums[anchors, weights], cos)]
+    result = {f"{a}/{w}": [s / args.batches for s in v] for (a, w), v in sums.items()}
+    print(f"{args.model_kind}: probe cosine to the exact gradient per segment (T = {T}, W = {args.window}, "
+          f"{args.batches} batches of {args.batch} samples, the base model)\n")
+    print("| model | anchors | weights | cosine per segment | mean |")
+    print("|---|---|---|---|---|")
+    for key, v in result.items():
+        a, w = key.split("/")
+        print(f"| {args.model_kind} | {a} | {w} | {', '.join(f'{c:.3f}' for c in v)} | {sum(v) / len(v):.3f} |")
+    write_json(args.out or os.path.join("runs", f"weights_{args.model_kind}.json"),
+               {"args": vars(args), "cosine_by_segment": result})
+    return result
+
+
+if __name__ == "__main__":
+    main()
