@@ -172,6 +172,23 @@ def step_metrics(step_stats):
     return row
 
 
+def compare_summary(ex, jg, config):
+    """summary.json of a compare run (both scripts): exact's and JAGG's run summaries side by side,
+    the share of exact's reward gain JAGG kept, and the speedups."""
+    return {
+        "method": "compare", "mode": jg["mode"], "weights": config.get("weights", "time"),
+        "initial_reward": ex["initial_reward"],  # the same model and evaluation noise for both
+        **{key: {"exact": ex[key], "jagg": jg[key]}
+           for key in ("final_reward", "reward_gain", "backward_seconds", "grad_seconds", "train_seconds", "grad_steps")},
+        "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] != 0 else None,
+        "backward_speedup": ex["backward_seconds"] / jg["backward_seconds"],
+        "grad_speedup": ex["grad_seconds"] / jg["grad_seconds"],
+        "train_speedup": ex["train_seconds"] / jg["train_seconds"],
+        "grad_steps_ratio": ex["grad_steps"] / jg["grad_steps"],
+        "exact": ex, "jagg": jg, "config": config,
+    }
+
+
 def param_checksums(params):
     """Each rank's sum of its parameters, gathered: equal values show the ranks stayed in sync."""
     return all_gather_cat(torch.stack([p.detach().double().sum() for p in params]).sum()[None]).tolist()

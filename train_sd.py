@@ -42,9 +42,9 @@ from tqdm import tqdm
 import jagg
 from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
-from common import chart, font, save_png, step_metrics, training_step_bars, writable_folder_check, write_json, write_jsonl
+from common import chart, compare_summary, font, save_png, step_metrics, training_step_bars, writable_folder_check, write_json, write_jsonl
 
-REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", "shapes"]
+REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", "shapes", "shapes_cover"]
 DEFAULT_PROMPTS = [
     "a photo of a cat sitting on a windowsill", "a red bicycle leaning against a brick wall",
     "a bowl of ramen with chopsticks", "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
@@ -59,7 +59,8 @@ class Config:
                      "directory; mini: the small SD3 of mini_sd3.py, pretrained once and cached in runs/cache")
     prompts: str = arg("", "text file with one prompt a line; empty: a small built-in list (--model mini: its task's 48)")
     reward: str = arg("jpeg_compressibility", "reward function; shapes: mini_sd3.py's GenEval-like checker (colours, "
-                                              "shapes, counts, left/right) for --model mini's prompts", choices=REWARDS)
+                                              "shapes, counts, left/right) for --model mini's prompts; shapes_cover: its "
+                                              "mean with how much of the image the asked colours cover", choices=REWARDS)
     reward_model: str = arg("", "for --reward pickscore: local directory of a CLIP model and processor (PickScore)")
     resolution: int = arg(0, "image size in pixels; 0: 512 (Flow-GRPO's) for SD3/SD3.5 and the benchmark, the size "
                              "a --model mini was trained at")
@@ -164,7 +165,7 @@ class Config:
 
     def shapes_prompt_check(self):
         """--reward shapes scores prompts of mini_sd3.py's grammar only: say which one is not."""
-        if self.reward != "shapes" or (self.prompts and not os.path.isfile(self.prompts)):
+        if not self.reward.startswith("shapes") or (self.prompts and not os.path.isfile(self.prompts)):
             return True, ""
         import mini_sd3
 
@@ -220,7 +221,7 @@ def default_prompts(cfg):
     """--prompts, else the mini model's task prompts (--model mini or --reward shapes), else a small list."""
     if cfg.prompts:
         return read_prompts(cfg.prompts)
-    if cfg.model == "mini" or cfg.reward == "shapes":
+    if cfg.model == "mini" or cfg.reward.startswith("shapes"):
         import mini_sd3
 
         return mini_sd3.training_prompts()
@@ -424,10 +425,11 @@ def make_reward_fn(cfg, device):
         return lambda images, prompts: torch.tensor([-jpeg_kb(im) for im in images])
     if cfg.reward == "jpeg_incompressibility":
         return lambda images, prompts: torch.tensor([jpeg_kb(im) for im in images])
-    if cfg.reward == "shapes":  # GenEval in miniature: colours, shapes, counts, left/right, from pixels
+    if cfg.reward in ("shapes", "shapes_cover"):  # GenEval in miniature: colours, shapes, counts, left/right
         import mini_sd3
 
-        return lambda images, prompts: torch.tensor([mini_sd3.score(im, p) for im, p in zip(images, prompts)])
+        fn = mini_sd3.score if cfg.reward == "shapes" else mini_sd3.score_cover
+        return lambda images, prompts: torch.tensor([fn(im, p) for im, p in zip(images, prompts)])
     from transformers import AutoModel, AutoProcessor
 
     try:
@@ -528,20 +530,22 @@ def sample_grid(images, prompts, rewards, cell=256):
     return grid
 
 
-def compare_grid(prompts, columns, cell=96):
+def compare_grid(prompts, columns, cell=96, gap=12):
     """Rows of prompts, one column per model: {name: (images, rewards)}; each image with its score."""
-    label_w, head = 230, 28
-    img = Image.new("RGB", (label_w + cell * len(columns), head + len(prompts) * (cell + 18)), "white")
+    label_w, head = 300, 44
+    img = Image.new("RGB", (label_w + (cell + gap) * len(columns), head + len(prompts) * (cell + 22)), "white")
     d = ImageDraw.Draw(img)
     small = font(13)
     for j, name in enumerate(columns):
-        d.text((label_w + j * cell + cell / 2, 8), name, fill="black", font=small, anchor="mt")
+        d.multiline_text((label_w + j * (cell + gap) + cell / 2, 6), name.replace(" (", "\n("), fill="black", font=small,
+                         anchor="ma", align="center")
     for i, p in enumerate(prompts):
-        y = head + i * (cell + 18)
+        y = head + i * (cell + 22)
         d.text((8, y + cell / 2), p, fill="black", font=small, anchor="lm")
         for j, (images, rewards) in enumerate(columns.values()):
-            img.paste(images[i].resize((cell, cell), Image.NEAREST), (label_w + j * cell, y))
-            d.text((label_w + j * cell + cell / 2, y + cell + 2), f"{rewards[i]:.2f}", fill="black", font=small, anchor="mt")
+            x = label_w + j * (cell + gap)
+            img.paste(images[i].resize((cell, cell), Image.NEAREST), (x, y))
+            d.text((x + cell / 2, y + cell + 3), f"{rewards[i]:.2f}", fill="black", font=small, anchor="mt")
     return img
 
 
@@ -843,18 +847,7 @@ def compare(cfg):
     if not _is_main():
         return None
     ex, jg = runs["exact"][1], runs["jagg"][1]
-    comparison = {
-        "method": "compare", "mode": jg["mode"], "weights": cfg.weights,
-        "initial_reward": ex["initial_reward"],  # the same model and evaluation noise for both
-        **{key: {"exact": ex[key], "jagg": jg[key]}
-           for key in ("final_reward", "reward_gain", "backward_seconds", "grad_seconds", "train_seconds", "grad_steps")},
-        "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] != 0 else None,
-        "backward_speedup": ex["backward_seconds"] / jg["backward_seconds"],
-        "grad_speedup": ex["grad_seconds"] / jg["grad_seconds"],
-        "train_speedup": ex["train_seconds"] / jg["train_seconds"],
-        "grad_steps_ratio": ex["grad_steps"] / jg["grad_steps"],
-        "exact": ex, "jagg": jg, "config": dataclasses.asdict(cfg),
-    }
+    comparison = compare_summary(ex, jg, dataclasses.asdict(cfg))
     write_json(os.path.join(cfg.out, "summary.json"), comparison)
     save_png(os.path.join(cfg.out, "reward_curves.png"), chart(
         {m: runs[m][1]["eval_curve"] for m in ("exact", "jagg")},
@@ -862,9 +855,12 @@ def compare(cfg):
     evals = {m: runs[m][2] for m in ("exact", "jagg")}
     first, last = min(evals["exact"]), {m: max(e) for m, e in evals.items()}
     prompts = default_prompts(cfg)
+    # 12 evaluation samples spread over the prompt list (the mini task's: single, count, relation)
+    n = min(cfg.eval_samples, len(prompts))
+    rows_shown = sorted({i * n // min(12, n) for i in range(min(12, n))})
     columns = {"base": evals["exact"][first], **{f"{m} (epoch {last[m]})": evals[m][last[m]] for m in ("exact", "jagg")}}
-    save_png(os.path.join(cfg.out, "samples.png"),
-             compare_grid([prompts[i % len(prompts)] for i in range(min(12, cfg.eval_samples))], columns))
+    columns = {name: ([ims[i] for i in rows_shown], [r[i] for i in rows_shown]) for name, (ims, r) in columns.items()}
+    save_png(os.path.join(cfg.out, "samples.png"), compare_grid([prompts[i] for i in rows_shown], columns))
     print(f"JAGG ({jg['mode']}) kept {100 * (comparison['reward_gain_ratio'] or 0):.1f}% of exact GRPO's reward gain "
           f"({jg['reward_gain']:+.3f} vs {ex['reward_gain']:+.3f}); backward {comparison['backward_speedup']:.2f}x faster, "
           f"training (rollouts included) {comparison['train_speedup']:.2f}x, "

@@ -34,7 +34,7 @@ import jagg
 from common import COLORS, all_gather_cat, arg, chart, fail_on, font, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
 from common import report_trajectory, save_png, step_metrics, torch_save, training_step_bars, writable_folder_check
-from common import write_json, write_jsonl
+from common import compare_summary, write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
 
 
@@ -514,19 +514,7 @@ def main(argv=None):
 
     if cfg.method == "compare":
         ex, jg = summaries["exact"], summaries["jagg"]
-        comparison = {
-            "method": "compare",
-            "mode": jg["mode"],
-            "initial_reward": ex["initial_reward"],  # the same checkpoint and evaluation noise for both
-            **{key: {"exact": ex[key], "jagg": jg[key]}
-               for key in ("final_reward", "reward_gain", "backward_seconds", "grad_seconds", "train_seconds", "grad_steps")},
-            "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] != 0 else None,
-            "backward_speedup": ex["backward_seconds"] / jg["backward_seconds"],
-            "grad_speedup": ex["grad_seconds"] / jg["grad_seconds"],
-            "train_speedup": ex["train_seconds"] / jg["train_seconds"],
-            "grad_steps_ratio": ex["grad_steps"] / jg["grad_steps"],
-            "exact": ex, "jagg": jg, "config": dataclasses.asdict(cfg),
-        }
+        comparison = compare_summary(ex, jg, dataclasses.asdict(cfg))
         write_json(os.path.join(cfg.out, "summary.json"), comparison)
         print(f"JAGG ({jg['mode']}) kept {100 * comparison['reward_gain_ratio']:.1f}% of exact GRPO's reward gain; "
               f"backward {comparison['backward_speedup']:.2f}x faster, window gradients {comparison['grad_speedup']:.2f}x, "

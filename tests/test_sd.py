@@ -321,6 +321,15 @@ def test_checker_scores_ground_truth_high_and_each_mistake_low():
     assert 0.3 < mean_score("a red circle left of a blue square", "a red circle left of a blue triangle") < 0.6
     blank = Image.new("RGB", (32, 32), mini_sd3.BACKGROUND)
     assert mini_sd3.score(blank, "two red circles") == 0.0
+    # shapes_cover: half the score, half how much of the image the asked colours cover (full at COVER)
+    red = Image.new("RGB", (32, 32), mini_sd3.COLORS["red"])
+    assert mini_sd3.coverage(blank, "a red circle") == 0.0 and mini_sd3.coverage(red, "a red circle") == 1.0
+    assert mini_sd3.coverage(red, "a blue circle left of a green square") == 0.0
+    drawn = mini_sd3.render("a red circle left of a blue square", rng)
+    assert 0.2 < mini_sd3.coverage(drawn, "a red circle left of a blue square") < 0.6
+    assert mini_sd3.score_cover(drawn, "a red circle left of a blue square") == pytest.approx(
+        0.5 * mini_sd3.score(drawn, "a red circle left of a blue square")
+        + 0.5 * mini_sd3.coverage(drawn, "a red circle left of a blue square"))
     with pytest.raises(ValueError, match="not in the mini SD3 grammar"):
         mini_sd3.score(blank, "a photo of a cat")
 

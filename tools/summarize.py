@@ -1,6 +1,6 @@
 """Markdown tables for the README from the runs' own files, so that no number is copied by hand.
 
-    python tools/summarize.py compare runs/toy runs/toy_seed1 ...          # train_toy.py compare runs
+    python tools/summarize.py compare runs/toy runs/toy_seed1 ...          # train_toy.py / train_sd.py compare runs
     python tools/summarize.py routing --exact runs/toy,runs/toy_seed1 runs/route_probe_seed0 ...
     python tools/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # train_sd.py --benchmark
     python tools/summarize.py toybench runs/toy_bench/benchmark.json       # train_toy.py --benchmark
@@ -22,15 +22,41 @@ def cosines(values):
     return ", ".join(f"{c:.2f}" for c in values) if values else "-"
 
 
+def noise(run):
+    """train_sd.py runs: the evaluation noise, as the standard deviation of the evaluations the
+    final reward averages, and the gain in units of it."""
+    n = run.get("final_evals_used", 1)
+    last = [v for _, v in run["eval_curve"][-n:]]
+    if len(last) < 2:
+        return "-"
+    mean = sum(last) / len(last)
+    sd = (sum((v - mean) ** 2 for v in last) / (len(last) - 1)) ** 0.5
+    return f"{sd:.3f} ({run['reward_gain'] / sd:.1f}x)" if sd > 0 else "0"
+
+
 def compare(runs):
+    """One row per compare run, then the mean and the worst gain kept per mode."""
+    sd = any("eval_curve" in load(run)["exact"] for run in runs)
     print("| seed | mode | reward, exact | reward, JAGG | gain kept | backward | training step (rollouts incl.) "
-          "| probe cosine per segment |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| probe cosine per segment |" + (" exact: eval noise (gain / noise) |" if sd else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if sd else ""))
+    kept = {}
     for run in runs:
         s = load(run)
+        ratio = s["reward_gain_ratio"]
+        kept.setdefault(s["mode"], []).append(ratio)
         print(f"| {s['config']['seed']} | {s['mode']} | {s['initial_reward']:.3f} → {s['final_reward']['exact']:.3f} "
-              f"| {s['initial_reward']:.3f} → {s['final_reward']['jagg']:.3f} | {100 * s['reward_gain_ratio']:.1f} % "
-              f"| {s['backward_speedup']:.2f}x | {s['train_speedup']:.2f}x | {cosines(s['jagg']['probe_cosine_by_position'])} |")
+              f"| {s['initial_reward']:.3f} → {s['final_reward']['jagg']:.3f} "
+              f"| {'-' if ratio is None else f'{100 * ratio:.1f} %'} "
+              f"| {s['backward_speedup']:.2f}x | {s['train_speedup']:.2f}x | {cosines(s['jagg']['probe_cosine_by_position'])} |"
+              + (f" {noise(s['exact'])} |" if "eval_curve" in s["exact"] else ""))
+    print()
+    print("| mode | seeds | gain kept, mean | gain kept, worst |")
+    print("|---|---|---|---|")
+    for mode, ratios in kept.items():
+        ratios = [r for r in ratios if r is not None]
+        if ratios:
+            print(f"| {mode} | {len(ratios)} | {100 * sum(ratios) / len(ratios):.1f} % | {100 * min(ratios):.1f} % |")
 
 
 def routing(runs, exact):
