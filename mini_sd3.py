@@ -329,8 +329,6 @@ def build_pipeline(size="base", seed=0):
         attention_head_dim=p["head_dim"], num_attention_heads=p["heads"], joint_attention_dim=p["t5_hidden"],
         caption_projection_dim=p["heads"] * p["head_dim"], pooled_projection_dim=2 * p["text_hidden"],
         pos_embed_max_size=latent, dual_attention_layers=p["dual_attention_layers"], qk_norm="rms_norm")
-    from diffusers import StableDiffusion3Pipeline  # noqa: F811 (imported above; kept for the reader)
-
     pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
                                     text_encoder=clip_encoder(), tokenizer=clip_tok, text_encoder_2=clip_encoder(),
                                     tokenizer_2=clip_tok, text_encoder_3=t5, tokenizer_3=t5_tok)

@@ -42,7 +42,8 @@ from tqdm import tqdm
 import jagg
 from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
-from common import chart, compare_summary, font, save_png, step_metrics, training_step_bars, writable_folder_check, write_json, write_jsonl
+from common import chart, compare_summary, font, save_png, step_metrics, training_step_bars, writable_folder_check
+from common import write_json, write_jsonl
 
 REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", "shapes", "shapes_cover"]
 DEFAULT_PROMPTS = [

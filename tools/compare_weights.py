@@ -11,7 +11,7 @@ Prints a markdown table and writes it as JSON to --out.
 """
 
 import argparse
-import json
+import dataclasses
 import os
 import sys
 
@@ -49,8 +49,6 @@ def mini_batches(args):
     cfg = train_sd.Config(model=args.model, reward="shapes", full_finetune=True, gradient_checkpointing=False,
                           device="cpu", rollout_batch=args.batch, seed=args.seed)
     pipe, transformer = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
-    import dataclasses
-
     cfg = dataclasses.replace(cfg, resolution=train_sd.default_resolution(pipe, cfg))
     prompts_all = train_sd.default_prompts(cfg)
     reward_fn = train_sd.make_reward_fn(cfg, "cpu")
