@@ -62,7 +62,23 @@ def jagg_flag_checks(cfg):
         (-1.0 <= cfg.min_cosine <= 1.0, f"--min-cosine must be in [-1, 1] (a cosine), got {cfg.min_cosine}"),
         (cfg.route != "probe" or cfg.probe_every >= 1,
          "--route probe routes by the probe's measurements: give it --probe-every N >= 1"),
+        (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= (2 if cfg.interior == "rollout" else 1),
+         f"--max-graph-rows must be 0 (no bound) or >= {2 if cfg.interior == 'rollout' else 1}"
+         f"{' with --interior rollout (a segment needs both its anchors at once)' if cfg.interior == 'rollout' else ''}, "
+         f"got {cfg.max_graph_rows}"),
     ]
+
+
+def bench_modes(max_graph_rows):
+    """The benchmarks' modes: jagg.TRAINING_MODES, and with a bound k > 0 each JAGG mode that can
+    take it again as "<mode>_rows<k>" (rollout interiors need k >= 2)."""
+    import jagg
+
+    modes = list(jagg.TRAINING_MODES)
+    if max_graph_rows:
+        modes += [f"{m}_rows{max_graph_rows}" for m in jagg.TRAINING_MODES
+                  if m != "exact" and (max_graph_rows >= 2 or "rollout" not in m)]
+    return modes
 
 
 def mode_name(method, anchors, interior):
@@ -237,14 +253,16 @@ def report_trajectory(t, W, scale=1.0, unit="s"):
         out["epoch_speedup"][m] = (rollout_s + t["exact"]["train_s"]) / (rollout_s + t[m]["train_s"])
         if "peak_mem_gb" in t[m]:
             out.setdefault("peak_mem_gb", {})[m] = t[m]["peak_mem_gb"]
+        if "saved_gb" in t[m]:  # activations saved for backward at the peak: the same on any device
+            out.setdefault("saved_gb", {})[m] = t[m]["saved_gb"]
     cols = tuple(TRAIN_PARTS)
-    mem = "peak_mem_gb" in out
-    print(f"{'mode':>20} {'rows':>5} " + " ".join(f"{c:>10}" for c in cols) + f" {'train':>9} {'x train':>8} {'x epoch':>8}"
-          + (f" {'peak GiB':>9}" if mem else "") + f"   ({unit})")
+    mem, saved = "peak_mem_gb" in out, "saved_gb" in out
+    print(f"{'mode':>26} {'rows':>5} " + " ".join(f"{c:>10}" for c in cols) + f" {'train':>9} {'x train':>8} {'x epoch':>8}"
+          + (f" {'saved MiB':>10}" if saved else "") + (f" {'peak GiB':>9}" if mem else "") + f"   ({unit})")
     for m in modes:
-        print(f"{m:>20} {out['backward_rows'][m]:>5} " + " ".join(f"{scale * out['train_parts_s'][m][c]:>10.3f}" for c in cols)
+        print(f"{m:>26} {out['backward_rows'][m]:>5} " + " ".join(f"{scale * out['train_parts_s'][m][c]:>10.3f}" for c in cols)
               + f" {scale * out['train_s'][m]:>9.3f} {out['train_speedup'][m]:>7.2f}x {out['epoch_speedup'][m]:>7.2f}x"
-              + (f" {out['peak_mem_gb'][m]:>9.1f}" if mem else ""))
+              + (f" {1024 * out['saved_gb'][m]:>10.1f}" if saved else "") + (f" {out['peak_mem_gb'][m]:>9.1f}" if mem else ""))
     print(f"W = {W}: one rollout {scale * rollout_s:.3f} {unit}; epoch = rollout + training of the same batch")
     return out
 

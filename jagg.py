@@ -57,6 +57,7 @@ import math
 import statistics
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -371,7 +372,8 @@ def _anchor_steps(anchors, S):
     return [int(a) for a in steps]
 
 
-def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_rollout=None, weights="time"):
+def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_rollout=None, weights="time",
+                  max_graph_rows=None):
     """JAGG gradient of S steps: ONE forward with graph on the anchor steps (the paper: the two
     endpoints, a double batch) and ONE backward of their composite signals G_j.
 
@@ -387,12 +389,15 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
     states there lie on the straight line between them at the same alpha_k as their times; with
     v_rollout, the interior velocities must be right too (they are while theta = theta_old).
     Otherwise an approximation, as good as the Jacobian is linear in t (section 9 measures it).
-    Memory: the forward with graph holds the M anchor rows of B samples at once (the paper: 2).
+    Memory: the forward with graph holds the M anchor rows of B samples at once (the paper: 2);
+    max_graph_rows (OURS) bounds that, with the same gradient: see backward_jagg_bounded.
     """
     _check_window(z, t)
     S = z.shape[0]
     _check(S >= 2, f"JAGG needs a window of at least 2 steps, got W = {S}")
     anchors = _anchor_steps((0, S - 1) if anchors is None else anchors, S)
+    if max_graph_rows is not None and max_graph_rows < len(anchors):
+        return backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings, anchors, v_rollout, weights)
     _check(v_rollout is None or tuple(v_rollout.shape) == tuple(z.shape),
            f"v_rollout must be [S, B, *D] like z {tuple(z.shape)}, got {None if v_rollout is None else tuple(v_rollout.shape)}")
     # G_j is accumulated in fp32 at least, whatever the network's precision.
@@ -437,6 +442,96 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
     # One backward: d/dtheta sum_j sum(v_{a_j} * G_j) = sum_j G_j^T J_{a_j}  (the paper: G_a^T J_a + G_b^T J_b).
     with _timed(timings, "backward", z.device):
         (v_anc * G.to(v_anc.dtype)).sum().backward()
+    return total
+
+
+# OURS: a bound on the rows held in a graph. backward_jagg keeps all M anchor rows in one graph
+# (shared anchors at T = 10, W = 4: 4 rows of B samples, against exact's 1 at a time). The joint
+# backward is linear in the anchors, sum_j G_j^T J_{a_j}, so it can run anchor by anchor, each
+# anchor's graph freed by its own backward as soon as its G_j = sum_k H[k, j] g_k is known.
+# G_j needs the g_k of the steps on both sides of a_j:
+# - forward interiors: their velocities come from the no-graph forward, so G_j needs only v at
+#   a_j itself: chunks of max_graph_rows anchors, one at a time (a bound of 1 row is exact's footprint);
+# - rollout interiors: v_k between a_j and a_{j+1} needs both anchors' current velocities, so a
+#   chunk is back-propagated once the next chunk has run its forward: chunks of max_graph_rows // 2,
+#   at most two alive at once (a bound of at least 2). Earlier anchors' velocities are kept detached.
+# Every step's g_k is computed once, and no network row is run twice: the same rows as backward_jagg.
+
+
+def backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings=None, anchors=None, v_rollout=None,
+                          weights="time"):
+    """backward_jagg's gradient with at most max_graph_rows anchor rows (of B samples) in a graph
+    at once: the same value up to the order of floating-point sums, the same network rows."""
+    S = z.shape[0]
+    anchors = _anchor_steps((0, S - 1) if anchors is None else anchors, S)
+    rollout = v_rollout is not None
+    _check(isinstance(max_graph_rows, int) and max_graph_rows >= (2 if rollout else 1),
+           f"max_graph_rows must be an integer >= {2 if rollout else 1} "
+           f"{'with rollout interiors (an interior step needs both its anchors)' if rollout else ''}, got {max_graph_rows!r}")
+    acc = torch.promote_types(z.dtype, torch.float32)
+    H = hat_weights(t.to(acc), anchors, weights)  # [S, M, B]
+    Hx = H.reshape(H.shape + (1,) * (z.ndim - 2))  # [S, M, B, 1..]
+    M, index = len(anchors), {a: j for j, a in enumerate(anchors)}
+    interior = [k for k in range(S) if k not in index]
+
+    v_mid = {}  # the paper's interiors: one no-graph forward, as backward_jagg runs it
+    if not rollout and interior:
+        with _timed(timings, "fwd_nograd", z.device), torch.no_grad():
+            v = velocity_fn(z[interior], t[interior])  # [S-M, B, *D]
+        v_mid = dict(zip(interior, v))
+
+    v_old = v_rollout.to(acc) if rollout else None  # [S, B, *D]
+    v_anchor = {}  # j -> v_{a_j} [B, *D], detached, once its chunk has run its forward
+    g, total = {}, 0.0  # k -> g_k [B, *D]
+
+    def velocity(k):
+        """Step k's velocity without graph: an anchor's own, a forward interior's, or the rollout
+        interior v_old_k + sum_j H[k, j] (v_{a_j} - v_old_{a_j}) from its two anchors."""
+        if k in index:
+            return v_anchor[index[k]]
+        if not rollout:
+            return v_mid[k]
+        j = max(i for i, a in enumerate(anchors) if a < k)  # k lies between a_j and a_{j+1}
+        return (v_old[k] + sum(Hx[k, i] * (v_anchor[i].to(acc) - v_old[anchors[i]]) for i in (j, j + 1))).to(
+            v_anchor[j].dtype)
+
+    def upstream(k):
+        nonlocal total
+        if k not in g:  # g_k = dL_k/dv_k from the loss alone, once per step
+            v_k = velocity(k).detach().requires_grad_(True)
+            loss = step_loss(k, v_k)
+            (g[k],) = torch.autograd.grad(loss, v_k)  # [B, *D]
+            total += loss.item()
+        return g[k].to(acc)
+
+    def forward(chunk):
+        with _timed(timings, "fwd_graph", z.device):
+            steps = [anchors[j] for j in chunk]
+            v = velocity_fn(z[steps], t[steps])  # [len(chunk), B, *D]
+        v_anchor.update({j: v[i].detach() for i, j in enumerate(chunk)})
+        return v
+
+    def backward(chunk, v):
+        G = torch.zeros(v.shape, dtype=acc, device=z.device)  # [len(chunk), B, *D]
+        for i, j in enumerate(chunk):
+            first = anchors[j - 1] + 1 if j > 0 else 0
+            last = anchors[j + 1] - 1 if j + 1 < M else S - 1
+            for k in range(first, last + 1):  # the steps where H[k, j] can be nonzero
+                G[i] += Hx[k, j] * upstream(k)  # G_j = sum_k H[k, j] g_k
+        with _timed(timings, "backward", z.device):
+            (v * G.to(v.dtype)).sum().backward()  # frees this chunk's graph
+
+    size = max_graph_rows // 2 if rollout else max_graph_rows
+    chunks = [list(range(i, min(i + size, M))) for i in range(0, M, size)]
+    if not rollout:
+        for chunk in chunks:
+            backward(chunk, forward(chunk))
+    else:
+        alive = forward(chunks[0])
+        for n, chunk in enumerate(chunks):
+            following = forward(chunks[n + 1]) if n + 1 < len(chunks) else None  # its first anchor closes this chunk's segment
+            backward(chunk, alive)
+            alive = following
     return total
 
 
@@ -557,7 +652,7 @@ def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None, we
 
 def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn=None,
                      no_sync=contextlib.nullcontext, timings=None, anchors="window", interior="forward",
-                     route="velocity", probe_cosines=None, min_cosine=None, weights="time"):
+                     route="velocity", probe_cosines=None, min_cosine=None, weights="time", max_graph_rows=None):
     """Accumulate the gradient of the whole batch's loss, segment by segment, routed between
     exact and JAGG. Does not step the optimizer. Returns (stats, routed), routed[i] is True
     when segment i (segment_bounds) was interpolated by JAGG.
@@ -566,7 +661,9 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_
     interpolated segments that touch go through one backward_jagg call). interior: "forward"
     (the paper) or "rollout" (the rollout's velocities, section 6). route: "velocity" ranks the
     segments by linearity_score; "probe" by probe_cosines (section 9's average) once there are
-    any, never routing one below min_cosine. weights: "time" or "index" (hat_weights). no_sync: a context manager factory
+    any, never routing one below min_cosine. weights: "time" or "index" (hat_weights).
+    max_graph_rows: at most this many anchor rows in a graph at once (backward_jagg_bounded;
+    None: all of a call's anchors, today's default). no_sync: a context manager factory
     (DistributedDataParallel's model.no_sync); every backward but the batch's last runs inside
     it, so gradients are all-reduced once per optimizer step.
     """
@@ -575,6 +672,9 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_
     _check(interior in INTERIOR_MODES, f"interior must be one of {INTERIOR_MODES}, got {interior!r}")
     _check(route in ROUTES, f"route must be one of {ROUTES}, got {route!r}")
     _check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
+    _check(max_graph_rows is None or (isinstance(max_graph_rows, int) and max_graph_rows >= (2 if interior == "rollout" else 1)),
+           f"max_graph_rows must be None or an integer >= {2 if interior == 'rollout' else 1} "
+           f"(rollout interiors need both anchors of a segment at once), got {max_graph_rows!r}")
     _check(probe_cosines is None or len(probe_cosines) == len(bounds),
            f"probe_cosines needs one value per segment ({len(bounds)}), got {probe_cosines}")
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
@@ -611,17 +711,18 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_
     v_old = traj.v if interior == "rollout" else None
     log, loss = [], 0.0
     for i, (backward, a, b, steps) in enumerate(calls):
-        kwargs = {}
+        kwargs, bound = {}, {}
         if backward is backward_jagg:
             kwargs = {"anchors": [s - a for s in steps], "v_rollout": None if v_old is None else v_old[a:b],
                       "weights": weights}
+            bound = {"max_graph_rows": max_graph_rows}
         v_ref = None
         if cfg.beta > 0:
             with _timed(timings, "fwd_ref", traj.z.device):
                 v_ref = reference_velocities(ref_velocity_fn, traj.z[a:b], traj.t[a:b], **kwargs)  # [b-a, B, *D]
         with contextlib.nullcontext() if i == len(calls) - 1 else no_sync():
             loss += backward(velocity_fn, traj.z[a:b], traj.t[a:b],
-                             make_step_loss(traj, advantages, a, b, cfg, v_ref, log), timings, **kwargs)
+                             make_step_loss(traj, advantages, a, b, cfg, v_ref, log), timings, **kwargs, **bound)
     grad_steps = sum(b - a if steps is None else len(steps) for _, a, b, steps in calls)  # network rows with grad
     stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
     stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_steps=grad_steps, window_scores=scores)
@@ -639,7 +740,8 @@ def _agree_across_ranks(flag, device):
 
 def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, jagg_frac,
                max_grad_norm=1.0, ref_velocity_fn=None, no_sync=contextlib.nullcontext, anchors="window",
-               interior="forward", route="velocity", probe_cosines=None, min_cosine=None, step=None, weights="time"):
+               interior="forward", route="velocity", probe_cosines=None, min_cosine=None, step=None, weights="time",
+               max_graph_rows=None):
     """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
     advantages: [B]). Segments of W steps, the top jagg_frac of them by JAGG, the rest exact
     (anchors ... min_cosine: see window_gradients). A step whose loss or gradient norm is not
@@ -652,7 +754,7 @@ def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, ja
     optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()
     stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn, no_sync,
-                                     timings, anchors, interior, route, probe_cosines, min_cosine, weights)
+                                     timings, anchors, interior, route, probe_cosines, min_cosine, weights, max_graph_rows)
     stats["grad_seconds"] = time.perf_counter() - start
     stats["backward_seconds"] = timings.get("backward", 0.0)
     stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
@@ -770,18 +872,65 @@ TRAINING_MODES = {
 }
 
 
+class _Saved:
+    """A tensor saved for backward, boxed so that its release can be seen (weakref.finalize)."""
+    __slots__ = ("tensor", "__weakref__")
+
+
+def saved_bytes_peak(fn):
+    """Run fn() and return the peak of the bytes that autograd holds saved for backward at once:
+    a device-independent memory figure. Storages are counted once however many operations save
+    them; parameters (and views of them), which are allocated anyway, are not counted. Uses
+    torch.autograd.graph.saved_tensors_hooks, so it is slower than fn() alone."""
+    state, live = {"now": 0, "peak": 0}, {}  # live: storage address -> [saves alive, bytes]
+
+    def release(key):
+        live[key][0] -= 1
+        if live[key][0] == 0:  # the last save of this storage was freed with its graph
+            state["now"] -= live[key][1]
+            del live[key]
+
+    def pack(tensor):
+        box = _Saved()
+        box.tensor = tensor
+        base = tensor if tensor._base is None else tensor._base
+        if not (base.is_leaf and base.requires_grad):  # a parameter or a view of one: not an activation
+            key = tensor.untyped_storage().data_ptr()
+            if key not in live:
+                live[key] = [0, tensor.untyped_storage().nbytes()]
+                state["now"] += live[key][1]
+                state["peak"] = max(state["peak"], state["now"])
+            live[key][0] += 1
+            weakref.finalize(box, release, key)
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        fn()
+    return state["peak"]
+
+
+def mode_settings(name):
+    """(anchors, interior, max_graph_rows) of a benchmark mode name: TRAINING_MODES' names, or one
+    of them with "_rows<k>" appended (OURS: at most k anchor rows in a graph at once)."""
+    base, _, rows = name.partition("_rows")
+    anchors, interior = TRAINING_MODES[base] or ("window", "forward")
+    return anchors, interior, int(rows) if rows else None
+
+
 def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
                          rollout_fn=None, modes=tuple(TRAINING_MODES), repeats=3, warmup=1):
     """Time the gradient of one whole trajectory (window_gradients, as training runs it: the KL
     reference included when cfg.beta > 0) in each mode, and rollout_fn() if given, interleaved;
-    medians. Returns {mode: {"train_s", "fwd_graph", "fwd_nograd", "fwd_ref", "backward",
-    "backward_rows"[, "peak_mem_gb" on CUDA]}, "rollout": {"rollout_s"}} (times in seconds)."""
+    medians. modes: names of TRAINING_MODES, or "<name>_rows<k>" with a bound on the rows in a
+    graph (mode_settings). Returns {mode: {"train_s", "fwd_graph", "fwd_nograd", "fwd_ref",
+    "backward", "backward_rows", "saved_gb"[, "peak_mem_gb" on CUDA]}, "rollout": {"rollout_s"}}
+    (times in seconds; saved_gb from one more, untimed run under saved_bytes_peak)."""
     params = list(params)
     device = traj.z.device
     cuda = device.type == "cuda"
 
     def timed(name):
-        anchors, interior = TRAINING_MODES[name] or ("window", "forward")
+        anchors, interior, max_graph_rows = mode_settings(name)
 
         def run():
             for p in params:
@@ -792,7 +941,8 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
             stats, _ = window_gradients(velocity_fn, traj, advantages, cfg, window, 0.0 if name == "exact" else 1.0,
-                                        ref_velocity_fn, timings=timings, anchors=anchors, interior=interior)
+                                        ref_velocity_fn, timings=timings, anchors=anchors, interior=interior,
+                                        max_graph_rows=max_graph_rows)
             if cuda:
                 torch.cuda.synchronize(device)
                 timings["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -811,6 +961,8 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
     if rollout_fn is not None:
         fns["rollout"] = rollout
     out = _interleaved(fns, repeats, warmup)
+    for name in modes:  # the memory figure, outside the timed runs (the hooks cost time)
+        out[name]["saved_gb"] = saved_bytes_peak(fns[name]) / 2**30
     for p in params:
         p.grad = None
     return out

@@ -42,7 +42,7 @@ from tqdm import tqdm
 import jagg
 from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
-from common import chart, compare_summary, font, save_png, step_metrics, training_step_bars, writable_folder_check
+from common import bench_modes, chart, compare_summary, font, save_png, step_metrics, training_step_bars, writable_folder_check
 from common import write_json, write_jsonl
 
 REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", "shapes", "shapes_cover"]
@@ -82,6 +82,9 @@ class Config:
                                    "reference model included)", choices=["forward", "rollout"])
     weights: str = arg("time", "interpolation weights between anchors: time (the paper's abstract: alpha_k by t) or "
                                "index (the authors' early code: alpha_k = k / (W - 1))", choices=["time", "index"])
+    max_graph_rows: int = arg(0, "at most this many anchor rows (of B samples) in a graph at once (ours; the same gradient, "
+                                 "less memory: shared anchors otherwise hold all theirs); 0: no bound. The benchmark adds "
+                                 "every JAGG mode with this bound")
     route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
                                  "(ours: the probe's measured gradient cosines, averaged over probes)", choices=["velocity", "probe"])
     probe_every: int = arg(0, "every N epochs, before training on the epoch's batch, measure the cosine of JAGG's gradient "
@@ -130,6 +133,11 @@ class Config:
     bench_size: str = arg("auto", "benchmark transformer with --random-init: sd35-medium, cpu (9M params), tiny; "
                                   "auto: sd35-medium on GPU, cpu on CPU", choices=["auto", "sd35-medium", "cpu", "tiny"])
     bench_batch: int = arg(0, "benchmark batch size B (0: 4 on GPU, 2 on CPU)")
+    bench_train: str = arg("full", "benchmark: what is trained, every weight (full) or a LoRA of --lora-rank on the "
+                                   "attention projections (lora, as training adds it: Flow-GRPO's setting)",
+                           choices=["full", "lora"])
+    bench_checkpointing: bool = arg(False, "benchmark with gradient checkpointing on (training's default; the backward "
+                                           "recomputes each forward)")
     bench_repeats: int = arg(5, "timed repeats per method (medians are reported)")
     json: bool = arg(False, "benchmark: print one JSON object instead of a table")
 
@@ -259,17 +267,23 @@ def load_pipeline(cfg, device, dtype):
         # Full fine-tuning trains in fp32 master weights; a frozen copy is the KL reference.
         transformer.to(torch.float32).requires_grad_(True)
     else:
-        from peft import LoraConfig
-
-        transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
-                                           target_modules=["to_k", "to_q", "to_v", "to_out.0", "add_k_proj",
-                                                           "add_q_proj", "add_v_proj", "to_add_out"]))
-        for p in transformer.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()  # LoRA weights in fp32; the frozen base may stay in bf16
+        add_lora(transformer, cfg.lora_rank, cfg.lora_alpha)
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     return pipe, transformer
+
+
+def add_lora(transformer, rank, alpha):
+    """Flow-GRPO's LoRA: on the attention projections of both streams; only it is trained."""
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
+                                       target_modules=["to_k", "to_q", "to_v", "to_out.0", "add_k_proj",
+                                                       "add_q_proj", "add_v_proj", "to_add_out"]))
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # LoRA weights in fp32; the frozen base may stay in bf16
 
 
 def mini_model_path():
@@ -667,6 +681,7 @@ def train(cfg):
             stats, routed = jagg.train_step(
                 velocity_fn, params, optimizer, traj.subset(idx_d), adv[idx_d], loss_cfg, cfg.window, jagg_frac,
                 cfg.max_grad_norm, ref_velocity_fn=ref_fn, no_sync=no_sync, anchors=cfg.anchors, interior=cfg.interior, weights=cfg.weights,
+                max_graph_rows=cfg.max_graph_rows or None,
                 route=cfg.route, probe_cosines=probe_avg, min_cosine=cfg.min_cosine,
                 step=(epoch - 1) * len(minibatches) + i + 1)
             step_stats.append(stats)
@@ -769,7 +784,12 @@ def benchmark(cfg):
         size = cfg.model
         transformer = SD3Transformer2DModel.from_pretrained(os.path.expanduser(cfg.model), subfolder="transformer")
     transformer.to(device, torch.bfloat16 if use_bf16 else torch.float32)
-    params = list(transformer.parameters())  # all trained: the full fine-tuning case
+    if cfg.bench_train == "lora":
+        add_lora(transformer, cfg.lora_rank, cfg.lora_alpha)
+        transformer.to(device)
+    params = [p for p in transformer.parameters() if p.requires_grad]  # every weight, or the LoRA's
+    if cfg.bench_checkpointing:
+        transformer.enable_gradient_checkpointing()
     tc = transformer.config
     B = cfg.bench_batch or (4 if device.type == "cuda" else 2)
     W, T, L = cfg.window, cfg.num_steps, 77
@@ -792,16 +812,17 @@ def benchmark(cfg):
     def measure():
         t_window = jagg.benchmark_window(cond_only, params, traj.z[:W], traj.t[:W], window_loss, repeats=cfg.bench_repeats)
         t_traj = jagg.benchmark_trajectory(velocity_fn, params, traj, adv, loss_cfg, W, ref_fn, repeats=cfg.bench_repeats,
+                                           modes=bench_modes(cfg.max_graph_rows),
                                            rollout_fn=lambda: jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level))
         return t_window, t_traj
 
     # No gradient checkpointing unless the largest joint anchor batch does not fit: the benchmark
     # times the plain forward and backward passes where it can.
-    checkpointing = False
+    checkpointing = cfg.bench_checkpointing
     try:
         t, t_traj = measure()
     except torch.cuda.OutOfMemoryError:
-        if device.type != "cuda":
+        if device.type != "cuda" or checkpointing:
             raise
         checkpointing = True
         print("out of GPU memory without gradient checkpointing: timing every mode again with it")
@@ -811,7 +832,9 @@ def benchmark(cfg):
         transformer.enable_gradient_checkpointing()
         t, t_traj = measure()
     result = {
-        "window": W, "params": sum(p.numel() for p in params), "device": str(
+        "window": W, "params": sum(p.numel() for p in transformer.parameters()),
+        "trained_params": sum(p.numel() for p in params), "train": cfg.bench_train,
+        "lora_rank": cfg.lora_rank if cfg.bench_train == "lora" else None, "device": str(
             torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
         "config": size, "batch": B, "tokens": (h // tc.patch_size) ** 2 + L, "bf16": use_bf16, "repeats": cfg.bench_repeats,
         "gradient_checkpointing": checkpointing,
@@ -822,7 +845,9 @@ def benchmark(cfg):
         "num_steps": T, "guidance_scale": cfg.guidance_scale, "beta": cfg.beta,
     }
     with contextlib.redirect_stdout(io.StringIO()) if cfg.json else contextlib.nullcontext():
-        print(f"SD3 transformer '{size}', {result['params'] / 1e6:.1f}M parameters (all trained), {result['device']}, "
+        trained = "all trained" if cfg.bench_train == "full" else \
+            f"LoRA rank {cfg.lora_rank} trained: {result['trained_params'] / 1e6:.2f}M"
+        print(f"SD3 transformer '{size}', {result['params'] / 1e6:.1f}M parameters ({trained}), {result['device']}, "
               f"B = {B}, {result['tokens']} tokens, bf16 {use_bf16}, gradient checkpointing {checkpointing}, "
               f"medians of {cfg.bench_repeats} interleaved repeats")
         print(f"\n-- one window's gradient, conditional branch only (W = {W})")

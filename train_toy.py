@@ -31,7 +31,7 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import jagg
-from common import COLORS, all_gather_cat, arg, chart, fail_on, font, init_distributed, jagg_flag_checks
+from common import COLORS, all_gather_cat, arg, bench_modes, chart, fail_on, font, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
 from common import report_trajectory, save_png, step_metrics, torch_save, training_step_bars, writable_folder_check
 from common import compare_summary, write_json, write_jsonl
@@ -58,6 +58,9 @@ class Config:
                         choices=["forward", "rollout"])
     weights: str = arg("time", "interpolation weights between anchors: time (the paper's abstract: alpha_k by t) or "
                                "index (the authors' early code: alpha_k = k / (W - 1))", choices=["time", "index"])
+    max_graph_rows: int = arg(0, "at most this many anchor rows (of B samples) in a graph at once (ours; the same gradient, "
+                                 "less memory: shared anchors otherwise hold all theirs); 0: no bound. The benchmark adds "
+                                 "every JAGG mode with this bound")
     route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
                                  "(ours: the probe's measured gradient cosines, averaged over probes)", choices=["velocity", "probe"])
     probe_every: int = arg(10, "every N GRPO steps (and at step 1), measure the cosine of JAGG's gradient to the exact one "
@@ -319,7 +322,7 @@ def train(cfg, method, base, rank, world):
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     jagg_frac = cfg.jagg_frac if method == "jagg" else 0.0
     routing = dict(anchors=cfg.anchors, interior=cfg.interior, route=cfg.route, min_cosine=cfg.min_cosine,
-                   weights=cfg.weights)
+                   weights=cfg.weights, max_graph_rows=cfg.max_graph_rows or None)
     # The probe routes (counted as training) only where it decides something; else it is a diagnostic.
     probe_routes = method == "jagg" and cfg.route == "probe"
     # Each rank draws its own rollouts (groups stay on one rank, so advantages are local).
@@ -403,6 +406,7 @@ def train(cfg, method, base, rank, world):
         "anchors": cfg.anchors,
         "interior": cfg.interior,
         "route": cfg.route,
+        "weights": cfg.weights,
         "initial_reward": initial_reward,
         "final_reward": final_reward,
         "reward_gain": final_reward - initial_reward,
@@ -454,7 +458,7 @@ def benchmark(cfg, base):
         t = jagg.benchmark_trajectory(velocity_fn, base.parameters(), traj, adv, loss_cfg, W,
                                       make_velocity_fn(ref, labels) if cfg.beta > 0 else None,
                                       rollout_fn=lambda: jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level),
-                                      repeats=cfg.bench_repeats)
+                                      modes=bench_modes(cfg.max_graph_rows), repeats=cfg.bench_repeats)
         print(f"\n-- one whole trajectory's gradient (T = {cfg.num_steps}, W = {W}), every mode")
         results[W].update(report_trajectory(t, W, 1000, "ms"))
     return results

@@ -754,3 +754,94 @@ def test_bad_input_raises_clear_errors():
             jagg.train_step(fn, model.parameters(), opt, traj, adv, cfg, 4, 1.0, **kwargs)
     # Nothing was changed by the failed calls.
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+
+
+# ------------------------------------------------------------------ beyond the paper: a bound on the rows in a graph
+
+
+def rows_by_grad(calls):
+    """(rows with grad, rows without, largest single call with grad) from as_velocity_fn's record."""
+    return (sum(s for s, grad in calls if grad), sum(s for s, grad in calls if not grad),
+            max([s for s, grad in calls if grad], default=0))
+
+
+@pytest.mark.parametrize("anchors", [(0, 6), (0, 2, 6), (0, 1, 4, 6), (0, 2, 3, 4, 6)])
+@pytest.mark.parametrize("rollout", [False, True])
+def test_bounded_graph_rows_give_the_same_gradient_with_the_same_rows(anchors, rollout):
+    """max_graph_rows: the unbounded call's gradient and loss to float64 round-off, the explicit
+    Jacobians' too, the same network rows with and without graph, and never more rows in one
+    forward with graph than the bound."""
+    torch.manual_seed(20)
+    model, old, (S, B, d) = MLPFlow(), MLPFlow(), (7, 3, 3)
+    z, t = window(S, B, d, straight=False, seed=21)
+    with torch.no_grad():
+        v_old = as_velocity_fn(old)(z, t) if rollout else None  # [S, B, d]
+    free_calls = []
+    loss, g_free = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d, seed=22), free_calls,
+                            anchors=list(anchors), v_rollout=v_old)
+    expected = explicit_anchor_gradient(model, z, t, make_loss(S, B, d, seed=22), anchors, v_old)
+    for bound in range(2 if rollout else 1, len(anchors)):
+        calls = []
+        loss_b, g_bound = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d, seed=22), calls,
+                                   anchors=list(anchors), v_rollout=v_old, max_graph_rows=bound)
+        torch.testing.assert_close(g_bound, g_free, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g_bound, expected, rtol=1e-9, atol=1e-10)
+        assert loss_b == pytest.approx(loss, rel=1e-12)
+        assert rows_by_grad(calls)[:2] == rows_by_grad(free_calls)[:2]
+        assert rows_by_grad(calls)[2] <= bound < rows_by_grad(free_calls)[2]
+    if rollout:
+        with pytest.raises(ValueError, match="max_graph_rows must be an integer >= 2 with rollout interiors"):
+            grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d), anchors=list(anchors), v_rollout=v_old,
+                     max_graph_rows=1)
+
+
+@pytest.mark.parametrize("anchors, interior, bound", [("window", "forward", 1), ("shared", "forward", 1),
+                                                      ("shared", "rollout", 2), ("shared", "rollout", 3)])
+def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior, bound):
+    """Through window_gradients with the KL reference (beta > 0): the same gradient and the same
+    policy and reference rows as without a bound (T = 10, W = 4: shared anchors 0, 3, 6, 9)."""
+    torch.manual_seed(23)
+    model, ref = MLPFlow(), MLPFlow()
+    traj, adv = _toy_batch(model, T=10, B=6)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.1)
+    results = []
+    for max_rows in (None, bound):
+        policy, reference = [], []
+        model.zero_grad(set_to_none=True)
+        stats, routed = jagg.window_gradients(as_velocity_fn(model, policy), traj, adv, cfg, 4, 1.0,
+                                              ref_velocity_fn=as_velocity_fn(ref, reference), anchors=anchors,
+                                              interior=interior, max_graph_rows=max_rows)
+        results.append((torch.cat([p.grad.flatten() for p in model.parameters()]), stats, policy, reference))
+    (g0, s0, p0, r0), (g1, s1, p1, r1) = results
+    torch.testing.assert_close(g1, g0, rtol=1e-10, atol=1e-12)
+    assert s1["loss"] == pytest.approx(s0["loss"], rel=1e-12) and s1["grad_steps"] == s0["grad_steps"]
+    assert rows_by_grad(p1)[:2] == rows_by_grad(p0)[:2] and r1 == r0
+    assert rows_by_grad(p1)[2] <= bound
+    with pytest.raises(ValueError, match="max_graph_rows must be None or an integer"):
+        jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, 4, 1.0, ref_velocity_fn=as_velocity_fn(ref),
+                              anchors=anchors, interior=interior, max_graph_rows=0)
+
+
+def test_saved_bytes_fall_with_the_bound():
+    """saved_bytes_peak on whole training steps (T = 10, W = 4): shared anchors hold 4 rows, the
+    paper's windows 2; a bound of 2 rows with rollout interiors saves no more than the paper's
+    windows, and a bound of 1 with forward interiors saves what exact does (one row at a time)."""
+    torch.manual_seed(24)
+    model = MLPFlow(d=3, h=256)
+    traj, adv = _toy_batch(model, T=10, B=64)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+
+    def saved(anchors="window", interior="forward", rows=None, frac=1.0):
+        def step():
+            model.zero_grad(set_to_none=True)
+            jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, 4, frac, anchors=anchors, interior=interior,
+                                  max_graph_rows=rows)
+        return jagg.saved_bytes_peak(step)
+
+    exact, paper = saved(frac=0.0), saved()
+    shared, shared_2 = saved("shared", "rollout"), saved("shared", "rollout", 2)
+    assert shared > paper > exact > 0
+    assert shared_2 < shared and shared_2 <= paper
+    assert saved("shared", "forward", 1) == exact == saved("window", "forward", 1)
+    assert jagg.mode_settings("jagg_shared_rollout_rows2") == ("shared", "rollout", 2)
+    assert jagg.mode_settings("exact") == ("window", "forward", None)

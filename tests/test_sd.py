@@ -356,11 +356,12 @@ def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path):
     out = tmp_path / "cmp"
     comparison = train_sd.main(run_args(tiny_sd3, out, "--epochs", "2", "--method", "compare", "--probe-every", "1",
                                         "--anchors", "shared", "--interior", "rollout", "--eval-samples", "6",
-                                        "--final-evals", "2", "--lr-schedule", "cosine", "--reward", "shapes"))
+                                        "--final-evals", "2", "--lr-schedule", "cosine", "--reward", "shapes",
+                                        "--weights", "index"))
     for key in ("mode", "initial_reward", "final_reward", "reward_gain", "reward_gain_ratio", "train_speedup",
                 "backward_speedup"):
         assert key in comparison, key
-    assert comparison["mode"] == "jagg_shared_rollout"
+    assert comparison["mode"] == "jagg_shared_rollout" and comparison["weights"] == "index"
     assert set(comparison["final_reward"]) == set(comparison["reward_gain"]) == {"exact", "jagg"}
     saved = json.load(open(out / "summary.json"))
     assert saved["jagg"]["probe_cosine_by_position"] and len(saved["jagg"]["probe_cosine_by_position"]) == 3  # anchors 0, 1, 2, 3
@@ -390,3 +391,28 @@ def test_mini_flags_fail_before_any_work(tiny_sd3, tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
         train_sd.main(run_args(tiny_sd3, tmp_path / "out", *extra))
     assert not (tmp_path / "out").exists()
+
+
+def test_benchmark_with_a_bound_on_graph_rows_reports_saved_memory(tmp_path, capsys):
+    result = train_sd.main(["--benchmark", "--random-init", "--bench-size", "tiny", "--window", "4", "--bench-repeats", "1",
+                            "--max-graph-rows", "2", "--device", "cpu", "--out", str(tmp_path)])
+    bounded = {"jagg_rows2", "jagg_shared_rows2", "jagg_rollout_rows2", "jagg_shared_rollout_rows2"}
+    assert bounded <= set(result["train_s"]) and set(result["saved_gb"]) == set(result["train_s"])
+    # The same network rows with grad; the shared modes' 4 anchors are held 2 at a time.
+    assert result["backward_rows"]["jagg_shared_rollout_rows2"] == result["backward_rows"]["jagg_shared_rollout"] == 4
+    saved = result["saved_gb"]
+    assert saved["jagg_shared_rollout_rows2"] < saved["jagg_shared_rollout"]
+    assert saved["jagg_shared_rollout_rows2"] <= saved["jagg"] * 1.001 and saved["exact"] < saved["jagg"]
+    assert "saved MiB" in capsys.readouterr().out
+
+
+def test_benchmark_in_the_users_configuration_lora_and_checkpointing(tmp_path, capsys):
+    result = train_sd.main(["--benchmark", "--random-init", "--bench-size", "tiny", "--window", "4", "--bench-repeats", "1",
+                            "--bench-train", "lora", "--lora-rank", "4", "--bench-checkpointing", "--device", "cpu",
+                            "--out", str(tmp_path)])
+    assert result["train"] == "lora" and result["lora_rank"] == 4 and result["gradient_checkpointing"] is True
+    assert 0 < result["trained_params"] < result["params"]
+    assert "LoRA rank 4 trained" in capsys.readouterr().out
+    assert result["backward_rows"]["jagg_shared_rollout"] == 4 and result["train_s"]["exact"] > 0
+    saved = json.load(open(tmp_path / "benchmark.json"))
+    assert saved["config"]["bench_train"] == "lora" and saved["config"]["bench_checkpointing"] is True

@@ -89,6 +89,19 @@ def test_probe_routing_follows_the_averaged_cosines(base_ckpt, tmp_path):
     assert len(s["probe_cosine_by_position"]) == 4 and (tmp_path / "probe.png").exists()
 
 
+def test_index_weights_reach_the_probe_and_training(base_ckpt, tmp_path):
+    """--weights index (the authors' early code) runs end to end; on the same first batch the
+    probe measures another gradient than with the t-weighting (T = 16 steps on a shift-3 schedule)."""
+    first = {}
+    for weights in ("time", "index"):
+        out = tmp_path / weights
+        train_toy.main(quick(base_ckpt, out, "--method", "jagg", "--weights", weights, "--steps", "1", "--probe-every", "1"))
+        s = json.load(open(out / "summary.json"))
+        assert s["weights"] == weights and s["config"]["weights"] == weights
+        first[weights] = [json.loads(line) for line in open(out / "metrics.jsonl")][0]["probe/grad_cosine"]
+    assert all(0.0 < c <= 1.0 for c in first["index"]) and first["index"] != pytest.approx(first["time"], abs=1e-6)
+
+
 def test_torchrun_ranks_stay_in_sync(base_ckpt, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_toy.py",
            "--method", "compare", "--jagg-frac", "0.5", "--steps", "3", "--probe-every", "0",

@@ -74,23 +74,33 @@ def routing(runs, exact):
               f"| {s['cosine_routed']:.3f} | {s['cosine_kept_exact']:.3f} | {cosines(s['routed_frac_by_position'])} |")
 
 
-def training_step_rows(r, scale, unit):
-    """The rows of one W of a benchmark's training-step table (times times scale, in unit)."""
-    for m in MODES:
+def training_step_rows(r, scale, unit, setting=None):
+    """The rows of one W of a benchmark's training-step table (times times scale, in unit): every
+    mode it timed (with --max-graph-rows also the bounded "<mode>_rows<k>"), the activations
+    saved for backward where measured, peak memory on CUDA; setting: a first column, if given."""
+    for m in r["train_s"]:
+        gb = r.get("saved_gb", {}).get(m)
+        saved = "" if gb is None else f" {gb:.1f} GiB |" if gb >= 1 else f" {1024 * gb:.1f} MiB |"
         mem = f" {r['peak_mem_gb'][m]:.1f} GiB |" if "peak_mem_gb" in r else ""
-        print(f"| {r['window']} | {m} | {r['backward_rows'][m]} | {scale * r['train_s'][m]:.{1 if scale > 1 else 3}f} {unit} "
-              f"| {r['train_speedup'][m]:.2f}x | {r['epoch_speedup'][m]:.2f}x |{mem}")
+        print((f"| {setting} " if setting else "")
+              + f"| {r['window']} | {m} | {r['backward_rows'][m]} | {scale * r['train_s'][m]:.{1 if scale > 1 else 3}f} {unit} "
+              f"| {r['train_speedup'][m]:.2f}x | {r['epoch_speedup'][m]:.2f}x |{saved}{mem}")
 
 
 def bench(files):
-    """train_sd.py's training-step table, one benchmark.json per W; peak memory where measured (CUDA)."""
+    """train_sd.py's training-step table, one benchmark.json per configuration and W: what is
+    trained, checkpointing and B; saved activations and peak memory where measured."""
     results = [load(path) for path in files]
     results = [r.get("result", r) for r in results]
+    saved = all("saved_gb" in r for r in results)
     mem = all("peak_mem_gb" in r for r in results)
-    print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) |" + (" peak memory |" if mem else ""))
-    print("|---|---|---|---|---|---|" + ("---|" if mem else ""))
+    print("| setting | W | mode | rows with grad | training step | x training step | x epoch (with rollout) |"
+          + (" saved for backward |" if saved else "") + (" peak memory |" if mem else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if saved else "") + ("---|" if mem else ""))
     for r in results:
-        training_step_rows(r, 1.0, "s")
+        train = "full" if r.get("train", "full") == "full" else f"LoRA r{r.get('lora_rank')}"
+        setting = f"{train}{', checkpointing' if r.get('gradient_checkpointing') else ''}, B = {r['batch']}"
+        training_step_rows(r, 1.0, "s", setting)
 
 
 def toybench(files):
