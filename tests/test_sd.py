@@ -91,7 +91,7 @@ def test_shared_anchors_rollout_interiors_and_probe_routing(tiny_sd3, tmp_path):
     epoch) routes the better one to JAGG at --jagg-frac 0.5, and a resumed run keeps its average."""
     out = tmp_path / "run"
     args = ["--window", "3", "--anchors", "shared", "--interior", "rollout", "--route", "probe", "--probe-every", "1",
-            "--jagg-frac", "0.5", "--beta", "0.1"]
+            "--jagg-frac", "0.5", "--beta", "0.1", "--max-graph-rows", "2"]
     rows = train_sd.main(run_args(tiny_sd3, out, "--epochs", "1", *args))
     row = rows[1]
     assert row["mode"] == "jagg_shared_rollout" and len(row["probe/grad_cosine"]) == 2
@@ -259,6 +259,7 @@ def test_benchmark_on_a_saved_model(tiny_sd3, tmp_path, capsys):
     (["--out", "/proc/x"], "cannot be created or written to"),
     (["--route", "probe"], "--route probe routes by the probe's measurements"),
     (["--anchors", "shared", "--probe-decay", "1.0"], r"--probe-decay must be in \[0, 1\)"),
+    (["--interior", "rollout", "--max-graph-rows", "1"], "--max-graph-rows must be 0 \\(no bound\\) or >= 2 with --interior rollout"),
 ])
 def test_bad_input_fails_before_any_work(tiny_sd3, tmp_path, extra, message):
     empty = tmp_path / "empty.txt"

@@ -61,7 +61,7 @@ def test_short_grpo_run_raises_reward_for_both_methods(base_ckpt, tmp_path):
 
 def test_shared_anchors_with_rollout_interiors_raise_reward(base_ckpt, tmp_path):
     train_toy.main(quick(base_ckpt, tmp_path, "--method", "jagg", "--anchors", "shared", "--interior", "rollout",
-                         "--steps", "15", "--probe-every", "0"))
+                         "--steps", "15", "--probe-every", "0", "--max-graph-rows", "2"))
     s = json.load(open(tmp_path / "summary.json"))
     assert (s["mode"], s["anchors"], s["interior"]) == ("jagg_shared_rollout", "shared", "rollout")
     assert s["final_reward"] > s["initial_reward"] + 0.05, s
