@@ -70,14 +70,17 @@ def jagg_flag_checks(cfg):
 
 
 def bench_modes(max_graph_rows):
-    """The benchmarks' modes: jagg.TRAINING_MODES, and with a bound k > 0 each JAGG mode that can
-    take it again as "<mode>_rows<k>" (rollout interiors need k >= 2)."""
+    """The benchmarks' modes: jagg.TRAINING_MODES, and with a bound k > 0 again as "<mode>_rows<k>"
+    each JAGG mode the bound changes: the shared modes, and the paper's 2-anchor windows at k = 1
+    (with forward interiors only: rollout interiors need k >= 2)."""
     import jagg
 
     modes = list(jagg.TRAINING_MODES)
-    if max_graph_rows:
-        modes += [f"{m}_rows{max_graph_rows}" for m in jagg.TRAINING_MODES
-                  if m != "exact" and (max_graph_rows >= 2 or "rollout" not in m)]
+    for m, settings in jagg.TRAINING_MODES.items():
+        if max_graph_rows and settings is not None:
+            anchors, interior = settings
+            if (anchors == "shared" or max_graph_rows < 2) and (interior == "forward" or max_graph_rows >= 2):
+                modes.append(f"{m}_rows{max_graph_rows}")
     return modes
 
 

@@ -19,6 +19,8 @@ adjacent windows can share their endpoints (anchors="shared": fewer rows with gr
 steps between anchors can take the rollout's stored velocities, corrected to first order by
 the anchors' change (interior="rollout"), so that no interior step calls the network at all,
 the KL reference included. Routing can follow the fidelity probe's measurements (route="probe").
+The anchors can be back-propagated a few at a time, with the same gradient and less memory
+(max_graph_rows), and weights="index" reproduces the authors' early code's weighting.
 
 Notation (code name -> symbol)
     T          number of sampling steps of a rollout
