@@ -121,12 +121,18 @@ def test_torchrun_ranks_stay_in_sync(base_ckpt, tmp_path):
 
 
 def test_benchmark_prints_ratios_and_writes_json(base_ckpt, tmp_path, capsys):
-    train_toy.main(quick(base_ckpt, tmp_path, "--benchmark", "--bench-batch", "16", "--bench-repeats", "1"))
+    train_toy.main(quick(base_ckpt, tmp_path, "--benchmark", "--bench-batch", "16", "--bench-repeats", "1",
+                         "--max-graph-rows", "2"))
     out = capsys.readouterr().out
-    assert "backward speedup" in out and "whole window-gradient speedup" in out and "x epoch" in out
+    assert "backward speedup" in out and "whole window-gradient speedup" in out and "x epoch" in out and "saved MiB" in out
     results = json.load(open(tmp_path / "benchmark.json"))["results"]
     assert set(results) == {"4", "8"}
-    modes = {"exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"}
+    modes = {"exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout", "jagg_shared_rows2",
+             "jagg_shared_rollout_rows2"}
+    for r in results.values():  # activations saved for backward: the bound holds the shared modes to 2 rows
+        assert set(r["saved_gb"]) == modes
+        assert r["saved_gb"]["jagg_shared_rollout_rows2"] < r["saved_gb"]["jagg_shared_rollout"]
+        assert r["saved_gb"]["jagg_shared_rollout_rows2"] <= r["saved_gb"]["jagg"] * 1.001
     for r in results.values():
         assert r["backward_speedup"] > 0 and r["step_speedup"] > 0
         assert r["jagg"]["fwd_nograd"] > 0 and r["exact"]["fwd_nograd"] == 0
@@ -140,7 +146,8 @@ def test_benchmark_prints_ratios_and_writes_json(base_ckpt, tmp_path, capsys):
         assert r["train_parts_s"]["jagg_shared"]["fwd_nograd"] > 0 and r["train_parts_s"]["jagg_rollout"]["fwd_nograd"] == 0
     # T = 16 rows with grad: exact 16; W = 4: windows 8, shared anchors 6; W = 8: windows 4, shared 4 (0, 7, 14, 15).
     assert results["4"]["backward_rows"] == {"exact": 16, "jagg": 8, "jagg_shared": 6, "jagg_rollout": 8,
-                                             "jagg_shared_rollout": 6}
+                                             "jagg_shared_rollout": 6, "jagg_shared_rows2": 6,
+                                             "jagg_shared_rollout_rows2": 6}
     assert results["8"]["backward_rows"]["jagg"] == 4 and results["8"]["backward_rows"]["jagg_shared"] == 4
     assert (tmp_path / "benchmark.png").stat().st_size > 1000
 
