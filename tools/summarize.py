@@ -4,6 +4,7 @@
     python tools/summarize.py routing --exact runs/toy,runs/toy_seed1 runs/route_probe_seed0 ...
     python tools/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # train_sd.py --benchmark
     python tools/summarize.py toybench runs/toy_bench/benchmark.json       # train_toy.py --benchmark
+    python tools/summarize.py settings runs/bench_full runs/bench_lora ...  # train_sd.py benchmarks side by side
 """
 
 import argparse
@@ -14,7 +15,9 @@ MODES = ["exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"] 
 
 
 def load(path):
-    with open(os.path.join(path, "summary.json") if os.path.isdir(path) else path) as f:
+    if os.path.isdir(path):  # a run folder (summary.json) or a benchmark's (benchmark.json)
+        path = os.path.join(path, "summary.json" if os.path.exists(os.path.join(path, "summary.json")) else "benchmark.json")
+    with open(path) as f:
         return json.load(f)
 
 
@@ -103,6 +106,23 @@ def bench(files):
         training_step_rows(r, 1.0, "s", setting)
 
 
+def settings(files):
+    """Several train_sd.py benchmarks of one W side by side, one column per setting (what is
+    trained, checkpointing, B): each mode's training-step speedup over exact and its saved activations."""
+    results = [r.get("result", r) for r in (load(path) for path in files)]
+    names = [("full" if r.get("train", "full") == "full" else f"LoRA r{r.get('lora_rank')}")
+             + (", checkpointing" if r.get("gradient_checkpointing") else "") for r in results]
+    modes = sorted(dict.fromkeys(m for r in results for m in r["train_s"]),
+                   key=lambda m: (MODES.index(m.partition("_rows")[0]), m))  # each mode, then its bounded run
+    print("| mode | rows with grad | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(results))
+    for m in modes:
+        rows = next(r["backward_rows"][m] for r in results if m in r["backward_rows"])
+        cells = [f"{r['train_speedup'][m]:.2f}x, {1024 * r['saved_gb'][m]:.1f} MiB" if m in r["train_s"] else "–"
+                 for r in results]
+        print(f"| {m} | {rows} | " + " | ".join(cells) + " |")
+
+
 def toybench(files):
     """train_toy.py's training-step table: its benchmark.json holds every W, in seconds; shown in ms."""
     print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) |")
@@ -137,8 +157,9 @@ def window_level(files):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("table", choices=["compare", "routing", "bench", "toybench", "window"],
-                        help="which table: compare runs, routing runs, SD benchmark (training step or window level), toy benchmark")
+    parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window"],
+                        help="which table: compare runs, routing runs, SD benchmark (training step, settings side by "
+                             "side, or window level), toy benchmark")
     parser.add_argument("paths", nargs="+", help="run folders (summary.json inside) or benchmark.json files")
     parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
     args = parser.parse_args()
@@ -148,6 +169,8 @@ def main():
         routing(args.paths, args.exact)
     elif args.table == "bench":
         bench(args.paths)
+    elif args.table == "settings":
+        settings(args.paths)
     elif args.table == "toybench":
         toybench(args.paths)
     else:
