@@ -285,24 +285,25 @@ def color_of(name, i):
     return COLORS.get(name, PALETTE[i % len(PALETTE)])
 
 
-def nice_ticks(low, high, target=5):
-    """Round tick values covering [low, high]: steps of 1, 2, 2.5 or 5 times a power of ten, about
-    `target` of them (0.2, 0.4, 0.6 or 0, 20, 40, not 0.181, 0.319). Returns (ticks, lo, hi):
-    the axis range widened to the first and last tick."""
+def nice_ticks(low, high, max_ticks=7):
+    """Round tick values covering [low, high]: the smallest step of 1, 2 or 5 times a power of ten
+    that needs at most max_ticks ticks (0.2, 0.4, 0.6 or 0, 20, 40, not 0.181, 0.319). Returns
+    (ticks, lo, hi): the axis range widened to the first and last tick."""
     if high <= low:
         high = low + 1.0
-    raw = (high - low) / max(1, target - 1)
-    power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw * (1 - 1e-9))
-    first, last = math.floor(low / step + 1e-9), math.ceil(high / step - 1e-9)
+    e = math.floor(math.log10(high - low))
+    for step in sorted(m * 10.0**k for k in range(e - 2, e + 2) for m in (1, 2, 5)):
+        first, last = math.floor(low / step + 1e-9), math.ceil(high / step - 1e-9)
+        if last - first + 1 <= max_ticks:
+            break
     ticks = [round(i * step, 10) for i in range(first, last + 1)]
     return ticks, ticks[0], ticks[-1]
 
 
 def tick_label(v, ticks):
-    """A tick's text with as many decimals as the step needs (0.25 -> '0.25', 20.0 -> '20')."""
+    """A tick's text with as many decimals as the step needs (step 0.05: '0.75'; step 20: '20')."""
     step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
-    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) + (1 if round(step / 10 ** math.floor(math.log10(step)), 6) == 2.5 else 0)
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
     return f"{v:.{decimals}f}"
 
 
