@@ -3,7 +3,8 @@
 - a command line built from a dataclass of hyperparameters (each field's help is its --help),
 - files written atomically (an interrupted run never leaves half a file),
 - torch.distributed set-up for torchrun,
-- the benchmark reports both scripts print,
+- the benchmarks (jagg.py's training modes timed, interleaved, and their saved activations) and
+  the reports both scripts print,
 - small pillow drawing helpers (line and scatter charts, stacked bars), so that no plotting
   library is needed.
 """
@@ -13,11 +14,16 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import tempfile
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw, ImageFont
+
+import jagg
 
 
 # ------------------------------------------------------------------ command line
@@ -70,13 +76,11 @@ def jagg_flag_checks(cfg):
 
 
 def bench_modes(max_graph_rows):
-    """The benchmarks' modes: jagg.TRAINING_MODES, and with a bound k > 0 again as "<mode>_rows<k>"
+    """The benchmarks' modes: TRAINING_MODES, and with a bound k > 0 again as "<mode>_rows<k>"
     each JAGG mode the bound changes: the shared modes, and the paper's 2-anchor windows at k = 1
     (with forward interiors only: rollout interiors need k >= 2)."""
-    import jagg
-
-    modes = list(jagg.TRAINING_MODES)
-    for m, settings in jagg.TRAINING_MODES.items():
+    modes = list(TRAINING_MODES)
+    for m, settings in TRAINING_MODES.items():
         if max_graph_rows and settings is not None:
             anchors, interior = settings
             if (anchors == "shared" or max_graph_rows < 2) and (interior == "forward" or max_graph_rows >= 2):
@@ -85,7 +89,7 @@ def bench_modes(max_graph_rows):
 
 
 def mode_name(method, anchors, interior):
-    """The name of a training mode, as jagg.TRAINING_MODES and the benchmarks' JSON spell it."""
+    """The name of a training mode, as TRAINING_MODES and the benchmarks' JSON spell it."""
     if method == "exact":
         return "exact"
     return "jagg" + ("_shared" if anchors == "shared" else "") + ("_rollout" if interior == "rollout" else "")
@@ -217,7 +221,7 @@ def param_checksums(params):
 
 
 def report_benchmark(t, W, scale=1.0, unit="s"):
-    """Print jagg.benchmark_window's medians t as a table (times times scale, in unit) and the
+    """Print benchmark_window's medians t as a table (times times scale, in unit) and the
     two speedups; return the speedups."""
     parts = ("fwd_graph", "fwd_nograd", "backward", "total")
     print(f"{'method':>6} " + " ".join(f"{k:>10}" for k in parts) + f"   ({unit})")
@@ -240,7 +244,7 @@ TRAIN_PARTS = {  # benchmark_trajectory's keys -> what they are, for tables and 
 
 
 def report_trajectory(t, W, scale=1.0, unit="s"):
-    """Print jagg.benchmark_trajectory's medians t as a table, one row per mode, with the
+    """Print benchmark_trajectory's medians t as a table, one row per mode, with the
     training-step and epoch (rollout + training) speedups over exact; return them as the
     objects keyed by mode that the benchmarks' JSON carries."""
     modes = [m for m in t if m != "rollout"]
@@ -394,3 +398,150 @@ def stacked_bars(bars, parts, title, unit, size=(900, 80)):
         d.rectangle([lx, ly + 2, lx + 14, ly + 14], fill=PALETTE[j % len(PALETTE)])
         d.text((lx + 20, ly), text, fill="black", font=small)
     return img
+
+
+# =====================================================================================
+# Measuring it: exact vs JAGG, interleaved (jagg.py's algorithm, timed and weighed)
+# =====================================================================================
+
+
+def _interleaved(fns, repeats, warmup):
+    """Call each fn() -> {key: seconds} warmup + repeats times, rotating which goes first so that
+    drift on a shared machine hits all alike. Returns {name: {key: median over repeats}}."""
+    names, runs = list(fns), {name: [] for name in fns}
+    for r in range(warmup + repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            out = fns[name]()
+            if r >= warmup:
+                runs[name].append(out)
+    return {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for name, rs in runs.items()}
+
+
+def benchmark_window(velocity_fn, params, z, t, step_loss, repeats=5, warmup=1):
+    """Time one window's gradient (z: [W, B, *D], t: [W, B]) both ways, interleaved; medians.
+
+    Returns {method: {"fwd_graph", "fwd_nograd", "backward", "total"}} in seconds.
+    """
+    params = list(params)
+
+    def timed(backward):
+        def run():
+            for p in params:
+                p.grad = None
+            timings = {"fwd_graph": 0.0, "fwd_nograd": 0.0, "backward": 0.0}
+            backward(velocity_fn, z, t, step_loss, timings)
+            timings["total"] = sum(timings.values())
+            return timings
+        return run
+
+    out = _interleaved({"exact": timed(jagg.backward_exact), "jagg": timed(jagg.backward_jagg)}, repeats, warmup)
+    for p in params:
+        p.grad = None
+    return out
+
+
+# The training modes the benchmarks compare: (anchors, interior); every JAGG mode interpolates
+# every segment (jagg_frac = 1).
+TRAINING_MODES = {
+    "exact": None,  # Flow-GRPO: one forward with graph and one backward per step
+    "jagg": ("window", "forward"),  # the paper
+    "jagg_shared": ("shared", "forward"),
+    "jagg_rollout": ("window", "rollout"),
+    "jagg_shared_rollout": ("shared", "rollout"),
+}
+
+
+class _Saved:
+    """A tensor saved for backward, boxed so that its release can be seen (weakref.finalize)."""
+    __slots__ = ("tensor", "__weakref__")
+
+
+def saved_bytes_peak(fn):
+    """Run fn() and return the peak of the bytes that autograd holds saved for backward at once:
+    a device-independent memory figure. Storages are counted once however many operations save
+    them; parameters (and views of them), which are allocated anyway, are not counted. Uses
+    torch.autograd.graph.saved_tensors_hooks, so it is slower than fn() alone."""
+    state, live = {"now": 0, "peak": 0}, {}  # live: storage address -> [saves alive, bytes]
+
+    def release(key):
+        live[key][0] -= 1
+        if live[key][0] == 0:  # the last save of this storage was freed with its graph
+            state["now"] -= live[key][1]
+            del live[key]
+
+    def pack(tensor):
+        box = _Saved()
+        box.tensor = tensor
+        base = tensor if tensor._base is None else tensor._base
+        if not (base.is_leaf and base.requires_grad):  # a parameter or a view of one: not an activation
+            key = tensor.untyped_storage().data_ptr()
+            if key not in live:
+                live[key] = [0, tensor.untyped_storage().nbytes()]
+                state["now"] += live[key][1]
+                state["peak"] = max(state["peak"], state["now"])
+            live[key][0] += 1
+            weakref.finalize(box, release, key)
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        fn()
+    return state["peak"]
+
+
+def mode_settings(name):
+    """(anchors, interior, max_graph_rows) of a benchmark mode name: TRAINING_MODES' names, or one
+    of them with "_rows<k>" appended (OURS: at most k anchor rows in a graph at once)."""
+    base, _, rows = name.partition("_rows")
+    anchors, interior = TRAINING_MODES[base] or ("window", "forward")
+    return anchors, interior, int(rows) if rows else None
+
+
+def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
+                         rollout_fn=None, modes=tuple(TRAINING_MODES), repeats=3, warmup=1):
+    """Time the gradient of one whole trajectory (jagg.window_gradients, as training runs it: the KL
+    reference included when cfg.beta > 0) in each mode, and rollout_fn() if given, interleaved;
+    medians. modes: names of TRAINING_MODES, or "<name>_rows<k>" with a bound on the rows in a
+    graph (mode_settings). Returns {mode: {"train_s", "fwd_graph", "fwd_nograd", "fwd_ref",
+    "backward", "backward_rows", "saved_gb"[, "peak_mem_gb" on CUDA]}, "rollout": {"rollout_s"}}
+    (times in seconds; saved_gb from one more, untimed run under saved_bytes_peak)."""
+    params = list(params)
+    device = traj.z.device
+    cuda = device.type == "cuda"
+
+    def timed(name):
+        anchors, interior, max_graph_rows = mode_settings(name)
+
+        def run():
+            for p in params:
+                p.grad = None
+            timings = dict.fromkeys(("fwd_graph", "fwd_nograd", "fwd_ref", "backward"), 0.0)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            stats, _ = jagg.window_gradients(velocity_fn, traj, advantages, cfg, window, 0.0 if name == "exact" else 1.0,
+                                        ref_velocity_fn, timings=timings, anchors=anchors, interior=interior,
+                                        max_graph_rows=max_graph_rows)
+            if cuda:
+                torch.cuda.synchronize(device)
+                timings["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            timings["train_s"] = time.perf_counter() - start
+            timings["backward_rows"] = stats["grad_steps"]
+            return timings
+        return run
+
+    def rollout():
+        timings = {}
+        with jagg._timed(timings, "rollout_s", device):
+            rollout_fn()
+        return timings
+
+    fns = {name: timed(name) for name in modes}
+    if rollout_fn is not None:
+        fns["rollout"] = rollout
+    out = _interleaved(fns, repeats, warmup)
+    for name in modes:  # the memory figure, outside the timed runs (the hooks cost time)
+        out[name]["saved_gb"] = saved_bytes_peak(fns[name]) / 2**30
+    for p in params:
+        p.grad = None
+    return out

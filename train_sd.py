@@ -42,7 +42,8 @@ from tqdm import tqdm
 import jagg
 from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
-from common import bench_modes, chart, compare_summary, font, save_png, step_metrics, training_step_bars, writable_folder_check
+from common import bench_modes, benchmark_trajectory, benchmark_window, chart, compare_summary, font, save_png, step_metrics
+from common import training_step_bars, writable_folder_check
 from common import write_json, write_jsonl
 
 REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", "shapes", "shapes_cover"]
@@ -810,8 +811,8 @@ def benchmark(cfg):
     window_loss = jagg.make_step_loss(traj, adv, 0, W, jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range))
 
     def measure():
-        t_window = jagg.benchmark_window(cond_only, params, traj.z[:W], traj.t[:W], window_loss, repeats=cfg.bench_repeats)
-        t_traj = jagg.benchmark_trajectory(velocity_fn, params, traj, adv, loss_cfg, W, ref_fn, repeats=cfg.bench_repeats,
+        t_window = benchmark_window(cond_only, params, traj.z[:W], traj.t[:W], window_loss, repeats=cfg.bench_repeats)
+        t_traj = benchmark_trajectory(velocity_fn, params, traj, adv, loss_cfg, W, ref_fn, repeats=cfg.bench_repeats,
                                            modes=bench_modes(cfg.max_graph_rows),
                                            rollout_fn=lambda: jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level))
         return t_window, t_traj

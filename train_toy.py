@@ -31,7 +31,8 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import jagg
-from common import COLORS, all_gather_cat, arg, bench_modes, chart, fail_on, font, init_distributed, jagg_flag_checks
+from common import COLORS, all_gather_cat, arg, bench_modes, benchmark_trajectory, benchmark_window, chart, fail_on, font
+from common import init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
 from common import report_trajectory, save_png, step_metrics, torch_save, training_step_bars, writable_folder_check
 from common import compare_summary, write_json, write_jsonl
@@ -451,11 +452,11 @@ def benchmark(cfg, base):
           f"beta {cfg.beta}, {torch.get_num_threads()} threads, medians of {cfg.bench_repeats} interleaved repeats")
     for W in (4, 8):
         step_loss = jagg.make_step_loss(traj, adv, 0, W, loss_cfg)
-        t = jagg.benchmark_window(velocity_fn, base.parameters(), traj.z[:W], traj.t[:W], step_loss,
+        t = benchmark_window(velocity_fn, base.parameters(), traj.z[:W], traj.t[:W], step_loss,
                                   repeats=cfg.bench_repeats)
         print(f"\n-- one window's gradient (W = {W})")
         results[W] = {"window": W, "exact": t["exact"], "jagg": t["jagg"], **report_benchmark(t, W, 1000, "ms")}
-        t = jagg.benchmark_trajectory(velocity_fn, base.parameters(), traj, adv, loss_cfg, W,
+        t = benchmark_trajectory(velocity_fn, base.parameters(), traj, adv, loss_cfg, W,
                                       make_velocity_fn(ref, labels) if cfg.beta > 0 else None,
                                       rollout_fn=lambda: jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level),
                                       modes=bench_modes(cfg.max_graph_rows), repeats=cfg.bench_repeats)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.func import functional_call, jacrev
 
+import common
 import jagg
 
 
@@ -701,7 +702,7 @@ def test_benchmark_window_reports_each_part():
     torch.manual_seed(9)
     model, (W, B, d) = MLPFlow(), (4, 8, 3)
     z, t = window(W, B, d, straight=False)
-    out = jagg.benchmark_window(as_velocity_fn(model), model.parameters(), z, t, make_loss(W, B, d), repeats=2)
+    out = common.benchmark_window(as_velocity_fn(model), model.parameters(), z, t, make_loss(W, B, d), repeats=2)
     assert set(out) == {"exact", "jagg"}
     assert out["exact"]["fwd_nograd"] == 0.0 and out["jagg"]["fwd_nograd"] > 0.0
     for m in out.values():
@@ -836,12 +837,12 @@ def test_saved_bytes_fall_with_the_bound():
             model.zero_grad(set_to_none=True)
             jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, 4, frac, anchors=anchors, interior=interior,
                                   max_graph_rows=rows)
-        return jagg.saved_bytes_peak(step)
+        return common.saved_bytes_peak(step)
 
     exact, paper = saved(frac=0.0), saved()
     shared, shared_2 = saved("shared", "rollout"), saved("shared", "rollout", 2)
     assert shared > paper > exact > 0
     assert shared_2 < shared and shared_2 <= paper
     assert saved("shared", "forward", 1) == exact == saved("window", "forward", 1)
-    assert jagg.mode_settings("jagg_shared_rollout_rows2") == ("shared", "rollout", 2)
-    assert jagg.mode_settings("exact") == ("window", "forward", None)
+    assert common.mode_settings("jagg_shared_rollout_rows2") == ("shared", "rollout", 2)
+    assert common.mode_settings("exact") == ("window", "forward", None)

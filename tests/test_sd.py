@@ -16,6 +16,7 @@ from PIL import Image
 diffusers = pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
 pytest.importorskip("peft", reason="the optional extra: pip install -e '.[sd]'")
 
+import common  # noqa: E402
 import jagg  # noqa: E402
 import mini_sd3  # noqa: E402
 import train_sd  # noqa: E402
@@ -398,7 +399,7 @@ def test_benchmark_with_a_bound_on_graph_rows_reports_saved_memory(tmp_path, cap
     result = train_sd.main(["--benchmark", "--random-init", "--bench-size", "tiny", "--window", "4", "--bench-repeats", "1",
                             "--max-graph-rows", "2", "--device", "cpu", "--out", str(tmp_path)])
     # Bounded again: the modes the bound changes (the paper's windows hold 2 rows already).
-    assert set(result["train_s"]) == set(jagg.TRAINING_MODES) | {"jagg_shared_rows2", "jagg_shared_rollout_rows2"}
+    assert set(result["train_s"]) == set(common.TRAINING_MODES) | {"jagg_shared_rows2", "jagg_shared_rollout_rows2"}
     assert set(result["saved_gb"]) == set(result["train_s"])
     # The same network rows with grad; the shared modes' 4 anchors are held 2 at a time.
     assert result["backward_rows"]["jagg_shared_rollout_rows2"] == result["backward_rows"]["jagg_shared_rollout"] == 4
