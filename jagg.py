@@ -20,7 +20,7 @@ steps between anchors can take the rollout's stored velocities, corrected to fir
 the anchors' change (interior="rollout"), so that no interior step calls the network at all,
 the KL reference included. Routing can follow the fidelity probe's measurements (route="probe").
 The anchors can be back-propagated a few at a time, with the same gradient and less memory
-(max_graph_rows), and weights="index" reproduces the authors' early code's weighting.
+(max_graph_rows).
 
 Notation (code name -> symbol)
     T          number of sampling steps of a rollout
@@ -396,10 +396,10 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
     S = z.shape[0]
     _check(S >= 2, f"JAGG needs a window of at least 2 steps, got W = {S}")
     anchors = _anchor_steps((0, S - 1) if anchors is None else anchors, S)
-    if max_graph_rows is not None and max_graph_rows < len(anchors):
-        return backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings, anchors, v_rollout, weights)
     _check(v_rollout is None or tuple(v_rollout.shape) == tuple(z.shape),
            f"v_rollout must be [S, B, *D] like z {tuple(z.shape)}, got {None if v_rollout is None else tuple(v_rollout.shape)}")
+    if max_graph_rows is not None and max_graph_rows < len(anchors):
+        return backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings, anchors, v_rollout, weights)
     # G_j is accumulated in fp32 at least, whatever the network's precision.
     acc = torch.promote_types(z.dtype, torch.float32)
     H = hat_weights(t.to(acc), anchors, weights)  # [S, M, B]
