@@ -199,7 +199,7 @@ def compare_summary(ex, jg, config):
     """summary.json of a compare run (both scripts): exact's and JAGG's run summaries side by side,
     the share of exact's reward gain JAGG kept, and the speedups."""
     return {
-        "method": "compare", "mode": jg["mode"], "weights": config.get("weights", "time"),
+        "method": "compare", "mode": jg["mode"], "weights": config["weights"],
         "initial_reward": ex["initial_reward"],  # the same model and evaluation noise for both
         **{key: {"exact": ex[key], "jagg": jg[key]}
            for key in ("final_reward", "reward_gain", "backward_seconds", "grad_seconds", "train_seconds", "grad_steps")},

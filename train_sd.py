@@ -293,10 +293,10 @@ def mini_model_path():
     import mini_sd3
 
     if _is_main():
-        path = mini_sd3.cached_pipeline()
+        mini_sd3.cached_pipeline()
     if dist.is_initialized():
         dist.barrier()
-    return mini_sd3.cached_pipeline() if not _is_main() else path
+    return mini_sd3.cached_pipeline()  # built by now: only its folder
 
 
 def default_resolution(pipe, cfg):
@@ -725,12 +725,13 @@ def summarize(cfg, rows):
     evaluations after epoch 0), times, and the probe's mean cosine per segment."""
     evals = [(r["epoch"], r["eval/reward"]) for r in rows if "eval/reward" in r]
     later = [v for e, v in evals if e > 0][-cfg.final_evals:] or [evals[-1][1]]
+    final = sum(later) / len(later)
     trained = [r for r in rows if r["epoch"] > 0]
     probes = [r["probe/grad_cosine"] for r in trained if "probe/grad_cosine" in r]
     return {
         "method": cfg.method, "mode": mode_name(cfg.method, cfg.anchors, cfg.interior), "weights": cfg.weights,
-        "initial_reward": evals[0][1], "final_reward": sum(later) / len(later), "final_evals_used": len(later),
-        "reward_gain": sum(later) / len(later) - evals[0][1],
+        "initial_reward": evals[0][1], "final_reward": final, "final_evals_used": len(later),
+        "reward_gain": final - evals[0][1],
         "eval_curve": evals,
         # rollouts and optimizer steps, and the probe only where it routes (else it is a diagnostic)
         "train_seconds": sum(r.get("time/train_seconds", 0.0) for r in trained) - (

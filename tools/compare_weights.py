@@ -22,8 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 from common import write_json  # noqa: E402
 
-WEIGHTS = ("time", "index")
-
 
 def toy_batches(args):
     """(velocity_fn, params, traj, adv) per batch, from train_toy.py's base model and task."""
@@ -77,7 +75,7 @@ def main(argv=None):
     if args.batch % 4 or args.batch < 4:
         parser.error(f"--batch must be a positive multiple of 4 (groups of 4 samples), got {args.batch}")
     loss_cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    sums = {(a, w): None for a in ("window", "shared") for w in WEIGHTS}
+    sums = {(a, w): None for a in ("window", "shared") for w in jagg.WEIGHTS}
     batches = toy_batches(args) if args.model_kind == "toy" else mini_batches(args)
     for fn, params, traj, adv, T in batches:
         for anchors, weights in sums:
