@@ -46,7 +46,7 @@ from common import bench_modes, benchmark_trajectory, benchmark_window, chart, c
 from common import training_step_bars, writable_folder_check
 from common import write_json, write_jsonl
 
-REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", "shapes", "shapes_cover"]
+REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", "shapes", "shapes_cover", "cover"]
 DEFAULT_PROMPTS = [
     "a photo of a cat sitting on a windowsill", "a red bicycle leaning against a brick wall",
     "a bowl of ramen with chopsticks", "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
@@ -97,6 +97,9 @@ class Config:
     epochs: int = arg(100, "GRPO epochs (each: rollouts of --prompts-per-epoch prompts, then training)")
     num_steps: int = arg(10, "T, sampling steps of a rollout (Flow-GRPO trains with 10)")
     guidance_scale: float = arg(4.5, "classifier-free guidance scale (1: no guidance)")
+    cfg_grad: str = arg("cond", "which CFG branches training back-propagates through: cond (the unconditional one "
+                                "without graph: half the backward, a biased gradient) or both (Flow-GRPO's: the exact "
+                                "derivative of the guided velocity)", choices=["cond", "both"])
     noise_level: float = arg(0.7, "SDE noise level")
     prompts_per_epoch: int = arg(2, "prompts sampled each epoch (the same on every rank)")
     group_size: int = arg(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt")
@@ -175,7 +178,7 @@ class Config:
 
     def shapes_prompt_check(self):
         """--reward shapes scores prompts of mini_sd3.py's grammar only: say which one is not."""
-        if not self.reward.startswith("shapes") or (self.prompts and not os.path.isfile(self.prompts)):
+        if self.reward not in ("shapes", "shapes_cover", "cover") or (self.prompts and not os.path.isfile(self.prompts)):
             return True, ""
         import mini_sd3
 
@@ -231,7 +234,7 @@ def default_prompts(cfg):
     """--prompts, else the mini model's task prompts (--model mini or --reward shapes), else a small list."""
     if cfg.prompts:
         return read_prompts(cfg.prompts)
-    if cfg.model == "mini" or cfg.reward.startswith("shapes"):
+    if cfg.model == "mini" or cfg.reward in ("shapes", "shapes_cover", "cover"):
         import mini_sd3
 
         return mini_sd3.training_prompts()
@@ -310,12 +313,15 @@ def autocast(device, enabled):
     return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
-def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16):
+def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond_grad=False):
     """velocity_fn(z [S, B, C, H, W], t [S, B]) -> v [S, B, C, H, W] with classifier-free guidance.
 
     cond, uncond: (prompt_embeds [B, L, E], pooled [B, P]) of the B samples. The conditional
-    branch carries the graph when grad is enabled; the unconditional one never does, so that
-    v = v_u + s (v_c - v_u) back-propagates through s * v_c alone."""
+    branch carries the graph when grad is enabled. The unconditional one does too with
+    uncond_grad (Flow-GRPO's way: v = v_u + s (v_c - v_u) back-propagates as s J_c - (s - 1) J_u,
+    the true derivative of the guided velocity, at twice the backward); without it, it runs
+    without graph and the gradient flows through s * v_c alone (cheaper, and biased: it ignores
+    that the update also moves v_u)."""
 
     def velocity_fn(z, t):
         S, B = t.shape
@@ -325,7 +331,7 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16):
             v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond[0].repeat(S, 1, 1),
                             pooled_projections=cond[1].repeat(S, 1), return_dict=False)[0]  # [S*B, C, H, W]
             if guidance_scale > 1:
-                with torch.no_grad():
+                with contextlib.nullcontext() if uncond_grad else torch.no_grad():
                     v_u = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=uncond[0].repeat(S, 1, 1),
                                       pooled_projections=uncond[1].repeat(S, 1), return_dict=False)[0]
                 v = v_u + guidance_scale * (v - v_u)  # [S*B, C, H, W]
@@ -441,10 +447,10 @@ def make_reward_fn(cfg, device):
         return lambda images, prompts: torch.tensor([-jpeg_kb(im) for im in images])
     if cfg.reward == "jpeg_incompressibility":
         return lambda images, prompts: torch.tensor([jpeg_kb(im) for im in images])
-    if cfg.reward in ("shapes", "shapes_cover"):  # GenEval in miniature: colours, shapes, counts, left/right
+    if cfg.reward in ("shapes", "shapes_cover", "cover"):  # GenEval in miniature: colours, shapes, counts, left/right
         import mini_sd3
 
-        fn = mini_sd3.score if cfg.reward == "shapes" else mini_sd3.score_cover
+        fn = {"shapes": mini_sd3.score, "shapes_cover": mini_sd3.score_cover, "cover": mini_sd3.coverage}[cfg.reward]
         return lambda images, prompts: torch.tensor([fn(im, p) for im, p in zip(images, prompts)])
     from transformers import AutoModel, AutoProcessor
 
@@ -658,7 +664,7 @@ def train(cfg):
             """The velocity_fn (CFG) and the reference's for the samples idx_d."""
             c, u = tuple(x[idx_d] for x in cond), tuple(x[idx_d] for x in uncond)
             ref_fn = make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg, use_bf16) if cfg.beta > 0 else None
-            return make_velocity_fn(model, c, u, cfg.guidance_scale, use_bf16), ref_fn
+            return make_velocity_fn(model, c, u, cfg.guidance_scale, use_bf16, cfg.cfg_grad == "both"), ref_fn
 
         # --- the fidelity probe, on a few samples before training on them: the cosine of the mode's
         # gradient to the exact one per segment (averaged over ranks, so that all ranks route alike)

@@ -216,6 +216,46 @@ def test_jagg_on_sd3_transformer_equals_endpoint_interpolation(tiny_sd3):
     assert 0.0 < cos < 1.0 - 1e-9
 
 
+def test_cfg_grad_both_is_the_derivative_of_the_guided_velocity(tiny_sd3):
+    """--cfg-grad both: the gradient of <v, u> with v = v_u + s (v_c - v_u) equals its finite
+    difference along a random direction of the weights (the true derivative); cond alone differs
+    from it and equals s times the conditional branch's own gradient."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel.from_pretrained(tiny_sd3, subfolder="transformer").double()
+    params = list(transformer.parameters())
+    B, tc, s = 2, transformer.config, 3.0
+    cond = (torch.randn(B, 5, tc.joint_attention_dim, dtype=torch.float64), torch.randn(B, tc.pooled_projection_dim, dtype=torch.float64))
+    uncond = (torch.zeros_like(cond[0]), torch.zeros_like(cond[1]))
+    z, t = torch.randn(1, B, 4, 8, 8, dtype=torch.float64), torch.full((1, B), 0.6, dtype=torch.float64)
+    u = torch.randn_like(z)
+
+    def grad_of(uncond_grad, scale=s, un=uncond):
+        transformer.zero_grad(set_to_none=True)
+        (train_sd.make_velocity_fn(transformer, cond, un, scale, False, uncond_grad)(z, t) * u).sum().backward()
+        return torch.cat([p.grad.flatten() for p in params])
+
+    both, cond_only = grad_of(True), grad_of(False)
+    direction = [torch.randn_like(p) for p in params]
+    eps = 1e-4  # the value has round-off near 1e-9 (float32 timestep embeddings): not smaller
+
+    def value(sign):
+        with torch.no_grad():
+            for p, d in zip(params, direction):
+                p.add_(sign * eps * d)
+            out = (train_sd.make_velocity_fn(transformer, cond, uncond, s, False)(z, t) * u).sum().item()
+            for p, d in zip(params, direction):
+                p.sub_(sign * eps * d)
+        return out
+
+    finite_difference = (value(1) - value(-1)) / (2 * eps)
+    flat_direction = torch.cat([d.flatten() for d in direction])
+    assert torch.dot(both, flat_direction).item() == pytest.approx(finite_difference, rel=1e-3)
+    assert abs(torch.dot(cond_only, flat_direction).item() - finite_difference) > 0.05 * abs(finite_difference)
+    torch.testing.assert_close(cond_only, s * grad_of(False, scale=1.0, un=None))
+
+
 def test_benchmark_json_has_the_keys(tmp_path):
     proc = subprocess.run([sys.executable, "train_sd.py", "--benchmark", "--random-init", "--bench-size", "tiny",
                            "--window", "4", "--bench-repeats", "1", "--json", "--out", str(tmp_path / "bench")],
