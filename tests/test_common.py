@@ -71,3 +71,43 @@ def test_chart_ticks_are_round_and_cover_the_data(low, high):
     assert (low, high) != (0, 80) or labels == ["0", "20", "40", "60", "80"]
     assert (low, high) != (0.181, 0.733) or labels == ["0.0", "0.2", "0.4", "0.6", "0.8"]
     assert (low, high) != (0, 48) or labels == ["0", "10", "20", "30", "40", "50"]  # not 0-60: the tightest round axis
+
+
+# ------------------------------------------------------------------ tools/gradient_signal.py
+
+
+def _gradient_signal():
+    import importlib.util
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "gradient_signal.py")
+    sys.path.insert(0, os.path.dirname(path))
+    spec = importlib.util.spec_from_file_location("gradient_signal", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gradient_signal_stats_on_known_gradients():
+    """Batches g_k = s + noise with a known signal s: JAGG equal to exact keeps everything with no
+    error; half of exact keeps half; exact plus independent noise of a known size keeps the signal
+    (about 1) and reports that noise's share of the batch's own."""
+    import torch
+
+    signal_stats = _gradient_signal().signal_stats
+    g = torch.Generator().manual_seed(0)
+    P, K = 20000, 12
+    s = torch.randn(P, generator=g, dtype=torch.float64) * 0.5  # |s|^2 = P / 4
+    exact = [s + torch.randn(P, generator=g, dtype=torch.float64) for _ in range(K)]  # noise variance P
+    same = signal_stats(exact, exact)
+    assert same["probe_cosine"] == pytest.approx(1.0) and same["error_to_noise"] == 0.0
+    assert same["signal_kept"] == pytest.approx(1.0)
+    assert same["batch_agreement"] == pytest.approx(0.25 / 1.25, abs=0.02)  # |s|^2 / (|s|^2 + noise)
+    half = signal_stats(exact, [0.5 * x for x in exact])
+    assert half["signal_kept"] == pytest.approx(0.5) and half["probe_cosine"] == pytest.approx(1.0)
+    noisy = signal_stats(exact, [x + 0.5 * torch.randn(P, generator=g, dtype=torch.float64) for x in exact])
+    assert noisy["error_to_noise"] == pytest.approx(0.25, rel=0.05)  # (0.5^2 P) / P
+    assert noisy["signal_kept"] == pytest.approx(1.0, abs=0.1)
+    assert noisy["signal_kept_stderr"] < 0.1
+    wrong = signal_stats(exact, [-x for x in exact])  # the opposite direction loses the signal
+    assert wrong["signal_kept"] == pytest.approx(-1.0)

@@ -40,12 +40,15 @@ def toy_batches(args):
         yield fn, list(model.parameters()), traj, adv, cfg.num_steps
 
 
-def mini_batches(args):
-    """The same from the mini SD3 (CFG 4.5, T = 10, full fine-tuning's parameters, the shapes reward)."""
+def mini_batches(args, full_finetune=True, reward="shapes", group=4, cfg_grad="cond", global_std=False):
+    """The same from the mini SD3 (CFG 4.5, T = 10, the shapes reward unless `reward` says
+    otherwise): groups of `group` samples per prompt, the parameters full fine-tuning trains or,
+    with full_finetune=False, train_sd.py's LoRA (zero-initialised, so the same base model)."""
     import train_sd
 
-    cfg = train_sd.Config(model=args.model, reward="shapes", full_finetune=True, gradient_checkpointing=False,
+    cfg = train_sd.Config(model=args.model, reward=reward, full_finetune=full_finetune, gradient_checkpointing=False,
                           device="cpu", rollout_batch=args.batch, seed=args.seed)
+    torch.manual_seed(args.seed)  # the LoRA's initialisation
     pipe, transformer = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
     cfg = dataclasses.replace(cfg, resolution=train_sd.default_resolution(pipe, cfg))
     prompts_all = train_sd.default_prompts(cfg)
@@ -54,11 +57,12 @@ def mini_batches(args):
     g = torch.Generator().manual_seed(args.seed)
     params = [p for p in transformer.parameters() if p.requires_grad]
     for _ in range(args.batches):
-        pick = torch.randint(len(prompts_all), (args.batch // 4,), generator=g)
-        prompts = [prompts_all[i] for i in pick.repeat_interleave(4).tolist()]  # groups of 4
+        pick = torch.randint(len(prompts_all), (args.batch // group,), generator=g)
+        ids = pick.repeat_interleave(group)  # [B]
+        prompts = [prompts_all[i] for i in ids.tolist()]
         traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16=False)
-        adv = jagg.group_advantages(reward_fn(images, prompts), pick.repeat_interleave(4))
-        fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16=False)
+        adv = jagg.group_advantages(reward_fn(images, prompts), ids, global_std=global_std)
+        fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, cfg_grad == "both")
         yield fn, params, traj, adv, cfg.num_steps
 
 
