@@ -62,12 +62,17 @@ class Config:
     prompts: str = arg("", "text file with one prompt a line; empty: a small built-in list (--model mini: its task's 48)")
     reward: str = arg("jpeg_compressibility", "reward function; shapes: mini_sd3.py's GenEval-like checker (colours, "
                                               "shapes, counts, left/right) for --model mini's prompts; shapes_cover: its "
-                                              "mean with how much of the image the asked colours cover", choices=REWARDS)
+                                              "mean with how much of the image the asked colours cover; cover: that "
+                                              "coverage alone (dense: layout and colour)", choices=REWARDS)
     reward_model: str = arg("", "for --reward pickscore: local directory of a CLIP model and processor (PickScore)")
     resolution: int = arg(0, "image size in pixels; 0: 512 (Flow-GRPO's) for SD3/SD3.5 and the benchmark, the size "
                              "a --model mini was trained at")
     out: str = arg("runs/sd", "output folder: metrics.jsonl, sample grids, weights, checkpoint")
     resume: str = arg("", "continue from the checkpoint in this output folder")
+    exact_from: str = arg("", "--method compare: take exact GRPO from this finished run (a compare's DIR/exact, or a "
+                              "--method exact run) instead of training it again; its settings must match this "
+                              "run's but for the JAGG flags. Its last evaluation is redrawn from its saved weights "
+                              "for samples.png")
     seed: int = arg(0, "random seed; ranks add their rank to the sampling seed")
     # --- JAGG
     method: str = arg("jagg", "exact (Flow-GRPO), jagg, or compare (exact, then jagg, from the same model and seed, "
@@ -166,6 +171,9 @@ class Config:
                 (self.eval_samples >= 1, f"--eval-samples must be >= 1, got {self.eval_samples}"),
                 (self.final_evals >= 1, f"--final-evals must be >= 1, got {self.final_evals}"),
                 (self.resolution >= 0, f"--resolution must be >= 0 (0: the model's own), got {self.resolution}"),
+                (not self.exact_from or self.method == "compare",
+                 f"--exact-from is for --method compare (got --method {self.method})"),
+                *self.exact_from_checks(),
                 (not (self.method == "compare" and self.resume),
                  "--method compare trains both methods from the start; --resume one of its runs with "
                  "--method exact|jagg --out DIR/exact|jagg --resume DIR/exact|jagg"),
@@ -189,6 +197,32 @@ class Config:
                 where = f"--prompts {self.prompts!r}" if self.prompts else "the built-in SD prompts (use --model mini)"
                 return False, f"--reward shapes: {where}: {e}"
         return True, ""
+
+    # Flags that change JAGG's run but not exact GRPO's: --exact-from may differ in these alone.
+    JAGG_ONLY_FLAGS = ("method", "out", "resume", "exact_from", "window", "jagg_frac", "anchors", "interior", "weights",
+                       "max_graph_rows", "route", "probe_every", "probe_batch", "probe_decay", "min_cosine")
+
+    def exact_from_checks(self):
+        """--exact-from: a finished exact run whose settings are this run's but for JAGG_ONLY_FLAGS."""
+        if not self.exact_from or self.method != "compare":
+            return []
+        summary = os.path.join(self.exact_from, "summary.json")
+        if not os.path.isfile(summary):
+            return [(False, f"--exact-from {self.exact_from!r} holds no finished run (expected {summary})")]
+        with open(summary) as f:
+            ex = json.load(f)
+        if ex.get("method") != "exact":
+            return [(False, f"--exact-from {self.exact_from!r} is a {ex.get('method')!r} run; give the folder of an "
+                            f"exact one (a compare's DIR/exact)")]
+        ours, defaults = dataclasses.asdict(self), dataclasses.asdict(Config())
+        saved = ex["config"]
+        # 0 resolution means the model's own: compare what the run used
+        differ = [k for k in ours if k not in self.JAGG_ONLY_FLAGS and k != "resolution"
+                  and saved.get(k, defaults[k]) != ours[k]]
+        if self.resolution and saved.get("resolution") != self.resolution:
+            differ.append("resolution")
+        return [(not differ, f"--exact-from {self.exact_from!r} was trained with other settings: " + ", ".join(
+            f"--{k.replace('_', '-')} {saved.get(k, defaults[k])} there, {ours[k]} here" for k in differ))]
 
     # The settings a checkpoint's weights depend on: resuming with others cannot load them.
     CHECKPOINT_FLAGS = ("full_finetune", "lora_rank", "lora_alpha")
@@ -576,14 +610,30 @@ def compare_grid(prompts, columns, cell=96, gap=12):
 # =====================================================================================
 
 
-def train(cfg):
-    rank, world = init_distributed()
-    torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
+def pick_device(cfg):
+    """(device, use_bf16): this rank's GPU if there is one (or --device), bf16 autocast on GPU."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    use_bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda")
+    return device, cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda")
+
+
+def draw_evaluation(pipe, transformer, cfg, sigmas, reward_fn, use_bf16):
+    """The evaluation: the prompts in order, cycled to --eval-samples, each with its own noise
+    fixed by --seed. Returns (prompts, images, rewards [N])."""
+    prompts_all = default_prompts(cfg)
+    prompts = [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]
+    transformer.eval()
+    g = torch.Generator(device=sigmas.device).manual_seed(cfg.seed + 12345)
+    _, _, _, images = sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16)
+    return prompts, images, reward_fn(images, prompts)
+
+
+def train(cfg):
+    rank, world = init_distributed()
+    torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
+    device, use_bf16 = pick_device(cfg)
     prompts_all = default_prompts(cfg)
     reward_fn = make_reward_fn(cfg, device)
     pipe, transformer = load_pipeline(cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
@@ -611,16 +661,12 @@ def train(cfg):
     sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0)).to(device)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     jagg_frac = cfg.jagg_frac if cfg.method == "jagg" else 0.0
-    eval_prompts = [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]
     evaluated = {}  # epoch -> (images, rewards) of the evaluations: the first and the last are drawn
 
     def evaluate(epoch):
         """Fixed prompts and noise, the EMA weights if kept: a reward curve and a grid of samples."""
-        transformer.eval()
         with ema_weights(transformer, ema):
-            g = torch.Generator(device=device).manual_seed(cfg.seed + 12345)
-            _, _, _, images = sample(pipe, transformer, eval_prompts, cfg, sigmas, g, use_bf16)
-        rewards = reward_fn(images, eval_prompts)
+            eval_prompts, images, rewards = draw_evaluation(pipe, transformer, cfg, sigmas, reward_fn, use_bf16)
         evaluated[epoch] = (images, rewards.tolist())
         save_png(os.path.join(cfg.out, f"samples_{epoch:04d}.png"),
                  sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16]))
@@ -871,15 +917,42 @@ def benchmark(cfg):
     return result
 
 
+def reuse_exact(cfg, base):
+    """--exact-from: (None, summary, evaluated) of the finished exact run, as train() returns them.
+    evaluated holds the base model's evaluation (base: JAGG's, drawn from the same model with
+    the same noise) and the final one, redrawn from the run's saved weights."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(cfg.exact_from, "summary.json")) as f:
+        summary = json.load(f)
+    ex_cfg = Config(**{k: v for k, v in summary["config"].items() if k in Config.__dataclass_fields__})
+    device, use_bf16 = pick_device(ex_cfg)
+    pipe, transformer = load_pipeline(ex_cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
+    weights = load_file(os.path.join(cfg.exact_from, "transformer.safetensors" if ex_cfg.full_finetune else "lora.safetensors"))
+    params = dict(transformer.named_parameters())
+    with torch.no_grad():
+        for n, w in weights.items():
+            params[n].copy_(w)
+    sigmas = jagg.sigma_schedule(ex_cfg.num_steps, pipe.scheduler.config.get("shift", 3.0)).to(device)
+    _, images, rewards = draw_evaluation(pipe, transformer, ex_cfg, sigmas, make_reward_fn(ex_cfg, device), use_bf16)
+    last_epoch, last_reward = summary["eval_curve"][-1]
+    if abs(rewards.mean().item() - last_reward) > 1e-4:
+        print(f"note: the redrawn final evaluation of {cfg.exact_from} scores {rewards.mean().item():.4f}, the run "
+              f"recorded {last_reward:.4f} (another machine or thread count?); samples.png shows the redrawn one")
+    return None, summary, {0: base, last_epoch: (images, rewards.tolist())}
+
+
 def compare(cfg):
     """Exact GRPO, then JAGG in the mode the flags ask for, from the same model and seed (so the
     same LoRA initialisation, prompts and evaluation noise); summary.json with the toy's
     comparison keys, the reward curves and the samples before and after, side by side."""
     runs = {}
-    for method in ("exact", "jagg"):
+    for method in ("jagg",) if cfg.exact_from else ("exact", "jagg"):
         runs[method] = train(dataclasses.replace(cfg, method=method, out=os.path.join(cfg.out, method)))
     if not _is_main():
         return None
+    if cfg.exact_from:  # exact GRPO from a finished run: its summary, its base and final samples redrawn
+        runs["exact"] = reuse_exact(cfg, base=runs["jagg"][2][0])
     ex, jg = runs["exact"][1], runs["jagg"][1]
     comparison = compare_summary(ex, jg, dataclasses.asdict(cfg))
     write_json(os.path.join(cfg.out, "summary.json"), comparison)

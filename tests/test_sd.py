@@ -394,7 +394,7 @@ def test_mini_pipeline_loads_with_three_encoders_and_pretraining_lowers_the_loss
     assert t5_part.abs().sum() > 0 and not torch.allclose(t5_part[0], t5_part[1])
 
 
-def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path):
+def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, capsys):
     out = tmp_path / "cmp"
     comparison = train_sd.main(run_args(tiny_sd3, out, "--epochs", "2", "--method", "compare", "--probe-every", "1",
                                         "--anchors", "shared", "--interior", "rollout", "--eval-samples", "6",
@@ -416,6 +416,21 @@ def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path):
         assert (out / name).exists(), name
     rows = [json.loads(line) for line in open(out / "exact" / "metrics.jsonl")]
     assert rows[1]["train/lr"] == pytest.approx(1e-2) and rows[2]["train/lr"] == pytest.approx(0.5e-2)
+
+    # --exact-from: the paper's mode against the same exact run, not trained again. Its final
+    # evaluation, redrawn from the saved weights, is the one the run recorded (no note printed).
+    again = tmp_path / "cmp_paper"
+    args = run_args(tiny_sd3, again, "--epochs", "2", "--method", "compare", "--eval-samples", "6", "--final-evals", "2",
+                    "--lr-schedule", "cosine", "--reward", "shapes", "--exact-from", str(out / "exact"))
+    with pytest.raises(SystemExit, match=r"--lr 0.01 there, 0.02 here"):  # other settings: refused before any work
+        train_sd.main([*args, "--lr", "2e-2"])
+    assert not again.exists()
+    capsys.readouterr()
+    paper = train_sd.main(args)
+    assert "note:" not in capsys.readouterr().out
+    assert paper["mode"] == "jagg" and not (again / "exact").exists()
+    assert paper["exact"] == ex and paper["reward_gain"]["exact"] == comparison["reward_gain"]["exact"]
+    assert (again / "samples.png").exists() and (again / "jagg" / "summary.json").exists()
 
 
 @pytest.mark.parametrize("extra, message", [
