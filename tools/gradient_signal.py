@@ -72,17 +72,27 @@ def signal_stats(exact, approx):
 
     noise = sum((exact[a] - exact[b]).pow(2).sum().item() for a, b in pairs) / len(pairs) / 2
     error = sum((j - g).pow(2).sum().item() for j, g in zip(approx, exact)) / K
-    agreement = sum(cos(exact[a], exact[b], dim=0).item() for a, b in pairs) / len(pairs)
+    cosines = {p: cos(exact[p[0]], exact[p[1]], dim=0).item() for p in pairs}
+
+    def agree(skip=None):
+        use = [p for p in pairs if skip not in p]
+        return sum(cosines[p] for p in use) / len(use)
+
+    def jackknife(estimate):  # the spread of an estimate over pairs of batches, leaving one batch out at a time
+        leave_one = [estimate(skip=k) for k in range(K)]
+        mean = sum(leave_one) / K
+        return math.sqrt((K - 1) / K * sum((x - mean) ** 2 for x in leave_one))
+
+    agreement = agree()
     out = {
         "probe_cosine": sum(cos(j, g, dim=0).item() for j, g in zip(approx, exact)) / K,
         "batch_agreement": agreement,
         "error_to_noise": error / noise,
         "signal_kept": kept(),
     }
-    if K >= 3:  # jackknife over batches: the spread of the ratio
-        leave_one = [kept(skip=k) for k in range(K)]
-        mean = sum(leave_one) / K
-        out["signal_kept_stderr"] = math.sqrt((K - 1) / K * sum((x - mean) ** 2 for x in leave_one))
+    if K >= 3:
+        out["batch_agreement_stderr"] = jackknife(agree)
+        out["signal_kept_stderr"] = jackknife(kept)
     return out
 
 
@@ -126,7 +136,8 @@ def main(argv=None):
     name = "paper" if mode == {"anchors": "window", "interior": "forward"} else f"{args.anchors}+{args.interior}"
     print(f"\n{args.model_kind}, JAGG {name} (W = {args.window}), {args.batches} batches of {args.batch} samples:")
     print(f"  probe cosine (JAGG vs exact, same batch)    {stats['probe_cosine']:.3f}")
-    print(f"  batch agreement (exact vs exact, two batches) {c:.3f}")
+    spread = stats.get("batch_agreement_stderr")
+    print(f"  batch agreement (exact vs exact, two batches) {c:.3f}" + (f" +- {spread:.3f}" if spread else ""))
     n05 = stats["samples_for_agreement_0.5"]
     print(f"  samples per batch for agreement 0.5          {f'{n05:.0f}' if n05 else 'n/a (agreement <= 0)'}")
     print(f"  JAGG's error / the batch's sampling noise    {stats['error_to_noise']:.3f}")
