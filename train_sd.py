@@ -974,7 +974,8 @@ def compare(cfg):
           f"{comparison['grad_steps_ratio']:.2f}x fewer network rows with grad")
     if jg["probe_cosine_by_position"]:
         print("gradient cosine JAGG vs exact per segment: " + " ".join(f"{c:.3f}" for c in jg["probe_cosine_by_position"]))
-    print(f"wrote {cfg.out}/: summary.json, reward_curves.png, samples.png, exact/, jagg/")
+    print(f"wrote {cfg.out}/: summary.json, reward_curves.png, samples.png, "
+          + (f"jagg/ (exact: {cfg.exact_from})" if cfg.exact_from else "exact/, jagg/"))
     return comparison
 
 

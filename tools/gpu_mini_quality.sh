@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# JAGG's quality on the mini SD3 (mini_sd3.py) with enough samples for exact GRPO to gain: the
+# README's mini table, seeds 0, 1 and 2, exact GRPO and both JAGG modes, on one GPU.
+#
+# Why a GPU: on a 2-core CPU a batch's GRPO gradient on this task is almost all noise
+# (tools/gradient_signal.py: two batches of 32 agree to a cosine of about 0.01), so exact GRPO
+# gains in proportion to the samples it sees, and the 15 minutes a CPU run affords (about 2,000
+# samples) give +0.02-0.08. This script gives each run EPOCHS x 128 samples (default 200 epochs,
+# 25,600 samples), the same flags as the README's CPU command otherwise, so the two compare.
+#
+#   tools/gpu_mini_quality.sh [OUT] [EPOCHS] [more train_sd.py flags]   # default runs/gpu_mini, 200
+#   tools/gpu_mini_quality.sh /tmp/q 2 --device cpu --eval-samples 8   # the same script, tested on a CPU
+#
+# Each seed: exact GRPO into OUT/paper_seedS/exact, then the paper's JAGG (OUT/paper_seedS) and
+# shared anchors + rollout interiors (OUT/shared_seedS) with --exact-from that exact run. The
+# three seeds run side by side (the mini transformer leaves a large GPU mostly idle). The mini
+# model is taken from runs/cache/ (carry it) or pretrained first. Needs diffusers and peft: as
+# tools/gpu_benchmark.sh, from wheels in .whl/ where they are not installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-runs/gpu_mini}
+epochs=${2:-200}
+shift 2 || shift $# || true
+if ! python3 -c "import diffusers, peft" 2>/dev/null; then
+  [ -d .whl ] || { echo "error: diffusers or peft is not installed and there is no .whl/ folder of wheels to install it from"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+python3 -c "import torch, diffusers; print('torch', torch.__version__, '| diffusers', diffusers.__version__, '| device',
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
+every=$(( epochs >= 10 ? epochs / 10 : 1 ))
+run() {  # DIR FLAGS...: one train_sd.py compare or exact run
+  local dir=$1; shift
+  python3 train_sd.py --model mini --reward shapes --full-finetune --global-std --lr 3e-4 --train-batch 32 \
+    --clip-range 0.2 --no-gradient-checkpointing --mixed-precision fp32 --prompts-per-epoch 16 --group-size 8 \
+    --rollout-batch 128 --epochs "$epochs" --eval-every "$every" --eval-samples 192 --final-evals 3 \
+    --probe-every "$every" --probe-batch 8 --save-every "$epochs" --window 4 --out "$dir" "$@" > "$dir.log" 2>&1
+  tail -n 2 "$dir.log"
+}
+mkdir -p "$out"
+for seed in 0 1 2; do
+  mkdir -p "$out/paper_seed$seed"
+  run "$out/paper_seed$seed/exact" --method exact --seed "$seed" "$@" &
+done
+wait
+for seed in 0 1 2; do
+  run "$out/paper_seed$seed" --method compare --exact-from "$out/paper_seed$seed/exact" --seed "$seed" "$@" &
+  run "$out/shared_seed$seed" --method compare --exact-from "$out/paper_seed$seed/exact" --seed "$seed" \
+    --anchors shared --interior rollout "$@" &
+done
+wait
+python3 tools/summarize.py compare "$out"/paper_seed[0-9] "$out"/shared_seed[0-9]
