@@ -13,8 +13,9 @@ optional EMA, and per-prompt advantages over groups gathered from every rank.
 
 The model is wrapped once, in make_velocity_fn: the SD3 transformer becomes the
 velocity_fn(z [S, B, C, H, W], t [S, B]) that jagg.py expects. The unconditional branch of
-classifier-free guidance runs without a graph: the gradient flows through the conditional
-branch only, so neither method pays a backward for it.
+classifier-free guidance runs without a graph by default: the gradient flows through the
+conditional branch only, so neither method pays a backward for it; --cfg-grad both
+back-propagates through both branches, as Flow-GRPO's train_sd3.py does.
 
 Weights cannot be downloaded on the machines this was written on: `--model mini` builds,
 pretrains and caches a small SD3 with SD3.5's parts (mini_sd3.py: three text encoders, a VAE,
