@@ -15,7 +15,8 @@ computes on each the whole trajectory's exact gradient g_k and JAGG's j_k (every
 - batch agreement: mean cos(g_a, g_b) over pairs a != b of independent batches. Near 0 means a
   batch's gradient is mostly noise; about |s|^2 / (|s|^2 + noise^2 / n) for a true gradient s;
 - samples for agreement 0.5: n (1 - c) / c, the batch size at which two batches' gradients
-  would agree to a cosine of 0.5 (the noise falls as 1 / n);
+  would agree to a cosine of 0.5 (the noise falls as 1 / n), and the smallest value that the
+  agreement's spread allows (c two standard errors higher);
 - error / noise: mean |j_k - g_k|^2 over mean |g_a - g_b|^2 / 2, JAGG's error against the
   batch's own sampling noise (the variance of g). 0.1: JAGG adds a tenth to the noise a batch
   already has; were its error unbiased, like training on a batch about 9 % smaller. Precise
@@ -131,15 +132,18 @@ def main(argv=None):
         print(f"batch {k + 1}/{args.batches}: probe cosine {torch.nn.functional.cosine_similarity(approx[-1], exact[-1], dim=0).item():.3f}",
               flush=True)
     stats = signal_stats(exact, approx)
-    c = stats["batch_agreement"]
+    c, spread = stats["batch_agreement"], stats.get("batch_agreement_stderr")
     stats["samples_for_agreement_0.5"] = args.batch * (1 - c) / c if c > 0 else None
+    if spread:  # a bound that the spread allows: the agreement at most two standard errors above
+        high = min(c + 2 * spread, 0.999)
+        stats["samples_for_agreement_0.5_at_least"] = args.batch * (1 - high) / high if high > 0 else None
     name = "paper" if mode == {"anchors": "window", "interior": "forward"} else f"{args.anchors}+{args.interior}"
     print(f"\n{args.model_kind}, JAGG {name} (W = {args.window}), {args.batches} batches of {args.batch} samples:")
     print(f"  probe cosine (JAGG vs exact, same batch)    {stats['probe_cosine']:.3f}")
-    spread = stats.get("batch_agreement_stderr")
     print(f"  batch agreement (exact vs exact, two batches) {c:.3f}" + (f" +- {spread:.3f}" if spread else ""))
-    n05 = stats["samples_for_agreement_0.5"]
-    print(f"  samples per batch for agreement 0.5          {f'{n05:.0f}' if n05 else 'n/a (agreement <= 0)'}")
+    n05, bound = stats["samples_for_agreement_0.5"], stats.get("samples_for_agreement_0.5_at_least")
+    print(f"  samples per batch for agreement 0.5          {f'{n05:.0f}' if n05 else 'n/a (agreement <= 0)'}"
+          + (f" (at least {bound:.0f} within two standard errors)" if bound else ""))
     print(f"  JAGG's error / the batch's sampling noise    {stats['error_to_noise']:.3f}")
     err = stats.get("signal_kept_stderr")
     print(f"  signal kept by JAGG                          {stats['signal_kept']:.2f}" + (f" +- {err:.2f}" if err else ""))
