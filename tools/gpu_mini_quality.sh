@@ -3,13 +3,15 @@
 # README's mini table, seeds 0, 1 and 2, exact GRPO and both JAGG modes, on one GPU.
 #
 # Why a GPU: on a 2-core CPU a batch's GRPO gradient on this task is almost all noise
-# (tools/gradient_signal.py: two batches of 32 agree to a cosine of about 0.01), so exact GRPO
+# (tools/gradient_signal.py: two batches of 32 agree to a cosine of 0.002 +- 0.013), so exact GRPO
 # gains in proportion to the samples it sees, and the 15 minutes a CPU run affords (about 2,000
-# samples) give +0.02-0.08. This script gives each run EPOCHS x 128 samples (default 200 epochs,
-# 25,600 samples), the same flags as the README's CPU command otherwise, so the two compare.
+# samples) give +0.02-0.08. This script gives each run EPOCHS x 128 samples (default 120 epochs,
+# 15,360 samples, twice the README's longest CPU run, whose flags it uses).
 #
-#   tools/gpu_mini_quality.sh [OUT] [EPOCHS] [more train_sd.py flags]   # default runs/gpu_mini, 200
-#   tools/gpu_mini_quality.sh /tmp/q 2 --device cpu --eval-samples 8   # the same script, tested on a CPU
+#   tools/gpu_mini_quality.sh [OUT] [EPOCHS] [more train_sd.py flags]   # default runs/gpu_mini, 120
+#   PHASE=exact tools/gpu_mini_quality.sh ...; PHASE=jagg tools/gpu_mini_quality.sh ...   # in two calls
+#   tools/gpu_mini_quality.sh /tmp/q 1 --device cpu --eval-samples 8 --prompts-per-epoch 2 --group-size 4 \
+#     --rollout-batch 8 --probe-batch 2                                  # the same script, tested on a CPU
 #
 # Each seed: exact GRPO into OUT/paper_seedS/exact, then the paper's JAGG (OUT/paper_seedS) and
 # shared anchors + rollout interiors (OUT/shared_seedS) with --exact-from that exact run. The
@@ -19,7 +21,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu_mini}
-epochs=${2:-200}
+epochs=${2:-120}
+phase=${PHASE:-all}  # exact, jagg (the exact runs must exist) or all
+case "$phase" in all|exact|jagg) ;; *) echo "error: PHASE must be all, exact or jagg, got '$phase'"; exit 1;; esac
 shift 2 || shift $# || true
 if ! python3 -c "import diffusers, peft" 2>/dev/null; then
   [ -d .whl ] || { echo "error: diffusers or peft is not installed and there is no .whl/ folder of wheels to install it from"; exit 1; }
@@ -40,11 +44,14 @@ run() {  # DIR FLAGS...: one train_sd.py compare or exact run
   tail -n 2 "$dir.log"
 }
 mkdir -p "$out"
-for seed in 0 1 2; do
-  mkdir -p "$out/paper_seed$seed"
-  run "$out/paper_seed$seed/exact" --method exact --seed "$seed" "$@" &
-done
-wait
+if [ "$phase" != jagg ]; then
+  for seed in 0 1 2; do
+    mkdir -p "$out/paper_seed$seed"
+    run "$out/paper_seed$seed/exact" --method exact --seed "$seed" "$@" &
+  done
+  wait
+fi
+[ "$phase" = exact ] && exit 0
 for seed in 0 1 2; do
   run "$out/paper_seed$seed" --method compare --exact-from "$out/paper_seed$seed/exact" --seed "$seed" "$@" &
   run "$out/shared_seed$seed" --method compare --exact-from "$out/paper_seed$seed/exact" --seed "$seed" \
