@@ -217,6 +217,10 @@ class Config:
                             f"exact one (a compare's DIR/exact)")]
         ours, defaults = dataclasses.asdict(self), dataclasses.asdict(Config())
         saved = ex["config"]
+        weights = os.path.join(self.exact_from, "transformer.safetensors" if saved.get("full_finetune") else "lora.safetensors")
+        if not os.path.isfile(weights):
+            return [(False, f"--exact-from {self.exact_from!r} has no saved weights ({weights}): samples.png redraws "
+                            f"its final samples from them")]
         # 0 resolution means the model's own: compare what the run used
         differ = [k for k in ours if k not in self.JAGG_ONLY_FLAGS and k != "resolution"
                   and saved.get(k, defaults[k]) != ours[k]]

@@ -424,6 +424,8 @@ def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, c
                     "--lr-schedule", "cosine", "--reward", "shapes", "--exact-from", str(out / "exact"))
     with pytest.raises(SystemExit, match=r"--lr 0.01 there, 0.02 here"):  # other settings: refused before any work
         train_sd.main([*args, "--lr", "2e-2"])
+    with pytest.raises(SystemExit, match=r"is a 'jagg' run"):
+        train_sd.main([*args[:-1], str(out / "jagg")])
     assert not again.exists()
     capsys.readouterr()
     paper = train_sd.main(args)
