@@ -5,6 +5,7 @@
     python tools/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # train_sd.py --benchmark
     python tools/summarize.py toybench runs/toy_bench/benchmark.json       # train_toy.py --benchmark
     python tools/summarize.py settings runs/bench_full runs/bench_lora ...  # train_sd.py benchmarks side by side
+    python tools/summarize.py curves runs/a runs/b ... [--last 3]          # single runs: their evaluation curves
 """
 
 import argparse
@@ -155,13 +156,30 @@ def window_level(files):
                   f"| **{x['step_speedup']:.2f}x** |")
 
 
+def curves(paths, last):
+    """Single train_sd.py runs (exact or jagg): start, highest evaluation, the mean and spread of
+    the last `last` evaluations, training time; for runs with different methods but one setting."""
+    print(f"| run | mode | start | highest (epoch) | mean of the last {last} evaluations | training (s) | backward (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for path in paths:
+        s = load(path)
+        curve = s["eval_curve"]
+        tail = [v for _, v in curve[-last:]]
+        mean = sum(tail) / len(tail)
+        sd = (sum((v - mean) ** 2 for v in tail) / max(1, len(tail) - 1)) ** 0.5
+        epoch, top = max(curve[1:] or curve, key=lambda c: c[1])
+        print(f"| {path} | {s['mode']} | {curve[0][1]:.3f} | {top:.3f} ({epoch}) | {mean:.3f} ± {sd:.3f} "
+              f"| {s['train_seconds']:.0f} | {s['backward_seconds']:.0f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window"],
+    parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window", "curves"],
                         help="which table: compare runs, routing runs, SD benchmark (training step, settings side by "
-                             "side, or window level), toy benchmark")
+                             "side, or window level), toy benchmark, single runs' evaluation curves")
     parser.add_argument("paths", nargs="+", help="run folders (summary.json inside) or benchmark.json files")
     parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
+    parser.add_argument("--last", type=int, default=3, help="curves: how many final evaluations to average")
     args = parser.parse_args()
     if args.table == "compare":
         compare(args.paths)
@@ -173,6 +191,8 @@ def main():
         settings(args.paths)
     elif args.table == "toybench":
         toybench(args.paths)
+    elif args.table == "curves":
+        curves(args.paths, args.last)
     else:
         window_level(args.paths)
 
