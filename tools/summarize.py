@@ -5,7 +5,7 @@
     python tools/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # train_sd.py --benchmark
     python tools/summarize.py toybench runs/toy_bench/benchmark.json       # train_toy.py --benchmark
     python tools/summarize.py settings runs/bench_full runs/bench_lora ...  # train_sd.py benchmarks side by side
-    python tools/summarize.py curves runs/a runs/b ... [--last 3]          # single runs: their evaluation curves
+    python tools/summarize.py curves runs/a runs/b ... [--last 3] [--png F] # single runs: their evaluation curves
 """
 
 import argparse
@@ -156,11 +156,13 @@ def window_level(files):
                   f"| **{x['step_speedup']:.2f}x** |")
 
 
-def curves(paths, last):
+def curves(paths, last, png=""):
     """Single train_sd.py runs (exact or jagg): start, highest evaluation, the mean and spread of
-    the last `last` evaluations, training time; for runs with different methods but one setting."""
+    the last `last` evaluations, training time; for runs with different methods but one setting.
+    png: also draw the curves, one line per run named by its mode."""
     print(f"| run | mode | start | highest (epoch) | mean of the last {last} evaluations | training (s) | backward (s) |")
     print("|---|---|---|---|---|---|---|")
+    drawn = {}
     for path in paths:
         s = load(path)
         curve = s["eval_curve"]
@@ -170,6 +172,17 @@ def curves(paths, last):
         epoch, top = max(curve[1:] or curve, key=lambda c: c[1])
         print(f"| {path} | {s['mode']} | {curve[0][1]:.3f} | {top:.3f} ({epoch}) | {mean:.3f} ± {sd:.3f} "
               f"| {s['train_seconds']:.0f} | {s['backward_seconds']:.0f} |")
+        drawn[s["mode"] if s["mode"] not in drawn else path] = curve
+    if png:
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from common import chart, save_png
+
+        config = load(paths[0])["config"]
+        save_png(png, chart(drawn, f"evaluation reward ({config['reward']}, {config['eval_samples']} samples, fixed noise)",
+                            "GRPO epoch", "mean reward"))
+        print(f"\nwrote {png}")
 
 
 def main():
@@ -180,6 +193,7 @@ def main():
     parser.add_argument("paths", nargs="+", help="run folders (summary.json inside) or benchmark.json files")
     parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
     parser.add_argument("--last", type=int, default=3, help="curves: how many final evaluations to average")
+    parser.add_argument("--png", default="", help="curves: also draw them into this PNG file")
     args = parser.parse_args()
     if args.table == "compare":
         compare(args.paths)
@@ -192,7 +206,7 @@ def main():
     elif args.table == "toybench":
         toybench(args.paths)
     elif args.table == "curves":
-        curves(args.paths, args.last)
+        curves(args.paths, args.last, args.png)
     else:
         window_level(args.paths)
 
