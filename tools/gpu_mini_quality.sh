@@ -7,7 +7,8 @@
 # dozen samples is nearly random; on a 2-core CPU exact GRPO gained +0.02-0.08 and did not hold
 # more (README). This script takes 512 samples per optimizer step (32 prompts x 16, one step
 # per epoch, full fine-tuning at lr 3e-4 decaying along a cosine), EPOCHS epochs (default 60,
-# 30,720 samples a run). Sized from the CPU measurements, not yet run on a GPU.
+# 30,720 samples a run). Sized from the CPU measurements, not yet run on a GPU: run PHASE=exact
+# first and check that exact GRPO gains (the summary lines) before the JAGG phase.
 #
 #   tools/gpu_mini_quality.sh [OUT] [EPOCHS] [more train_sd.py flags]   # default runs/gpu_mini, 60
 #   PHASE=exact tools/gpu_mini_quality.sh ...; PHASE=jagg tools/gpu_mini_quality.sh ...   # in two calls
