@@ -47,7 +47,8 @@ from common import bench_modes, benchmark_trajectory, benchmark_window, chart, c
 from common import training_step_bars, writable_folder_check
 from common import write_json, write_jsonl
 
-REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", "shapes", "shapes_cover", "cover"]
+SHAPES_REWARDS = ("shapes", "shapes_cover", "cover")  # mini_sd3.py's rewards: its prompts only
+REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", *SHAPES_REWARDS]
 DEFAULT_PROMPTS = [
     "a photo of a cat sitting on a windowsill", "a red bicycle leaning against a brick wall",
     "a bowl of ramen with chopsticks", "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
@@ -187,7 +188,7 @@ class Config:
 
     def shapes_prompt_check(self):
         """--reward shapes scores prompts of mini_sd3.py's grammar only: say which one is not."""
-        if self.reward not in ("shapes", "shapes_cover", "cover") or (self.prompts and not os.path.isfile(self.prompts)):
+        if self.reward not in SHAPES_REWARDS or (self.prompts and not os.path.isfile(self.prompts)):
             return True, ""
         import mini_sd3
 
@@ -217,7 +218,7 @@ class Config:
                             f"exact one (a compare's DIR/exact)")]
         ours, defaults = dataclasses.asdict(self), dataclasses.asdict(Config())
         saved = ex["config"]
-        weights = os.path.join(self.exact_from, "transformer.safetensors" if saved.get("full_finetune") else "lora.safetensors")
+        weights = weights_path(self.exact_from, saved.get("full_finetune", False))
         if not os.path.isfile(weights):
             return [(False, f"--exact-from {self.exact_from!r} has no saved weights ({weights}): samples.png redraws "
                             f"its final samples from them")]
@@ -273,7 +274,7 @@ def default_prompts(cfg):
     """--prompts, else the mini model's task prompts (--model mini or --reward shapes), else a small list."""
     if cfg.prompts:
         return read_prompts(cfg.prompts)
-    if cfg.model == "mini" or cfg.reward in ("shapes", "shapes_cover", "cover"):
+    if cfg.model == "mini" or cfg.reward in SHAPES_REWARDS:
         import mini_sd3
 
         return mini_sd3.training_prompts()
@@ -486,7 +487,7 @@ def make_reward_fn(cfg, device):
         return lambda images, prompts: torch.tensor([-jpeg_kb(im) for im in images])
     if cfg.reward == "jpeg_incompressibility":
         return lambda images, prompts: torch.tensor([jpeg_kb(im) for im in images])
-    if cfg.reward in ("shapes", "shapes_cover", "cover"):  # GenEval in miniature: colours, shapes, counts, left/right
+    if cfg.reward in SHAPES_REWARDS:  # GenEval in miniature: colours, shapes, counts, left/right
         import mini_sd3
 
         fn = {"shapes": mini_sd3.score, "shapes_cover": mini_sd3.score_cover, "cover": mini_sd3.coverage}[cfg.reward]
@@ -524,6 +525,24 @@ def trainable_state(transformer):
     return {n: p.detach().float().cpu().contiguous() for n, p in transformer.named_parameters() if p.requires_grad}
 
 
+def weights_path(folder, full_finetune):
+    """Where a finished run keeps its trained weights (the EMA if kept)."""
+    return os.path.join(folder, "transformer.safetensors" if full_finetune else "lora.safetensors")
+
+
+def load_weights(transformer, weights):
+    """Copy saved trainable weights {name: tensor} into the transformer; ValueError if they are
+    not this model's trainable parameters."""
+    params = dict(transformer.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
+    if missing or any(n not in params for n in weights):
+        raise ValueError(f"the checkpoint's weights do not match this model ({len(missing)} missing); "
+                         f"same --lora-rank / --full-finetune as the run that saved them?")
+    with torch.no_grad():
+        for n, w in weights.items():
+            params[n].copy_(w)
+
+
 def save_weights(path, state):
     from safetensors.torch import save
 
@@ -555,15 +574,7 @@ def load_checkpoint(folder, transformer, optimizer):
 
     ckpt = os.path.join(folder, "checkpoint")
     try:
-        weights = load_file(os.path.join(ckpt, "weights.safetensors"))
-        params = dict(transformer.named_parameters())
-        missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
-        if missing or any(n not in params for n in weights):
-            raise ValueError(f"the checkpoint's weights do not match this model ({len(missing)} missing); "
-                             f"same --lora-rank / --full-finetune as the run being resumed?")
-        with torch.no_grad():
-            for n, w in weights.items():
-                params[n].copy_(w)
+        load_weights(transformer, load_file(os.path.join(ckpt, "weights.safetensors")))
         optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
         ema = load_file(os.path.join(ckpt, "ema.safetensors")) if os.path.exists(os.path.join(ckpt, "ema.safetensors")) else None
         state = json.load(open(os.path.join(ckpt, "state.json")))
@@ -624,15 +635,18 @@ def pick_device(cfg):
     return device, cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda")
 
 
-def draw_evaluation(pipe, transformer, cfg, sigmas, reward_fn, use_bf16):
-    """The evaluation: the prompts in order, cycled to --eval-samples, each with its own noise
-    fixed by --seed. Returns (prompts, images, rewards [N])."""
-    prompts_all = default_prompts(cfg)
-    prompts = [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]
+def evaluation_prompts(cfg, prompts_all):
+    """The evaluation's prompts: the prompt list in order, cycled to --eval-samples."""
+    return [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]
+
+
+def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16):
+    """The evaluation: the prompts (evaluation_prompts), each with its own noise fixed by --seed.
+    Returns (images, rewards [N])."""
     transformer.eval()
     g = torch.Generator(device=sigmas.device).manual_seed(cfg.seed + 12345)
     _, _, _, images = sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16)
-    return prompts, images, reward_fn(images, prompts)
+    return images, reward_fn(images, prompts)
 
 
 def train(cfg):
@@ -666,12 +680,13 @@ def train(cfg):
     sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0)).to(device)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     jagg_frac = cfg.jagg_frac if cfg.method == "jagg" else 0.0
+    eval_prompts = evaluation_prompts(cfg, prompts_all)
     evaluated = {}  # epoch -> (images, rewards) of the evaluations: the first and the last are drawn
 
     def evaluate(epoch):
         """Fixed prompts and noise, the EMA weights if kept: a reward curve and a grid of samples."""
         with ema_weights(transformer, ema):
-            eval_prompts, images, rewards = draw_evaluation(pipe, transformer, cfg, sigmas, reward_fn, use_bf16)
+            images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn, use_bf16)
         evaluated[epoch] = (images, rewards.tolist())
         save_png(os.path.join(cfg.out, f"samples_{epoch:04d}.png"),
                  sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16]))
@@ -763,7 +778,7 @@ def train(cfg):
             write_jsonl(os.path.join(cfg.out, "metrics.jsonl"), rows)
             if epoch % cfg.save_every == 0 or epoch == cfg.epochs:
                 save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, dataclasses.asdict(cfg), probe_avg)
-                save_weights(os.path.join(cfg.out, "lora.safetensors" if not cfg.full_finetune else "transformer.safetensors"),
+                save_weights(weights_path(cfg.out, cfg.full_finetune),
                              ema if ema is not None else trainable_state(transformer))
     if dist.is_initialized():
         dist.barrier()
@@ -933,13 +948,10 @@ def reuse_exact(cfg, base):
     ex_cfg = Config(**{k: v for k, v in summary["config"].items() if k in Config.__dataclass_fields__})
     device, use_bf16 = pick_device(ex_cfg)
     pipe, transformer = load_pipeline(ex_cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
-    weights = load_file(os.path.join(cfg.exact_from, "transformer.safetensors" if ex_cfg.full_finetune else "lora.safetensors"))
-    params = dict(transformer.named_parameters())
-    with torch.no_grad():
-        for n, w in weights.items():
-            params[n].copy_(w)
+    load_weights(transformer, load_file(weights_path(cfg.exact_from, ex_cfg.full_finetune)))
     sigmas = jagg.sigma_schedule(ex_cfg.num_steps, pipe.scheduler.config.get("shift", 3.0)).to(device)
-    _, images, rewards = draw_evaluation(pipe, transformer, ex_cfg, sigmas, make_reward_fn(ex_cfg, device), use_bf16)
+    images, rewards = draw_evaluation(pipe, transformer, evaluation_prompts(ex_cfg, default_prompts(ex_cfg)), ex_cfg,
+                                      sigmas, make_reward_fn(ex_cfg, device), use_bf16)
     last_epoch, last_reward = summary["eval_curve"][-1]
     if abs(rewards.mean().item() - last_reward) > 1e-4:
         print(f"note: the redrawn final evaluation of {cfg.exact_from} scores {rewards.mean().item():.4f}, the run "
