@@ -651,7 +651,7 @@ def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None, we
 
 
 def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn=None,
-                     no_sync=contextlib.nullcontext, timings=None, anchors="window", interior="forward",
+                     timings=None, anchors="window", interior="forward",
                      route="velocity", probe_cosines=None, min_cosine=None, weights="time", max_graph_rows=None):
     """Accumulate the gradient of the whole batch's loss, segment by segment, routed between
     exact and JAGG. Does not step the optimizer. Returns (stats, routed), routed[i] is True
@@ -663,9 +663,7 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_
     segments by linearity_score; "probe" by probe_cosines (section 9's average) once there are
     any, never routing one below min_cosine. weights: "time" or "index" (hat_weights).
     max_graph_rows: at most this many anchor rows in a graph at once (backward_jagg_bounded;
-    None: all of a call's anchors, today's default). no_sync: a context manager factory
-    (DistributedDataParallel's model.no_sync); every backward but the batch's last runs inside
-    it, so gradients are all-reduced once per optimizer step.
+    None: all of a call's anchors, today's default).
     """
     T = traj.z.shape[0]
     bounds = segment_bounds(T, window, anchors)
@@ -702,15 +700,10 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_
         if steps:
             calls.append((backward_exact, steps[0], steps[-1] + 1, None))
     calls.sort(key=lambda call: call[1])
-    # Exact steps are independent, so the batch's very last backward can be split off: it alone
-    # runs outside no_sync and all-reduces everything accumulated before it.
-    backward, a, b, steps = calls[-1]
-    if backward is backward_exact and b - a > 1:
-        calls[-1:] = [(backward_exact, a, b - 1, None), (backward_exact, b - 1, b, None)]
 
     v_old = traj.v if interior == "rollout" else None
     log, loss = [], 0.0
-    for i, (backward, a, b, steps) in enumerate(calls):
+    for backward, a, b, steps in calls:
         kwargs, bound = {}, {}
         if backward is backward_jagg:
             kwargs = {"anchors": [s - a for s in steps], "v_rollout": None if v_old is None else v_old[a:b],
@@ -720,18 +713,36 @@ def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_
         if cfg.beta > 0:
             with _timed(timings, "fwd_ref", traj.z.device):
                 v_ref = reference_velocities(ref_velocity_fn, traj.z[a:b], traj.t[a:b], **kwargs)  # [b-a, B, *D]
-        with contextlib.nullcontext() if i == len(calls) - 1 else no_sync():
-            loss += backward(velocity_fn, traj.z[a:b], traj.t[a:b],
-                             make_step_loss(traj, advantages, a, b, cfg, v_ref, log), timings, **kwargs, **bound)
+        loss += backward(velocity_fn, traj.z[a:b], traj.t[a:b],
+                         make_step_loss(traj, advantages, a, b, cfg, v_ref, log), timings, **kwargs, **bound)
     grad_steps = sum(b - a if steps is None else len(steps) for _, a, b, steps in calls)  # network rows with grad
     stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
     stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_steps=grad_steps, window_scores=scores)
     return stats, routed
 
 
+def _distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _average_gradients_over_ranks(params):
+    """Data parallelism: every rank's .grad becomes the mean over ranks, in ONE all-reduce of all
+    gradients (flattened into one buffer per dtype). A parameter without a gradient counts as 0."""
+    if not _distributed():
+        return
+    world = torch.distributed.get_world_size()
+    for dtype in {p.dtype for p in params}:
+        group = [p for p in params if p.dtype == dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in group])  # [P]
+        torch.distributed.all_reduce(flat)
+        flat /= world
+        for p, g in zip(group, flat.split([p.numel() for p in group])):
+            p.grad = g.view_as(p).clone()
+
+
 def _agree_across_ranks(flag, device):
     """Under torch.distributed: True only if flag is True on every rank (so all ranks skip alike)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not _distributed():
         return flag
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
@@ -746,15 +757,28 @@ def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, ja
     advantages: [B]). Segments of W steps, the top jagg_frac of them by JAGG, the rest exact
     (anchors ... min_cosine: see window_gradients). A step whose loss or gradient norm is not
     finite is skipped: stats["skipped"] is True and a warning names step, the caller's step
-    number. Returns a dict of statistics and the per-segment routing."""
+    number. Returns a dict of statistics and the per-segment routing.
+
+    Under torch.distributed (torchrun) the gradients are averaged over the ranks here, once per
+    optimizer step; no_sync is DistributedDataParallel's model.no_sync, which keeps DDP from
+    all-reducing as well (see below why it must not)."""
     _check(advantages.shape == traj.log_prob.shape[1:],
            f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
     params = list(params)
     timings = {}
     optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn, no_sync,
-                                     timings, anchors, interior, route, probe_cosines, min_cosine, weights, max_graph_rows)
+    # Why not let DDP all-reduce: its reducer pairs each forward with graph with the backward that
+    # follows it. JAGG's bounded path with rollout interiors (backward_jagg_bounded) runs the next
+    # chunk's forward before this chunk's backward; a DDP synchronising there loses track and the
+    # ranks drift apart silently. So every backward of the batch runs inside no_sync, in every mode,
+    # and one all-reduce of the accumulated gradients follows: per optimizer step, one all-reduce
+    # of the gradients and one of the finite flag below, whatever the mode, anchors or bound.
+    with no_sync():
+        stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn,
+                                         timings, anchors, interior, route, probe_cosines, min_cosine, weights,
+                                         max_graph_rows)
+    _average_gradients_over_ranks(params)
     stats["grad_seconds"] = time.perf_counter() - start
     stats["backward_seconds"] = timings.get("backward", 0.0)
     stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()

@@ -1,0 +1,132 @@
+"""jagg.train_step under DistributedDataParallel: two CPU ranks (gloo), every training mode.
+
+Each rank trains on its own rollouts. After two optimizer steps the ranks' parameters must be
+identical to the last bit, and equal (to float64 round-off) to one process trained on both
+ranks' batches together: the mean of the ranks' gradients, which is what data parallelism means.
+"""
+
+import contextlib
+import itertools
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import jagg
+
+T, W, B, D = 10, 4, 3, 3  # steps, window, samples per rank, sample size
+# (anchors, interior, max_graph_rows, jagg_frac, beta): every mode, bounded or not, routed or not, KL or not.
+MODES = [("window", "forward", None, 0.0, beta) for beta in (0.0, 0.1)] + [
+    (anchors, interior, rows, frac, beta)
+    for anchors, interior, frac, beta in itertools.product(("window", "shared"), ("forward", "rollout"), (1.0, 0.5),
+                                                             (0.0, 0.1))
+    for rows in (None, 1 if interior == "forward" else 2, 3)
+]
+# route="probe" with fixed cosines routes the same segments on every rank and in the reference
+# (velocity routing would score each rank's own rollouts, so the ranks could route differently).
+PROBE = {"window": [0.9, 0.5, 0.8], "shared": [0.5, 0.9, 0.8]}
+
+
+class MLPFlow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(D + 1, 16), torch.nn.Tanh(), torch.nn.Linear(16, D))
+
+    def forward(self, z, t):  # z [N, D], t [N]
+        return self.net(torch.cat([z, t[:, None]], dim=-1))
+
+
+def velocity_fn_of(model):
+    def velocity_fn(z, t):  # z [S, B, D], t [S, B]
+        S, Bs = t.shape
+        return model(z.reshape(S * Bs, D), t.reshape(S * Bs)).reshape(z.shape)
+
+    return velocity_fn
+
+
+def models():
+    torch.manual_seed(0)
+    return MLPFlow().double(), MLPFlow().double().requires_grad_(False)  # the policy, the frozen reference
+
+
+def rank_data(rank, nan=False):
+    """Rank's own rollouts (from the initial policy, its own noise) and advantages."""
+    model, _ = models()
+    g = torch.Generator().manual_seed(100 + rank)
+    sigmas = jagg.sigma_schedule(T).double()
+    traj = jagg.rollout(velocity_fn_of(model), torch.randn(B, D, generator=g, dtype=torch.float64), sigmas, 0.7,
+                        generator=g)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    if nan:
+        adv[0] = float("nan")
+    return traj, adv
+
+
+def train(model, ref, traj, adv, mode, no_sync=contextlib.nullcontext, steps=2):
+    anchors, interior, rows, frac, beta = mode
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    skipped = []
+    for step in range(steps):  # the second step is off-policy: rollout interiors are then approximate
+        stats, _ = jagg.train_step(velocity_fn_of(model), list(model.parameters()), opt, traj, adv, cfg, W, frac,
+                                   max_grad_norm=1e9, ref_velocity_fn=velocity_fn_of(ref) if beta else None,
+                                   no_sync=no_sync, anchors=anchors, interior=interior, route="probe",
+                                   probe_cosines=PROBE[anchors], max_graph_rows=rows, step=step)
+        skipped.append(stats["skipped"])
+    return skipped
+
+
+def flat(module):
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def worker(rank, world, init_file, out, nan_rank):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    results = {}
+    for i, mode in enumerate(MODES):
+        for nan in (False, True):
+            model, ref = models()
+            net = torch.nn.parallel.DistributedDataParallel(model)
+            traj, adv = rank_data(rank, nan=nan and rank == nan_rank)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the skipped step's warning
+                skipped = train(net, ref, traj, adv, mode, no_sync=net.no_sync, steps=2 if not nan else 1)
+            results[f"{i}_{nan}"] = flat(model)
+            results[f"{i}_{nan}_skipped"] = torch.tensor(skipped)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ranks' parameters after training in every mode: [rank0, rank1] of {key: tensor}."""
+    out = tmp_path_factory.mktemp("ddp")
+    mp.spawn(worker, args=(2, str(out / "init"), str(out), 1), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize("i", range(len(MODES)), ids=["-".join(map(str, m)) for m in MODES])
+def test_ranks_stay_identical_and_equal_one_process_on_both_batches(ranks, i):
+    mode = MODES[i]
+    p0, p1 = ranks[0][f"{i}_False"], ranks[1][f"{i}_False"]
+    assert torch.equal(p0, p1), f"ranks drifted in mode {mode}: max difference {(p0 - p1).abs().max().item():.3g}"
+    # One process on both ranks' batches together: its loss is the mean over 2B samples, so its
+    # gradient is the mean of the ranks' gradients, what DDP's all-reduce computes.
+    (t0, a0), (t1, a1) = rank_data(0), rank_data(1)
+    both = jagg.Trajectory(**{f: torch.cat([getattr(t0, f), getattr(t1, f)], dim=1) for f in t0.__dataclass_fields__})
+    model, ref = models()
+    train(model, ref, both, torch.cat([a0, a1]), mode)
+    assert not torch.equal(flat(model), flat(models()[0]))  # it did train
+    torch.testing.assert_close(p0, flat(model), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("i", range(len(MODES)), ids=["-".join(map(str, m)) for m in MODES])
+def test_one_ranks_nan_makes_every_rank_skip(ranks, i):
+    initial = flat(models()[0])
+    for r in range(2):
+        assert ranks[r][f"{i}_True_skipped"].tolist() == [True], f"rank {r} did not skip in mode {MODES[i]}"
+        assert torch.equal(ranks[r][f"{i}_True"], initial)
