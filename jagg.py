@@ -1,26 +1,22 @@
-"""JAGG: GRPO for flow-matching diffusion transformers with two backward passes per window.
+"""JAGG: GRPO for flow-matching diffusion transformers with one backward per window of W steps.
 
 A single-file, model-agnostic reference implementation of JAGG (Jacobian-Aggregated Group
 Gradient), from "JAGG: Jacobian-Aggregated Group Gradient for Efficient GRPO Training of
 Diffusion Models" (arXiv 2607.17572, 2026), on top of Flow-GRPO's SDE sampler and loss
 (Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv 2505.05470).
-We follow the paper's abstract; where it is silent, our choices are marked OURS. The authors'
-early code (SchumiDing/eff_grpo, fastvideo/train_grpo_qwenimage_jagg.py, for Qwen-Image) has
-the same algebra but weights steps by index; weights="index" reproduces it (section 6).
 
 Exact GRPO on a diffusion model back-propagates through the transformer at every sampling step,
 because every step's loss depends on that step's velocity. JAGG splits the T steps into windows
 of W steps, assumes the parameter-Jacobian of the velocity moves linearly in t across a window,
 and so collapses the W per-step backward passes into ONE backward over the window's two
-endpoints (a double batch). See section 6 for the derivation and when it is exact.
+endpoints, run as a double batch [z_a; z_b]: full backward passes per window W -> 2 rows.
 
-Beyond the paper (OURS, options that default to off; section 6 after the paper's derivation):
-adjacent windows can share their endpoints (anchors="shared": fewer rows with grad), and the
-steps between anchors can take the rollout's stored velocities, corrected to first order by
-the anchors' change (interior="rollout"), so that no interior step calls the network at all,
-the KL reference included. Routing can follow the fidelity probe's measurements (route="probe").
-The anchors can be back-propagated a few at a time, with the same gradient and less memory
-(max_graph_rows).
+Part I (sections 1-9) is the paper and all a reader needs: Flow-GRPO's SDE step, rollout,
+advantages and loss, the exact backward, the paper's JAGG on one window in one short function
+(backward_jagg_window, section 6), routing, the training step and a probe. Part II (10-13) is
+ours, options that default to off, each with its equation and when it is exact: shared anchors,
+rollout interiors, a bound on the rows in a graph, the authors' early index weights. We follow
+the paper's abstract; where it is silent, our choices are marked OURS.
 
 Notation (code name -> symbol)
     T          number of sampling steps of a rollout
@@ -28,14 +24,13 @@ Notation (code name -> symbol)
     B          batch size (number of samples, all prompts and groups together)
     z[k]       z_k, the latent state before step k;  z_next[k] = z_{k+1}
     t[k]       t_k, the flow time of step k; we use t = sigma (noise level, 1 = pure noise)
-    v_k        v_theta(z_k, t_k), the velocity the network predicts at step k
+    v_k        v_theta(z_k, t_k), the velocity the network predicts at step k (v = noise - data)
     g_k        dL_k / dv_k, the upstream gradient of step k's loss (cheap, no network)
     J_k        d v_k / d theta, the Jacobian of the network at step k (expensive)
     alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the window's start a, 1 at its end b
-               (weights="index", the authors' early code: k / (W - 1))
     G_a, G_b   sum_k (1 - alpha_k) g_k  and  sum_k alpha_k g_k: the composite upstream signals
     J_a, J_b   the Jacobians at the window's endpoints, the only two JAGG back-propagates
-  beyond the paper:
+  Part II:
     anchors    a_0 = 0 < a_1 < ... < a_m = S - 1, the steps whose Jacobians are back-propagated
                (the paper: the window's a and b)
     H[k, j]    the hat weight of anchor j at step k (the paper: 1 - alpha_k and alpha_k)
@@ -45,9 +40,11 @@ Notation (code name -> symbol)
 Letters in shape comments: T steps, W window steps, S any number of steps, B samples,
 M anchors, *D the shape of one sample (C, H, W for images; 2 for the toy), P parameters.
 
-The whole contract with a model is one function (section 2):
+The whole contract with a model is one function:
     velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D]
-The caller's function owns any conditioning (prompts, classifier-free guidance).
+with t = sigma in [0, 1] (1 = pure noise) and v = d z / d sigma = noise - data, the rectified-flow
+convention of SD3 and Flow-GRPO. The caller's function owns any conditioning (prompts,
+classifier-free guidance); examples/your_model.py shows one with minibatches, CFG and a reference.
 
 Run it:
     python train_toy.py          # the CPU demo: exact GRPO vs JAGG on a toy 2-D DiT
@@ -68,6 +65,10 @@ def _check(ok, message):
     if not ok:
         raise ValueError(message)
 
+
+# #####################################################################################
+#  PART I: THE PAPER
+# #####################################################################################
 
 # =====================================================================================
 # === 1. SDE step: the Gaussian policy of one sampling step (Flow-GRPO) ===
@@ -144,6 +145,9 @@ class Trajectory:
     t_next: torch.Tensor  # sigma_{k+1} of each step            [T, B]
     log_prob: torch.Tensor  # log p_old(z_{k+1} | z_k)           [T, B]
     v: torch.Tensor  # v_k under the sampling policy             [T, B, *D]
+    noise_level: float = None  # the SDE's noise level that drew it (train_step checks the loss uses the same)
+
+    TENSORS = ("z", "z_next", "t", "t_next", "log_prob", "v")
 
     @property
     def sample(self):
@@ -151,8 +155,16 @@ class Trajectory:
         return self.z_next[-1]
 
     def subset(self, idx):
-        """The trajectories of the samples idx (a minibatch): every field is indexed on dim 1 (B)."""
-        return Trajectory(**{name: getattr(self, name)[:, idx] for name in self.__dataclass_fields__})
+        """The trajectories of the samples idx (a minibatch): every tensor is indexed on dim 1 (B)."""
+        return Trajectory(**{name: getattr(self, name)[:, idx] for name in self.TENSORS}, noise_level=self.noise_level)
+
+    @staticmethod
+    def cat(trajs):
+        """One batch from several (rollout chunks, or ranks): every tensor concatenated on dim 1 (B)."""
+        levels = {traj.noise_level for traj in trajs}
+        _check(len(levels) == 1, f"trajectories drawn at different noise levels cannot form one batch: {levels}")
+        return Trajectory(**{name: torch.cat([getattr(traj, name) for traj in trajs], dim=1) for name in Trajectory.TENSORS},
+                          noise_level=levels.pop())
 
 
 @torch.no_grad()
@@ -181,6 +193,7 @@ def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
         t_next=t_next.contiguous(),
         log_prob=torch.stack(log_probs),  # [T, B]
         v=torch.stack(vs),  # [T, B, *D]
+        noise_level=noise_level,
     )
 
 
@@ -213,6 +226,15 @@ def group_advantages(rewards, group_ids, eps=1e-4, global_std=False, clip=5.0):
 # =====================================================================================
 
 
+@dataclass
+class LossConfig:
+    """The knobs of the per-step loss (section 4) and of the SDE (section 1)."""
+
+    noise_level: float  # the SDE's noise level (Flow-GRPO: 0.7)
+    clip_range: float  # PPO/GRPO ratio clip epsilon
+    beta: float = 0.0  # weight of the KL to the reference model; 0 = no reference needed
+
+
 def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, mean_ref=None, std=None, beta=0.0):
     """Clipped GRPO surrogate of one step, plus beta * KL to the reference policy.
 
@@ -240,10 +262,33 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
     return loss, stats
 
 
+def make_step_loss(traj, advantages, a, b, cfg, v_ref=None, log=None):
+    """step_loss(k, v_k) for the window a..b-1 of traj, each step weighted 1/T so that a whole
+    trajectory's loss is the mean over its steps. v_ref: [b - a, B, *D] reference velocities
+    (needed when cfg.beta > 0). Each call appends its stats dict to the list log."""
+    T = traj.z.shape[0]
+
+    def step_loss(k, v_k):
+        i = a + k
+        _, log_prob, mean, std = sde_step(v_k, traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
+                                          prev_sample=traj.z_next[i])
+        mean_ref = None
+        if cfg.beta > 0:
+            _, _, mean_ref, _ = sde_step(v_ref[k], traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
+                                         prev_sample=traj.z_next[i])
+        loss, stats = grpo_step_loss(log_prob, traj.log_prob[i], advantages, cfg.clip_range,
+                                     mean=mean, mean_ref=mean_ref, std=std, beta=cfg.beta)
+        if log is not None:
+            log.append(stats)
+        return loss / T
+
+    return step_loss
+
+
 # =====================================================================================
 # === 5. Exact per-step backward: the baseline (what Flow-GRPO does) ===
 # =====================================================================================
-# Both backward_* functions take S consecutive steps (the paper: a window of W): z [S, B, *D],
+# Every backward_* function takes S consecutive steps (the paper: a window of W): z [S, B, *D],
 # t [S, B], and step_loss(k, v_k) -> scalar, the loss of the k-th of those steps given its
 # velocity [B, *D]. They accumulate parameter gradients like loss.backward() and return the
 # summed loss. timings, if given, is a dict that receives seconds under "fwd_graph",
@@ -284,7 +329,7 @@ def backward_exact(velocity_fn, z, t, step_loss, timings=None):
 
 
 # =====================================================================================
-# === 6. JAGG: interpolate the Jacobians, back-propagate twice ===
+# === 6. JAGG: interpolate the Jacobians, back-propagate once ===
 # =====================================================================================
 # The gradient of a window a..b is a sum of vector-Jacobian products:
 #     grad = sum_k g_k^T J_k,      g_k = dL_k/dv_k,   J_k = dv_theta(z_k, t_k)/dtheta.
@@ -296,40 +341,18 @@ def backward_exact(velocity_fn, z, t, step_loss, timings=None):
 # The sum then collapses by linearity into two vector-Jacobian products,
 #     grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k,
 # which one backward of  sum(v_a * G_a) + sum(v_b * G_b)  through ONE forward on the double
-# batch [z_a; z_b] computes. Full backward passes per window: W -> 2 (as one double batch).
+# batch [z_a; z_b] computes. Full backward passes per window: W -> 2 rows, in one pass.
 #
 # When it is exact: if J(z, t) is affine in (z, t) along the window (e.g. v_theta linear in
 # (z, t), whatever its dependence on theta) and the states lie on the straight segment
 # z_k = (1 - alpha_k) z_a + alpha_k z_b, then J_k = (1 - alpha_k) J_a + alpha_k J_b exactly and
 # so is JAGG's gradient. With W = 2 there is no interior step, so it is always exact.
-#
-# Beyond the paper (OURS; two options of backward_jagg, both off by default):
-# - More anchors. The two endpoints generalise to sorted anchor steps a_0 = 0 < ... < a_m = S-1.
-#   A step between consecutive anchors a_j, a_{j+1} interpolates between those two ("hat"
-#   weights H in t; an anchor keeps weight 1 on itself):
-#       J_k ~= sum_j H[k, j] J_{a_j},    grad ~= sum_j G_j^T J_{a_j},    G_j = sum_k H[k, j] g_k,
-#   still ONE forward with graph (on the anchor rows) and ONE backward. The paper's window is
-#   anchors (0, S - 1): H[k, 0] = 1 - alpha_k, H[k, 1] = alpha_k. Every step an anchor is exact
-#   training. Exact under the paper's conditions, segment by segment between anchors.
-# - Rollout interiors. The rollout stored v_k(theta_old). To first order, with JAGG's own
-#   interpolated Jacobian,
-#       v_k(theta) ~= v_k(theta_old) + sum_j H[k, j] (v_{a_j}(theta) - v_{a_j}(theta_old)),
-#   so the interior steps call no network at all: the anchors' current velocities come from
-#   the one forward with graph. Exact while theta = theta_old (the first optimizer step after a
-#   rollout), and whenever v_theta changes affinely in (z, t) between anchors on a straight path.
-
-
-# The weights: by t (the paper's abstract, our default) or by step index. The authors' early code
-# (SchumiDing/eff_grpo, fastvideo/train_grpo_qwenimage_jagg.py) weights by index,
-#     alpha_k = k / (W - 1)        (weights="index"),
-# which equals the t-weighting only when t is linear in k. With SD3's shifted schedule it is not:
-# the steps bunch up at high noise, and the two weightings differ inside every window.
-WEIGHTS = ("time", "index")
 
 
 def interpolation_weights(t, weights="time"):
     """alpha_k for a window's times t: [W, B]. Returns [W, B]: by time (the paper's abstract),
-    alpha_k = (t_a - t_k) / (t_a - t_b); by index (the authors' early code), alpha_k = k / (W - 1)."""
+    alpha_k = (t_a - t_k) / (t_a - t_b). (weights="index", the authors' early code, section 12:
+    alpha_k = k / (W - 1).)"""
     _check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights == "index":
         k = torch.arange(t.shape[0], dtype=t.dtype, device=t.device)  # [W]
@@ -337,6 +360,321 @@ def interpolation_weights(t, weights="time"):
     span = t[0] - t[-1]  # [B]
     _check(bool((span != 0).all()), "a window's endpoints must have different times (t_a != t_b)")
     return (t[0] - t) / span  # [W, B]
+
+
+def backward_jagg_window(velocity_fn, z, t, step_loss, timings=None):
+    """The paper's JAGG gradient of one window of W steps a = 0 .. b = W - 1: ONE forward with
+    graph on the double batch [z_a; z_b] and ONE backward of G_a^T J_a + G_b^T J_b."""
+    _check_window(z, t)
+    W = z.shape[0]
+    _check(W >= 2, f"JAGG needs a window of at least 2 steps, got W = {W}")
+    acc = torch.promote_types(z.dtype, torch.float32)  # G_a, G_b in fp32 at least, whatever the network's precision
+    alpha = interpolation_weights(t.to(acc))  # [W, B]: 0 at a, 1 at b
+    alpha = alpha.reshape(alpha.shape + (1,) * (z.ndim - 2))  # [W, B, 1..]
+
+    # The interior velocities are needed only for g_k = dL_k/dv_k, never back-propagated through
+    # the network, so they need no graph: all W - 2 of them in one forward that stores no activations.
+    with _timed(timings, "fwd_nograd", z.device), torch.no_grad():
+        v_mid = velocity_fn(z[1:-1], t[1:-1]) if W > 2 else z[1:-1]  # [W-2, B, *D] (empty when W = 2)
+
+    with _timed(timings, "fwd_graph", z.device):
+        # The endpoints: one forward with graph on the double batch [z_a; z_b].
+        v_ab = velocity_fn(z[[0, -1]], t[[0, -1]])  # [2, B, *D]
+        v = torch.cat([v_ab[:1].detach(), v_mid.to(v_ab.dtype), v_ab[1:].detach()])  # [W, B, *D], no graph
+
+        # G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k, with g_k from the loss alone.
+        G_a = torch.zeros(v.shape[1:], dtype=acc, device=z.device)  # [B, *D]
+        G_b = torch.zeros(v.shape[1:], dtype=acc, device=z.device)  # [B, *D]
+        total = 0.0
+        for k in range(W):
+            v_k = v[k].detach().requires_grad_(True)  # [B, *D], a leaf: differentiate the loss, not the network
+            loss = step_loss(k, v_k)
+            (g_k,) = torch.autograd.grad(loss, v_k)  # [B, *D]
+            G_a += (1 - alpha[k]) * g_k.to(acc)
+            G_b += alpha[k] * g_k.to(acc)
+            total += loss.item()
+
+    # One backward: d/dtheta [sum(v_a * G_a) + sum(v_b * G_b)] = G_a^T J_a + G_b^T J_b.
+    with _timed(timings, "backward", z.device):
+        (v_ab[0] * G_a.to(v_ab.dtype) + v_ab[1] * G_b.to(v_ab.dtype)).sum().backward()
+    return total
+
+
+# =====================================================================================
+# === 7. Routing: which windows are linear enough for JAGG ===
+# =====================================================================================
+# OURS (the abstract names the knob jagg_frac but not the score): score a window by the cosine
+# similarity between its interior velocities and their endpoint interpolation. The velocities
+# come from the rollout, so the score costs no network call. If v itself moves linearly in t,
+# the features (and, JAGG bets, the Jacobians) likely do too. The score is a guess; the probe
+# (section 9) measures, and route="probe" routes by what it measured.
+
+ROUTES = ("velocity", "probe")  # OURS both: velocity linearity (free), or the probe's cosines
+
+
+def linearity_score(v, t):
+    """Cosine similarity of the interior velocities v_k with (1 - alpha_k) v_a + alpha_k v_b,
+    averaged over interior steps and samples. v: [W, B, *D], t: [W, B]. 1.0 when W <= 2."""
+    W = v.shape[0]
+    if W <= 2:
+        return 1.0
+    alpha = interpolation_weights(t.float())  # [W, B]
+    alpha = alpha.reshape(alpha.shape + (1,) * (v.ndim - 2))  # [W, B, 1..]
+    v = v.float()
+    v_lin = (1 - alpha) * v[:1] + alpha * v[-1:]  # [W, B, *D]
+    cos = torch.nn.functional.cosine_similarity(
+        v[1:-1].flatten(2), v_lin[1:-1].flatten(2), dim=-1)  # [W-2, B]
+    return cos.mean().item()
+
+
+def window_bounds(num_steps, window):
+    """Split T steps into windows of W steps: [(a, b_exclusive), ...]; the last may be shorter."""
+    _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates between two endpoints), got {window}")
+    _check(window <= num_steps,
+           f"window ({window}) is longer than the trajectory ({num_steps} steps): use --window <= {num_steps}")
+    return [(a, min(a + window, num_steps)) for a in range(0, num_steps, window)]
+
+
+def route_windows(scores, lengths, jagg_frac, floor=None):
+    """Send the jagg_frac fraction of segments with the highest scores to JAGG, but none whose
+    score is below floor (None: no floor).
+
+    scores, lengths: one per segment. A segment of 1 step has no two endpoints and is always
+    exact (its exact gradient costs one backward anyway). Returns a list of bools.
+    """
+    _check(0.0 <= jagg_frac <= 1.0, f"jagg_frac must be in [0, 1], got {jagg_frac}")
+    eligible = [i for i, n in enumerate(lengths) if n >= 2]
+    n_jagg = round(jagg_frac * len(eligible))
+    # sorted() is stable: among equal scores the earlier segment wins, so routing is reproducible.
+    chosen = {i for i in sorted(eligible, key=lambda i: -scores[i])[:n_jagg] if floor is None or scores[i] >= floor}
+    return [i in chosen for i in range(len(scores))]
+
+
+# =====================================================================================
+# === 8. One training step over a batch of trajectories ===
+# =====================================================================================
+# A batch's gradient, window by window: each window routed to JAGG runs backward_jagg_window
+# (section 6), the others backward_exact (section 5). The options of Part II only change which
+# steps are anchors and how interior velocities are found: backward_jagg_auto below hands them to
+# Part II's backward_jagg, and a window of the paper's to the function of section 6.
+
+
+def backward_jagg_auto(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_rollout=None, weights="time",
+                  max_graph_rows=None):
+    """JAGG's gradient of S steps: the paper's backward_jagg_window when nothing asks for more,
+    else Part II's backward_jagg (anchors, rollout interiors, index weights, a bound on rows)."""
+    paper = (anchors is None or list(anchors) == [0, z.shape[0] - 1]) and v_rollout is None and weights == "time" \
+        and (max_graph_rows is None or max_graph_rows >= 2)
+    if paper:
+        return backward_jagg_window(velocity_fn, z, t, step_loss, timings)
+    return backward_jagg(velocity_fn, z, t, step_loss, timings, anchors, v_rollout, weights, max_graph_rows)
+
+
+def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None, weights="time"):
+    """The frozen reference model's velocities of S steps, for the KL term (no graph): a forward
+    at every step, or, with v_rollout (rollout interiors), at the anchors only, the interiors
+    interpolated from the reference's difference to the rollout's velocities there."""
+    with torch.no_grad():
+        if v_rollout is None:
+            return ref_velocity_fn(z, t)  # [S, B, *D]
+        anchors = _anchor_steps((0, z.shape[0] - 1) if anchors is None else anchors, z.shape[0])
+        v_anc = ref_velocity_fn(z[anchors], t[anchors])  # [M, B, *D]
+        H = hat_weights(t.to(torch.promote_types(z.dtype, torch.float32)), anchors, weights)  # [S, M, B]
+        return interpolate_from_anchors(v_anc, v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
+
+
+def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn=None,
+                     timings=None, anchors="window", interior="forward",
+                     route="velocity", probe_cosines=None, min_cosine=None, weights="time", max_graph_rows=None):
+    """Accumulate the gradient of the whole batch's loss, window by window, routed between exact
+    and JAGG; does not step the optimizer. Returns (stats, routed): routed[i] is True when
+    window (segment) i of segment_bounds was interpolated by JAGG.
+
+    route: "velocity" ranks the windows by linearity_score; "probe" by probe_cosines (section
+    9's average) once there are any, never routing one below min_cosine. Part II's options:
+    anchors "window" (the paper) or "shared" (section 10), interior "forward" (the paper) or
+    "rollout" (section 11), weights "time" or "index" (section 12), max_graph_rows (section 13).
+    """
+    T = traj.z.shape[0]
+    bounds = segment_bounds(T, window, anchors)
+    _check(interior in INTERIOR_MODES, f"interior must be one of {INTERIOR_MODES}, got {interior!r}")
+    _check(route in ROUTES, f"route must be one of {ROUTES}, got {route!r}")
+    _check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
+    check_max_graph_rows(max_graph_rows, interior)
+    _check(probe_cosines is None or len(probe_cosines) == len(bounds),
+           f"probe_cosines needs one value per segment ({len(bounds)}), got {probe_cosines}")
+    _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
+    scores = [linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
+    by_probe = route == "probe" and probe_cosines is not None  # before the first probe: by velocity
+    routed = route_windows(probe_cosines if by_probe else scores, [b - a for a, b in bounds], jagg_frac,
+                           floor=min_cosine if by_probe else None)
+
+    calls = backward_calls(bounds, routed, anchors)  # the paper: one call per window
+
+    v_old = traj.v if interior == "rollout" else None
+    log, loss = [], 0.0
+    for kind, a, b, steps in calls:
+        z, t = traj.z[a:b], traj.t[a:b]
+        options = {}  # Part II's, for a JAGG call: anchors inside the call, rollout interiors, weights
+        if kind == "jagg":
+            options = {"anchors": [s - a for s in steps], "v_rollout": None if v_old is None else v_old[a:b],
+                       "weights": weights}
+        v_ref = None
+        if cfg.beta > 0:
+            with _timed(timings, "fwd_ref", traj.z.device):
+                v_ref = reference_velocities(ref_velocity_fn, z, t, **options)  # [b-a, B, *D]
+        step_loss = make_step_loss(traj, advantages, a, b, cfg, v_ref, log)
+        if kind == "exact":
+            loss += backward_exact(velocity_fn, z, t, step_loss, timings)
+        else:
+            loss += backward_jagg_auto(velocity_fn, z, t, step_loss, timings, **options, max_graph_rows=max_graph_rows)
+    grad_steps = sum(b - a if kind == "exact" else len(steps) for kind, a, b, steps in calls)  # network rows with grad
+    stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
+    stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_steps=grad_steps, window_scores=scores)
+    return stats, routed
+
+
+def _distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _average_gradients_over_ranks(params):
+    """Data parallelism: every rank's .grad becomes the mean over ranks, in ONE all-reduce of all
+    gradients (flattened into one buffer per dtype). A parameter without a gradient counts as 0."""
+    if not _distributed():
+        return
+    world = torch.distributed.get_world_size()
+    for dtype in {p.dtype for p in params}:
+        group = [p for p in params if p.dtype == dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in group])  # [P]
+        torch.distributed.all_reduce(flat)
+        flat /= world
+        for p, g in zip(group, flat.split([p.numel() for p in group])):
+            p.grad = g.view_as(p).clone()
+
+
+def _agree_across_ranks(flag, device):
+    """Under torch.distributed: True only if flag is True on every rank (so all ranks skip alike)."""
+    if not _distributed():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return bool(t.item() > 0)
+
+
+def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, jagg_frac,
+               max_grad_norm=1.0, ref_velocity_fn=None, no_sync=contextlib.nullcontext, anchors="window",
+               interior="forward", route="velocity", probe_cosines=None, min_cosine=None, step=None, weights="time",
+               max_graph_rows=None):
+    """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
+    advantages: [B]). Segments of W steps, the top jagg_frac of them by JAGG, the rest exact
+    (anchors ... min_cosine: see window_gradients). A step whose loss or gradient norm is not
+    finite is skipped: stats["skipped"] is True and a warning names step, the caller's step
+    number. Returns a dict of statistics and the per-segment routing. Under torch.distributed
+    the gradients are averaged over the ranks here; pass DDP's model.no_sync as no_sync."""
+    _check(traj.noise_level is None or traj.noise_level == cfg.noise_level,
+           f"the trajectories were drawn at noise_level {traj.noise_level} but the loss scores them at "
+           f"{cfg.noise_level}: pass the same noise level to rollout and LossConfig")
+    _check(advantages.shape == traj.log_prob.shape[1:],
+           f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
+    params = list(params)
+    timings = {}
+    optimizer.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    # Why DDP must not all-reduce itself: its reducer pairs each forward with graph with the next
+    # backward, and the bounded path with rollout interiors runs the next chunk's forward before
+    # this chunk's backward: the ranks would drift apart silently. So every backward runs inside
+    # no_sync, then per optimizer step ONE all-reduce of the gradients (and one of the finite
+    # flag below), whatever the mode, anchors or bound.
+    with no_sync():
+        stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn,
+                                         timings, anchors, interior, route, probe_cosines, min_cosine, weights,
+                                         max_graph_rows)
+    _average_gradients_over_ranks(params)
+    stats["grad_seconds"] = time.perf_counter() - start
+    stats["backward_seconds"] = timings.get("backward", 0.0)
+    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    # A non-finite loss or gradient (bf16 rollouts of real models do give NaN log-probabilities)
+    # would poison the weights and the optimizer's moments for good: skip the step instead,
+    # leaving both untouched, and say so.
+    finite = _agree_across_ranks(math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]), params[0].device)
+    stats["skipped"] = not finite
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        warnings.warn(f"optimizer step {'?' if step is None else step} skipped: non-finite loss ({stats['loss']}) "
+                      f"or gradient norm ({stats['grad_norm']}); parameters and optimizer state left as they were",
+                      RuntimeWarning, stacklevel=2)
+    return stats, routed
+
+
+# =====================================================================================
+# === 9. Fidelity probe: is the approximation good on YOUR model? ===
+# =====================================================================================
+# JAGG's error depends on how linear the network's Jacobian is along a trajectory, which
+# differs between models. The probe computes both gradients of the same segments and reports
+# their cosine, so a user adapting JAGG sees at once whether it holds. OURS: route="probe"
+# keeps an exponential average of these cosines per segment position and routes by it.
+
+
+def _flat_grad(params):
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double() for p in params])
+
+
+def gradient_cosines(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
+                     anchors="window", interior="forward", weights="time"):
+    """For each segment of traj (segment_bounds), the cosine between the gradient of its steps
+    by JAGG between its two end steps, with interiors as `interior` says and `weights` as the
+    weighting, and the exact one (a list). Shared-anchor segments are measured one at a time, each with both its end anchors.
+    Leaves the parameters' .grad set to None."""
+    params = list(params)
+    cosines = []
+    for a, b in segment_bounds(traj.z.shape[0], window, anchors):
+        if b - a < 2:  # one step: always exact
+            cosines.append(1.0)
+            continue
+        z, t = traj.z[a:b], traj.t[a:b]
+        v_old = traj.v[a:b] if interior == "rollout" else None
+        grads = []
+        for backward, kwargs in ((backward_exact, {}), (backward_jagg_auto, {"v_rollout": v_old, "weights": weights})):
+            for p in params:
+                p.grad = None
+            v_ref = reference_velocities(ref_velocity_fn, z, t, **kwargs) if cfg.beta > 0 else None
+            backward(velocity_fn, z, t, make_step_loss(traj, advantages, a, b, cfg, v_ref), **kwargs)
+            grads.append(_flat_grad(params))  # [P]
+        cosines.append(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item())
+    for p in params:
+        p.grad = None
+    return cosines
+
+
+def probe_average(average, cosines, decay):
+    """The running average route="probe" ranks by: average <- decay * average + (1 - decay) *
+    cosines per segment position; the first probe (average None) starts it."""
+    if average is None:
+        return list(cosines)
+    return [decay * m + (1 - decay) * c for m, c in zip(average, cosines)]
+
+
+# #####################################################################################
+#  PART II: BEYOND THE PAPER (OURS; every option defaults to the paper's behaviour)
+# #####################################################################################
+
+# =====================================================================================
+# === 10. Anchors: windows that share their endpoints ===
+# =====================================================================================
+# The paper's two endpoints generalise to sorted anchor steps a_0 = 0 < ... < a_m = S - 1. A step
+# between consecutive anchors a_j, a_{j+1} interpolates between those two ("hat" weights H in
+# t; an anchor keeps weight 1 on itself):
+#     J_k ~= sum_j H[k, j] J_{a_j},    grad ~= sum_j G_j^T J_{a_j},    G_j = sum_k H[k, j] g_k,
+# still ONE forward with graph (on the anchor rows) and ONE backward. The paper's window is
+# anchors (0, S - 1): H[k, 0] = 1 - alpha_k, H[k, 1] = alpha_k. Every step an anchor is exact
+# training. Exact under the paper's conditions, segment by segment between anchors.
+# anchors="shared": adjacent windows share their end step, so anchors fall every W - 1 steps
+# (T = 10, W = 4: anchors 0, 3, 6, 9; 4 rows with grad instead of the paper's 6).
+
+ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
 
 
 def hat_weights(t, anchors, weights="time"):
@@ -352,6 +690,65 @@ def hat_weights(t, anchors, weights="time"):
     return H
 
 
+def _anchor_steps(anchors, S):
+    steps = list(anchors)
+    _check(len(steps) >= 2 and steps[0] == 0 and steps[-1] == S - 1
+           and all(int(a) == a for a in steps) and all(a < b for a, b in zip(steps, steps[1:])),
+           f"anchors must be increasing step indices from 0 to S - 1 = {S - 1}, got {steps}")
+    return [int(a) for a in steps]
+
+
+def segment_bounds(num_steps, window, anchors="window"):
+    """The segments routing chooses between, [(a, b_exclusive), ...]. "window": the paper's
+    disjoint windows (window_bounds). "shared": anchors every W - 1 steps and at T - 1, each
+    segment running from one anchor to the next inclusive: W steps (the last may be shorter),
+    and consecutive segments share their end step (T = 10, W = 4: anchors 0, 3, 6, 9)."""
+    _check(anchors in ANCHOR_MODES, f"anchors must be one of {ANCHOR_MODES}, got {anchors!r}")
+    bounds = window_bounds(num_steps, window)
+    if anchors == "window":
+        return bounds
+    ends = list(range(0, num_steps - 1, window - 1)) + [num_steps - 1]  # the anchor steps
+    return [(a, b + 1) for a, b in zip(ends, ends[1:])]
+
+
+def backward_calls(bounds, routed, anchors="window"):
+    """The batch's backward calls [(kind, a, b_exclusive, anchor steps)], kind "jagg" or "exact",
+    in step order. The paper's windows: one call each. Shared anchors: routed segments that touch
+    (one ends on the step where the next starts) merge into one JAGG call with all their anchors;
+    an exact call takes each segment's steps that no JAGG call or earlier segment has taken."""
+    if anchors == "window":
+        return [("jagg" if r else "exact", a, b, [a, b - 1]) for (a, b), r in zip(bounds, routed)]
+    runs = []  # [a, b, anchor steps] of each JAGG call
+    for (a, b), use_jagg in zip(bounds, routed):
+        if not use_jagg:
+            continue
+        if runs and runs[-1][1] == a + 1:  # starts on the previous call's last anchor: extend that call
+            runs[-1] = (runs[-1][0], b, runs[-1][2] + [b - 1])
+        else:
+            runs.append((a, b, [a, b - 1]))
+    done = {k for a, b, _ in runs for k in range(a, b)}
+    calls = [("jagg", a, b, steps) for a, b, steps in runs]
+    for a, b in bounds:
+        steps = [k for k in range(a, b) if k not in done]
+        done.update(steps)
+        if steps:
+            calls.append(("exact", steps[0], steps[-1] + 1, None))
+    return sorted(calls, key=lambda call: call[1])
+
+
+# =====================================================================================
+# === 11. Rollout interiors: no interior step calls the network ===
+# =====================================================================================
+# The rollout stored v_k(theta_old). To first order, with JAGG's own interpolated Jacobian,
+#     v_k(theta) ~= v_k(theta_old) + sum_j H[k, j] (v_{a_j}(theta) - v_{a_j}(theta_old)),
+# so the interior steps call no network at all: the anchors' current velocities come from the
+# one forward with graph, and the KL reference takes the same rule with its own anchor
+# velocities. Exact while theta = theta_old (the first optimizer step after a rollout), and
+# whenever v_theta changes affinely in (z, t) between anchors on a straight path.
+
+INTERIOR_MODES = ("forward", "rollout")  # the paper's no-graph forwards; OURS: rollout velocities
+
+
 def interpolate_from_anchors(v_anchor, v_old, H, anchors):
     """Rollout interiors: v_k ~= v_old_k + sum_j H[k, j] (v_anchor_j - v_old_{a_j}), and exactly
     v_anchor at the anchors. v_anchor: [M, B, *D] the anchors' velocities now; v_old: [S, B, *D]
@@ -364,33 +761,27 @@ def interpolate_from_anchors(v_anchor, v_old, H, anchors):
     return v
 
 
-def _anchor_steps(anchors, S):
-    steps = list(anchors)
-    _check(len(steps) >= 2 and steps[0] == 0 and steps[-1] == S - 1
-           and all(int(a) == a for a in steps) and all(a < b for a, b in zip(steps, steps[1:])),
-           f"anchors must be increasing step indices from 0 to S - 1 = {S - 1}, got {steps}")
-    return [int(a) for a in steps]
+# =====================================================================================
+# === 12. The general JAGG backward: anchors, rollout interiors, index weights ===
+# =====================================================================================
+# Index weights: the authors' early code (SchumiDing/eff_grpo, fastvideo/
+# train_grpo_qwenimage_jagg.py) weights steps by index, alpha_k = k / (W - 1) (weights="index"),
+# which equals the t-weighting only when t is linear in k. With SD3's shifted schedule it is not:
+# the steps bunch up at high noise, and the two weightings differ inside every window.
+
+WEIGHTS = ("time", "index")
 
 
 def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_rollout=None, weights="time",
                   max_graph_rows=None):
-    """JAGG gradient of S steps: ONE forward with graph on the anchor steps (the paper: the two
-    endpoints, a double batch) and ONE backward of their composite signals G_j.
+    """backward_jagg_window generalised: ONE forward with graph on the anchor steps and ONE
+    backward of their composite signals G_j (sections 10-12).
 
     anchors: sorted step indices containing 0 and S - 1; None is (0, S - 1), the paper's window.
-    v_rollout: [S, B, *D] the rollout's velocities, or None. Without it the interior velocities
-    come from one forward without graph on the non-anchor steps (the paper); with it, from
-    interpolate_from_anchors, and velocity_fn is called once, on the anchors, and never again.
-    weights: "time" (the paper's abstract: alpha_k by t) or "index" (the authors' early code:
-    alpha_k = k / (W - 1) between consecutive anchors); see hat_weights.
-
-    Exact (equal to backward_exact) when no two consecutive anchors have a step between them, or
-    when the Jacobian d v_theta / d theta is affine in (z, t) between consecutive anchors and the
-    states there lie on the straight line between them at the same alpha_k as their times; with
-    v_rollout, the interior velocities must be right too (they are while theta = theta_old).
-    Otherwise an approximation, as good as the Jacobian is linear in t (section 9 measures it).
-    Memory: the forward with graph holds the M anchor rows of B samples at once (the paper: 2);
-    max_graph_rows (OURS) bounds that, with the same gradient: see backward_jagg_bounded.
+    v_rollout: [S, B, *D] the rollout's velocities (rollout interiors, section 11), or None for
+    the paper's no-graph forward of the interior steps. weights: "time" or "index" (hat_weights).
+    max_graph_rows: at most this many anchor rows in a graph at once (section 13), same gradient.
+    Exact under section 10's conditions; with v_rollout, also while theta = theta_old.
     """
     _check_window(z, t)
     S = z.shape[0]
@@ -405,9 +796,7 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
     H = hat_weights(t.to(acc), anchors, weights)  # [S, M, B]
     interior = [k for k in range(S) if k not in anchors]
 
-    # The paper's interiors: their velocities are needed only for the upstream gradients
-    # g_k = dL_k/dv_k, never back-propagated through the network, so they need no graph: all
-    # interior steps run as one batched forward that stores no activations.
+    # Forward interiors, as in backward_jagg_window: one batched forward without graph.
     v_mid = None
     if v_rollout is None and interior:
         with _timed(timings, "fwd_nograd", z.device), torch.no_grad():
@@ -445,17 +834,33 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
     return total
 
 
-# OURS: a bound on the rows held in a graph. backward_jagg keeps all M anchor rows in one graph
-# (shared anchors at T = 10, W = 4: 4 rows of B samples, against exact's 1 at a time). The joint
-# backward is linear in the anchors, sum_j G_j^T J_{a_j}, so it can run anchor by anchor, each
-# anchor's graph freed by its own backward as soon as its G_j = sum_k H[k, j] g_k is known.
-# G_j needs the g_k of the steps on both sides of a_j:
+# =====================================================================================
+# === 13. A bound on the rows held in a graph ===
+# =====================================================================================
+# backward_jagg keeps all M anchor rows in one graph (shared anchors at T = 10, W = 4: 4 rows of
+# B samples, against exact's 1 at a time). The joint backward is linear in the anchors,
+# sum_j G_j^T J_{a_j}, so it can run anchor by anchor, each anchor's graph freed by its own
+# backward as soon as its G_j = sum_k H[k, j] g_k is known. G_j needs the g_k of the steps on
+# both sides of a_j:
 # - forward interiors: their velocities come from the no-graph forward, so G_j needs only v at
 #   a_j itself: chunks of max_graph_rows anchors, one at a time (a bound of 1 row is exact's footprint);
 # - rollout interiors: v_k between a_j and a_{j+1} needs both anchors' current velocities, so a
 #   chunk is back-propagated once the next chunk has run its forward: chunks of max_graph_rows // 2,
 #   at most two alive at once (a bound of at least 2). Earlier anchors' velocities are kept detached.
 # Every step's g_k is computed once, and no network row is run twice: the same rows as backward_jagg.
+
+
+def min_graph_rows(interior):
+    """The smallest max_graph_rows a mode allows: 1, or 2 with rollout interiors (an interior step
+    needs both its anchors' current velocities at once)."""
+    return 2 if interior == "rollout" else 1
+
+
+def check_max_graph_rows(max_graph_rows, interior):
+    _check(max_graph_rows is None or (isinstance(max_graph_rows, int) and max_graph_rows >= min_graph_rows(interior)),
+           f"max_graph_rows must be an integer >= {min_graph_rows(interior)}"
+           f"{' with rollout interiors (an interior step needs both its anchors at once)' if interior == 'rollout' else ''}"
+           f" or None (no bound), got {max_graph_rows!r}")
 
 
 def backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings=None, anchors=None, v_rollout=None,
@@ -465,9 +870,7 @@ def backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings=
     S = z.shape[0]
     anchors = _anchor_steps((0, S - 1) if anchors is None else anchors, S)
     rollout = v_rollout is not None
-    _check(isinstance(max_graph_rows, int) and max_graph_rows >= (2 if rollout else 1),
-           f"max_graph_rows must be an integer >= {2 if rollout else 1} "
-           f"{'with rollout interiors (an interior step needs both its anchors)' if rollout else ''}, got {max_graph_rows!r}")
+    check_max_graph_rows(max_graph_rows, "rollout" if rollout else "forward")
     acc = torch.promote_types(z.dtype, torch.float32)
     H = hat_weights(t.to(acc), anchors, weights)  # [S, M, B]
     Hx = H.reshape(H.shape + (1,) * (z.ndim - 2))  # [S, M, B, 1..]
@@ -533,313 +936,3 @@ def backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings=
             backward(chunk, alive)
             alive = following
     return total
-
-
-# =====================================================================================
-# === 7. Routing: which windows are linear enough for JAGG ===
-# =====================================================================================
-# OURS (the abstract names the knob jagg_frac but not the score): score a window by the cosine
-# similarity between its interior velocities and their endpoint interpolation. The velocities
-# come from the rollout, so the score costs no network call. If v itself moves linearly in t,
-# the features (and, JAGG bets, the Jacobians) likely do too. The score is a guess; the probe
-# (section 9) measures, and route="probe" routes by what it measured.
-
-ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
-INTERIOR_MODES = ("forward", "rollout")  # the paper's no-graph forwards; OURS: rollout velocities
-ROUTES = ("velocity", "probe")  # OURS both: velocity linearity (free), or the probe's cosines
-
-
-def linearity_score(v, t):
-    """Cosine similarity of the interior velocities v_k with (1 - alpha_k) v_a + alpha_k v_b,
-    averaged over interior steps and samples. v: [W, B, *D], t: [W, B]. 1.0 when W <= 2."""
-    W = v.shape[0]
-    if W <= 2:
-        return 1.0
-    alpha = interpolation_weights(t.float())  # [W, B]
-    alpha = alpha.reshape(alpha.shape + (1,) * (v.ndim - 2))  # [W, B, 1..]
-    v = v.float()
-    v_lin = (1 - alpha) * v[:1] + alpha * v[-1:]  # [W, B, *D]
-    cos = torch.nn.functional.cosine_similarity(
-        v[1:-1].flatten(2), v_lin[1:-1].flatten(2), dim=-1)  # [W-2, B]
-    return cos.mean().item()
-
-
-def window_bounds(num_steps, window):
-    """Split T steps into windows of W steps: [(a, b_exclusive), ...]; the last may be shorter."""
-    _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates between two endpoints), got {window}")
-    _check(window <= num_steps,
-           f"window ({window}) is longer than the trajectory ({num_steps} steps): use --window <= {num_steps}")
-    return [(a, min(a + window, num_steps)) for a in range(0, num_steps, window)]
-
-
-def segment_bounds(num_steps, window, anchors="window"):
-    """The segments routing chooses between, [(a, b_exclusive), ...]. "window": the paper's
-    disjoint windows (window_bounds). "shared": anchors every W - 1 steps and at T - 1, each
-    segment running from one anchor to the next inclusive: W steps (the last may be shorter),
-    and consecutive segments share their end step (T = 10, W = 4: anchors 0, 3, 6, 9)."""
-    _check(anchors in ANCHOR_MODES, f"anchors must be one of {ANCHOR_MODES}, got {anchors!r}")
-    bounds = window_bounds(num_steps, window)
-    if anchors == "window":
-        return bounds
-    ends = list(range(0, num_steps - 1, window - 1)) + [num_steps - 1]  # the anchor steps
-    return [(a, b + 1) for a, b in zip(ends, ends[1:])]
-
-
-def route_windows(scores, lengths, jagg_frac, floor=None):
-    """Send the jagg_frac fraction of segments with the highest scores to JAGG, but none whose
-    score is below floor (None: no floor).
-
-    scores, lengths: one per segment. A segment of 1 step has no two endpoints and is always
-    exact (its exact gradient costs one backward anyway). Returns a list of bools.
-    """
-    _check(0.0 <= jagg_frac <= 1.0, f"jagg_frac must be in [0, 1], got {jagg_frac}")
-    eligible = [i for i, n in enumerate(lengths) if n >= 2]
-    n_jagg = round(jagg_frac * len(eligible))
-    # sorted() is stable: among equal scores the earlier segment wins, so routing is reproducible.
-    chosen = {i for i in sorted(eligible, key=lambda i: -scores[i])[:n_jagg] if floor is None or scores[i] >= floor}
-    return [i in chosen for i in range(len(scores))]
-
-
-# =====================================================================================
-# === 8. One training step over a batch of trajectories ===
-# =====================================================================================
-
-
-@dataclass
-class LossConfig:
-    """The knobs of the per-step loss (section 4) and of the SDE (section 1)."""
-
-    noise_level: float  # the SDE's noise level (Flow-GRPO: 0.7)
-    clip_range: float  # PPO/GRPO ratio clip epsilon
-    beta: float = 0.0  # weight of the KL to the reference model; 0 = no reference needed
-
-
-def make_step_loss(traj, advantages, a, b, cfg, v_ref=None, log=None):
-    """step_loss(k, v_k) for the window a..b-1 of traj, each step weighted 1/T so that a whole
-    trajectory's loss is the mean over its steps. v_ref: [b - a, B, *D] reference velocities
-    (needed when cfg.beta > 0). Each call appends its stats dict to the list log."""
-    T = traj.z.shape[0]
-
-    def step_loss(k, v_k):
-        i = a + k
-        _, log_prob, mean, std = sde_step(v_k, traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
-                                          prev_sample=traj.z_next[i])
-        mean_ref = None
-        if cfg.beta > 0:
-            _, _, mean_ref, _ = sde_step(v_ref[k], traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
-                                         prev_sample=traj.z_next[i])
-        loss, stats = grpo_step_loss(log_prob, traj.log_prob[i], advantages, cfg.clip_range,
-                                     mean=mean, mean_ref=mean_ref, std=std, beta=cfg.beta)
-        if log is not None:
-            log.append(stats)
-        return loss / T
-
-    return step_loss
-
-
-def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None, weights="time"):
-    """The frozen reference model's velocities of S steps, for the KL term (no graph): a forward
-    at every step, or, with v_rollout (rollout interiors), at the anchors only, the interiors
-    interpolated from the reference's difference to the rollout's velocities there."""
-    with torch.no_grad():
-        if v_rollout is None:
-            return ref_velocity_fn(z, t)  # [S, B, *D]
-        anchors = _anchor_steps((0, z.shape[0] - 1) if anchors is None else anchors, z.shape[0])
-        v_anc = ref_velocity_fn(z[anchors], t[anchors])  # [M, B, *D]
-        H = hat_weights(t.to(torch.promote_types(z.dtype, torch.float32)), anchors, weights)  # [S, M, B]
-        return interpolate_from_anchors(v_anc, v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
-
-
-def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn=None,
-                     timings=None, anchors="window", interior="forward",
-                     route="velocity", probe_cosines=None, min_cosine=None, weights="time", max_graph_rows=None):
-    """Accumulate the gradient of the whole batch's loss, segment by segment, routed between
-    exact and JAGG. Does not step the optimizer. Returns (stats, routed), routed[i] is True
-    when segment i (segment_bounds) was interpolated by JAGG.
-
-    anchors: "window" (the paper's windows) or "shared" (segments share their end anchors; all
-    interpolated segments that touch go through one backward_jagg call). interior: "forward"
-    (the paper) or "rollout" (the rollout's velocities, section 6). route: "velocity" ranks the
-    segments by linearity_score; "probe" by probe_cosines (section 9's average) once there are
-    any, never routing one below min_cosine. weights: "time" or "index" (hat_weights).
-    max_graph_rows: at most this many anchor rows in a graph at once (backward_jagg_bounded;
-    None: all of a call's anchors, today's default).
-    """
-    T = traj.z.shape[0]
-    bounds = segment_bounds(T, window, anchors)
-    _check(interior in INTERIOR_MODES, f"interior must be one of {INTERIOR_MODES}, got {interior!r}")
-    _check(route in ROUTES, f"route must be one of {ROUTES}, got {route!r}")
-    _check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
-    _check(max_graph_rows is None or (isinstance(max_graph_rows, int) and max_graph_rows >= (2 if interior == "rollout" else 1)),
-           f"max_graph_rows must be None or an integer >= {2 if interior == 'rollout' else 1} "
-           f"(rollout interiors need both anchors of a segment at once), got {max_graph_rows!r}")
-    _check(probe_cosines is None or len(probe_cosines) == len(bounds),
-           f"probe_cosines needs one value per segment ({len(bounds)}), got {probe_cosines}")
-    _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
-    scores = [linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
-    by_probe = route == "probe" and probe_cosines is not None  # before the first probe: by velocity
-    routed = route_windows(probe_cosines if by_probe else scores, [b - a for a, b in bounds], jagg_frac,
-                           floor=min_cosine if by_probe else None)
-
-    # JAGG calls: interpolated segments that share an end step (anchors="shared") merge into one
-    # call over all their steps, with all their anchors in one forward with graph.
-    runs = []  # (first step, end step exclusive, anchor steps) of each JAGG call
-    for (a, b), use_jagg in zip(bounds, routed):
-        if not use_jagg:
-            continue
-        if runs and runs[-1][1] == a + 1:  # starts on the previous call's last anchor: extend that call
-            runs[-1] = (runs[-1][0], b, runs[-1][2] + [b - 1])
-        else:
-            runs.append((a, b, [a, b - 1]))
-    # Exact calls: each segment's steps that no JAGG call (or earlier segment) has taken.
-    done = {k for a, b, _ in runs for k in range(a, b)}
-    calls = [(backward_jagg, a, b, steps) for a, b, steps in runs]
-    for a, b in bounds:
-        steps = [k for k in range(a, b) if k not in done]
-        done.update(steps)
-        if steps:
-            calls.append((backward_exact, steps[0], steps[-1] + 1, None))
-    calls.sort(key=lambda call: call[1])
-
-    v_old = traj.v if interior == "rollout" else None
-    log, loss = [], 0.0
-    for backward, a, b, steps in calls:
-        kwargs, bound = {}, {}
-        if backward is backward_jagg:
-            kwargs = {"anchors": [s - a for s in steps], "v_rollout": None if v_old is None else v_old[a:b],
-                      "weights": weights}
-            bound = {"max_graph_rows": max_graph_rows}
-        v_ref = None
-        if cfg.beta > 0:
-            with _timed(timings, "fwd_ref", traj.z.device):
-                v_ref = reference_velocities(ref_velocity_fn, traj.z[a:b], traj.t[a:b], **kwargs)  # [b-a, B, *D]
-        loss += backward(velocity_fn, traj.z[a:b], traj.t[a:b],
-                         make_step_loss(traj, advantages, a, b, cfg, v_ref, log), timings, **kwargs, **bound)
-    grad_steps = sum(b - a if steps is None else len(steps) for _, a, b, steps in calls)  # network rows with grad
-    stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
-    stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_steps=grad_steps, window_scores=scores)
-    return stats, routed
-
-
-def _distributed():
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-
-
-def _average_gradients_over_ranks(params):
-    """Data parallelism: every rank's .grad becomes the mean over ranks, in ONE all-reduce of all
-    gradients (flattened into one buffer per dtype). A parameter without a gradient counts as 0."""
-    if not _distributed():
-        return
-    world = torch.distributed.get_world_size()
-    for dtype in {p.dtype for p in params}:
-        group = [p for p in params if p.dtype == dtype]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in group])  # [P]
-        torch.distributed.all_reduce(flat)
-        flat /= world
-        for p, g in zip(group, flat.split([p.numel() for p in group])):
-            p.grad = g.view_as(p).clone()
-
-
-def _agree_across_ranks(flag, device):
-    """Under torch.distributed: True only if flag is True on every rank (so all ranks skip alike)."""
-    if not _distributed():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-    return bool(t.item() > 0)
-
-
-def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, jagg_frac,
-               max_grad_norm=1.0, ref_velocity_fn=None, no_sync=contextlib.nullcontext, anchors="window",
-               interior="forward", route="velocity", probe_cosines=None, min_cosine=None, step=None, weights="time",
-               max_graph_rows=None):
-    """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
-    advantages: [B]). Segments of W steps, the top jagg_frac of them by JAGG, the rest exact
-    (anchors ... min_cosine: see window_gradients). A step whose loss or gradient norm is not
-    finite is skipped: stats["skipped"] is True and a warning names step, the caller's step
-    number. Returns a dict of statistics and the per-segment routing.
-
-    Under torch.distributed (torchrun) the gradients are averaged over the ranks here, once per
-    optimizer step; no_sync is DistributedDataParallel's model.no_sync, which keeps DDP from
-    all-reducing as well (see below why it must not)."""
-    _check(advantages.shape == traj.log_prob.shape[1:],
-           f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
-    params = list(params)
-    timings = {}
-    optimizer.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    # Why not let DDP all-reduce: its reducer pairs each forward with graph with the backward that
-    # follows it. JAGG's bounded path with rollout interiors (backward_jagg_bounded) runs the next
-    # chunk's forward before this chunk's backward; a DDP synchronising there loses track and the
-    # ranks drift apart silently. So every backward of the batch runs inside no_sync, in every mode,
-    # and one all-reduce of the accumulated gradients follows: per optimizer step, one all-reduce
-    # of the gradients and one of the finite flag below, whatever the mode, anchors or bound.
-    with no_sync():
-        stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn,
-                                         timings, anchors, interior, route, probe_cosines, min_cosine, weights,
-                                         max_graph_rows)
-    _average_gradients_over_ranks(params)
-    stats["grad_seconds"] = time.perf_counter() - start
-    stats["backward_seconds"] = timings.get("backward", 0.0)
-    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    # A non-finite loss or gradient (bf16 rollouts of real models do give NaN log-probabilities)
-    # would poison the weights and the optimizer's moments for good: skip the step instead,
-    # leaving both untouched, and say so.
-    finite = _agree_across_ranks(math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]), params[0].device)
-    stats["skipped"] = not finite
-    if finite:
-        optimizer.step()
-    else:
-        optimizer.zero_grad(set_to_none=True)
-        warnings.warn(f"optimizer step {'?' if step is None else step} skipped: non-finite loss ({stats['loss']}) "
-                      f"or gradient norm ({stats['grad_norm']}); parameters and optimizer state left as they were",
-                      RuntimeWarning, stacklevel=2)
-    return stats, routed
-
-
-# =====================================================================================
-# === 9. Fidelity probe: is the approximation good on YOUR model? ===
-# =====================================================================================
-# JAGG's error depends on how linear the network's Jacobian is along a trajectory, which
-# differs between models. The probe computes both gradients of the same segments and reports
-# their cosine, so a user adapting JAGG sees at once whether it holds. OURS: route="probe"
-# keeps an exponential average of these cosines per segment position and routes by it.
-
-
-def _flat_grad(params):
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double() for p in params])
-
-
-def gradient_cosines(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
-                     anchors="window", interior="forward", weights="time"):
-    """For each segment of traj (segment_bounds), the cosine between the gradient of its steps
-    by JAGG between its two end steps, with interiors as `interior` says and `weights` as the
-    weighting, and the exact one (a list). Shared-anchor segments are measured one at a time, each with both its end anchors.
-    Leaves the parameters' .grad set to None."""
-    params = list(params)
-    cosines = []
-    for a, b in segment_bounds(traj.z.shape[0], window, anchors):
-        if b - a < 2:  # one step: always exact
-            cosines.append(1.0)
-            continue
-        z, t = traj.z[a:b], traj.t[a:b]
-        v_old = traj.v[a:b] if interior == "rollout" else None
-        grads = []
-        for backward, kwargs in ((backward_exact, {}), (backward_jagg, {"v_rollout": v_old, "weights": weights})):
-            for p in params:
-                p.grad = None
-            v_ref = reference_velocities(ref_velocity_fn, z, t, **kwargs) if cfg.beta > 0 else None
-            backward(velocity_fn, z, t, make_step_loss(traj, advantages, a, b, cfg, v_ref), **kwargs)
-            grads.append(_flat_grad(params))  # [P]
-        cosines.append(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item())
-    for p in params:
-        p.grad = None
-    return cosines
-
-
-def probe_average(average, cosines, decay):
-    """The running average route="probe" ranks by: average <- decay * average + (1 - decay) *
-    cosines per segment position; the first probe (average None) starts it."""
-    if average is None:
-        return list(cosines)
-    return [decay * m + (1 - decay) * c for m, c in zip(average, cosines)]

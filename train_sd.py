@@ -48,7 +48,7 @@ from common import training_step_bars, writable_folder_check
 from common import write_json, write_jsonl
 
 SHAPES_REWARDS = ("shapes", "shapes_cover", "cover")  # mini_sd3.py's rewards: its prompts only
-REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "pickscore", *SHAPES_REWARDS]
+REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "darkness", "pickscore", *SHAPES_REWARDS]
 DEFAULT_PROMPTS = [
     "a photo of a cat sitting on a windowsill", "a red bicycle leaning against a brick wall",
     "a bowl of ramen with chopsticks", "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
@@ -62,7 +62,9 @@ class Config:
     model: str = arg("stabilityai/stable-diffusion-3.5-medium", "diffusers StableDiffusion3Pipeline: hub id or local "
                      "directory; mini: the small SD3 of mini_sd3.py, pretrained once and cached in runs/cache")
     prompts: str = arg("", "text file with one prompt a line; empty: a small built-in list (--model mini: its task's 48)")
-    reward: str = arg("jpeg_compressibility", "reward function; shapes: mini_sd3.py's GenEval-like checker (colours, "
+    reward: str = arg("jpeg_compressibility", "reward function; darkness: 1 - mean luminance, a check that the loop "
+                                              "learns at all (any working GRPO loop raises it quickly); shapes: "
+                                              "mini_sd3.py's GenEval-like checker (colours, "
                                               "shapes, counts, left/right) for --model mini's prompts; shapes_cover: its "
                                               "mean with how much of the image the asked colours cover; cover: that "
                                               "coverage alone (dense: layout and colour)", choices=REWARDS)
@@ -440,8 +442,7 @@ def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16):
                             noise, sigmas, cfg.noise_level, generator=generator)
         trajs.append(traj), conds.append(cond), unconds.append(uncond)
         images += decode(pipe, traj.sample)
-    traj = jagg.Trajectory(**{f: torch.cat([getattr(t, f) for t in trajs], dim=1)  # [T, B, C, h, w]
-                              for f in jagg.Trajectory.__dataclass_fields__})
+    traj = jagg.Trajectory.cat(trajs)  # [T, B, C, h, w] and the like
     cond = tuple(torch.cat([c[i] for c in conds]) for i in range(2))  # ([B, L, E], [B, P])
     uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
     return traj, cond, uncond, images
@@ -481,12 +482,19 @@ def jpeg_kb(image):
     return buf.tell() / 1000
 
 
+def darkness(image):
+    """1 - the image's mean luminance (ITU-R 601 weights), in [0, 1]."""
+    return 1 - sum(image.convert("L").getdata()) / (255 * image.width * image.height)
+
+
 def make_reward_fn(cfg, device):
     """reward_fn(images, prompts) -> tensor [B]."""
     if cfg.reward == "jpeg_compressibility":  # DDPO's: smaller files, simpler images
         return lambda images, prompts: torch.tensor([-jpeg_kb(im) for im in images])
     if cfg.reward == "jpeg_incompressibility":
         return lambda images, prompts: torch.tensor([jpeg_kb(im) for im in images])
+    if cfg.reward == "darkness":  # a check of the loop, as DDPO's compressibility: no prompt, one global number
+        return lambda images, prompts: torch.tensor([darkness(im) for im in images])
     if cfg.reward in SHAPES_REWARDS:  # GenEval in miniature: colours, shapes, counts, left/right
         import mini_sd3
 

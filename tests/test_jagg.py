@@ -120,12 +120,13 @@ def test_exact_backward_matches_autograd_of_summed_loss():
     torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg.backward_jagg], ids=["paper", "general"])
 @pytest.mark.parametrize("W", [3, 4, 8])
-def test_jagg_is_exact_for_linear_model_on_straight_path(W):
+def test_jagg_is_exact_for_linear_model_on_straight_path(W, jagg_fn):
     torch.manual_seed(1)
     model, (B, d) = LinearFlow(), (4, 3)
     z, t = window(W, B, d, straight=True, seed=W)
-    loss_j, g_jagg = grads_of(model, jagg.backward_jagg, z, t, make_loss(W, B, d))
+    loss_j, g_jagg = grads_of(model, jagg_fn, z, t, make_loss(W, B, d))
     loss_e, g_exact = grads_of(model, jagg.backward_exact, z, t, make_loss(W, B, d))
     assert loss_j == pytest.approx(loss_e, rel=1e-10)
     torch.testing.assert_close(g_jagg, g_exact, rtol=1e-9, atol=1e-10)
@@ -141,16 +142,18 @@ def test_jagg_is_not_exact_for_linear_model_off_the_straight_path():
     assert (g_jagg - g_exact).norm() > 1e-3 * g_exact.norm()
 
 
-def test_window_of_two_is_exact_on_a_nonlinear_model():
+@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg.backward_jagg], ids=["paper", "general"])
+def test_window_of_two_is_exact_on_a_nonlinear_model(jagg_fn):
     torch.manual_seed(2)
     model, (W, B, d) = MLPFlow(), (2, 5, 3)
     z, t = window(W, B, d, straight=False)
-    _, g_jagg = grads_of(model, jagg.backward_jagg, z, t, make_loss(W, B, d))
+    _, g_jagg = grads_of(model, jagg_fn, z, t, make_loss(W, B, d))
     _, g_exact = grads_of(model, jagg.backward_exact, z, t, make_loss(W, B, d))
     torch.testing.assert_close(g_jagg, g_exact, rtol=1e-9, atol=1e-10)
 
 
-def test_jagg_equals_explicit_jacobian_interpolation_and_differs_from_exact():
+@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg.backward_jagg], ids=["paper", "general"])
+def test_jagg_equals_explicit_jacobian_interpolation_and_differs_from_exact(jagg_fn):
     """On a nonlinear model, JAGG's gradient is exactly sum_k g_k^T ((1-alpha_k) J_a + alpha_k J_b)
     with J_a, J_b built explicitly by torch.func, and it is not the exact gradient."""
     torch.manual_seed(3)
@@ -175,23 +178,47 @@ def test_jagg_equals_explicit_jacobian_interpolation_and_differs_from_exact():
             expected[name] += torch.einsum("bi,bi...->...", g_k, J_k)
     expected = torch.cat([expected[name].flatten() for name, _ in model.named_parameters()])
 
-    _, g_jagg = grads_of(model, jagg.backward_jagg, z, t, step_loss)
+    _, g_jagg = grads_of(model, jagg_fn, z, t, step_loss)
     _, g_exact = grads_of(model, jagg.backward_exact, z, t, step_loss)
     torch.testing.assert_close(g_jagg, expected, rtol=1e-9, atol=1e-10)
     assert (g_jagg - g_exact).norm() > 1e-3 * g_exact.norm()
     assert cosine(g_jagg, g_exact) < 0.999999
 
 
-def test_jagg_runs_the_network_with_grad_on_two_steps_only():
+@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg.backward_jagg], ids=["paper", "general"])
+def test_jagg_runs_the_network_with_grad_on_two_steps_only(jagg_fn):
     torch.manual_seed(4)
     model, (W, B, d) = MLPFlow(), (6, 2, 3)
     z, t = window(W, B, d, straight=False)
     calls = []
-    grads_of(model, jagg.backward_jagg, z, t, make_loss(W, B, d), calls)
+    grads_of(model, jagg_fn, z, t, make_loss(W, B, d), calls)
     assert calls == [(W - 2, False), (2, True)]
     calls.clear()
     grads_of(model, jagg.backward_exact, z, t, make_loss(W, B, d), calls)
     assert calls == [(1, True)] * W
+
+
+def test_the_papers_function_equals_the_general_one_and_training_uses_it(monkeypatch):
+    """Part I's backward_jagg_window and Part II's backward_jagg with the paper's anchors compute
+    the same loss and gradient on a nonlinear model; training in the paper's mode runs Part I's."""
+    torch.manual_seed(5)
+    model, (W, B, d) = MLPFlow(), (5, 3, 3)
+    z, t = window(W, B, d, straight=False)
+    loss_p, g_paper = grads_of(model, jagg.backward_jagg_window, z, t, make_loss(W, B, d))
+    loss_g, g_general = grads_of(model, jagg.backward_jagg, z, t, make_loss(W, B, d), anchors=[0, W - 1])
+    assert loss_p == pytest.approx(loss_g, rel=1e-12)
+    torch.testing.assert_close(g_paper, g_general, rtol=1e-12, atol=1e-14)
+    used = []
+    for name in ("backward_jagg_window", "backward_jagg"):
+        fn = getattr(jagg, name)
+        monkeypatch.setattr(jagg, name, lambda *a, _fn=fn, _name=name, **k: used.append(_name) or _fn(*a, **k))
+    traj, adv = _toy_batch(model, T=8, B=4)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, 4, 1.0)
+    assert used == ["backward_jagg_window"] * 2
+    used.clear()
+    jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, 4, 1.0, anchors="shared")
+    assert used == ["backward_jagg"]
 
 
 # ------------------------------------------------------------------ beyond the paper: anchors, rollout interiors
@@ -818,7 +845,7 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
     assert s1["loss"] == pytest.approx(s0["loss"], rel=1e-12) and s1["grad_steps"] == s0["grad_steps"]
     assert rows_by_grad(p1)[:2] == rows_by_grad(p0)[:2] and r1 == r0
     assert rows_by_grad(p1)[2] <= bound
-    with pytest.raises(ValueError, match="max_graph_rows must be None or an integer"):
+    with pytest.raises(ValueError, match="max_graph_rows must be an integer >= [12].* or None \\(no bound\\), got 0"):
         jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, 4, 1.0, ref_velocity_fn=as_velocity_fn(ref),
                               anchors=anchors, interior=interior, max_graph_rows=0)
 
