@@ -68,8 +68,8 @@ def jagg_flag_checks(cfg):
         (-1.0 <= cfg.min_cosine <= 1.0, f"--min-cosine must be in [-1, 1] (a cosine), got {cfg.min_cosine}"),
         (cfg.route != "probe" or cfg.probe_every >= 1,
          "--route probe routes by the probe's measurements: give it --probe-every N >= 1"),
-        (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= (2 if cfg.interior == "rollout" else 1),
-         f"--max-graph-rows must be 0 (no bound) or >= {2 if cfg.interior == 'rollout' else 1}"
+        (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= jagg.min_graph_rows(cfg.interior),
+         f"--max-graph-rows must be 0 (no bound) or >= {jagg.min_graph_rows(cfg.interior)}"
          f"{' with --interior rollout (a segment needs both its anchors at once)' if cfg.interior == 'rollout' else ''}, "
          f"got {cfg.max_graph_rows}"),
     ]

@@ -739,6 +739,22 @@ def test_benchmark_window_reports_each_part():
 # ------------------------------------------------------------------ bad input
 
 
+def test_a_loss_at_another_noise_level_than_the_rollouts_is_refused():
+    torch.manual_seed(21)
+    model = MLPFlow()
+    traj, adv = _toy_batch(model, T=4, B=4)
+    assert traj.noise_level == 0.7 and traj.subset([0, 1]).noise_level == 0.7
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="drawn at noise_level 0.7 but the loss scores them at 1.0"):
+        jagg.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv,
+                        jagg.LossConfig(noise_level=1.0, clip_range=0.2), 2, 1.0)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    other = jagg.Trajectory(**{f: getattr(traj, f) for f in jagg.Trajectory.TENSORS}, noise_level=1.0)
+    with pytest.raises(ValueError, match="different noise levels"):
+        jagg.Trajectory.cat([traj, other])
+
+
 def test_bad_input_raises_clear_errors():
     model = MLPFlow()
     fn = as_velocity_fn(model)
