@@ -235,12 +235,16 @@ class LossConfig:
     beta: float = 0.0  # weight of the KL to the reference model; 0 = no reference needed
 
 
-def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, mean_ref=None, std=None, beta=0.0):
+def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, mean_ref=None, std_t=None, beta=0.0):
     """Clipped GRPO surrogate of one step, plus beta * KL to the reference policy.
 
-    All per-sample inputs are [B] (mean, mean_ref: [B, *D]; std: [B, 1..]).
+    All per-sample inputs are [B] (mean, mean_ref: [B, *D]; std_t: [B, 1..]).
     ratio = exp(logp - logp_old);  L = mean_B max(-A ratio, -A clip(ratio, 1 -/+ eps))
-    KL(N(mu, std^2) || N(mu_ref, std^2)) = ||mu - mu_ref||^2 / (2 std^2), averaged over *D.
+    KL term = ||mu - mu_ref||^2 / (2 std_t^2), averaged over *D: Flow-GRPO's, with std_t the SDE's
+    noise scale (section 1), not the transition's std_t sqrt(|dt|). It is the KL of the two
+    Gaussian transitions times |dt|, so beta means what it means in Flow-GRPO's configs; the
+    transitions' own KL is 1 / |dt| (about 10 at T = 10) times larger, and at beta 0.04 it held
+    the mini SD3 at its base reward (docs/mini_sd3.md).
     Returns (loss, stats) where stats holds detached per-step diagnostics.
     """
     ratio = torch.exp(log_prob - log_prob_old)  # [B]
@@ -249,7 +253,7 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
     loss = torch.maximum(unclipped, clipped).mean()
     kl = torch.zeros((), device=loss.device)
     if beta > 0:
-        kl = ((mean - mean_ref) ** 2 / (2 * std**2)).mean(dim=tuple(range(1, mean.ndim))).mean()
+        kl = ((mean - mean_ref) ** 2 / (2 * std_t**2)).mean(dim=tuple(range(1, mean.ndim))).mean()
         loss = loss + beta * kl
     with torch.no_grad():
         stats = {
@@ -272,12 +276,13 @@ def make_step_loss(traj, advantages, a, b, cfg, v_ref=None, log=None):
         i = a + k
         _, log_prob, mean, std = sde_step(v_k, traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
                                           prev_sample=traj.z_next[i])
-        mean_ref = None
+        mean_ref = std_t = None
         if cfg.beta > 0:
             _, _, mean_ref, _ = sde_step(v_ref[k], traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
                                          prev_sample=traj.z_next[i])
+            std_t = std / (traj.t[i] - traj.t_next[i]).sqrt().reshape(std.shape)  # the transition's std / sqrt(|dt|)
         loss, stats = grpo_step_loss(log_prob, traj.log_prob[i], advantages, cfg.clip_range,
-                                     mean=mean, mean_ref=mean_ref, std=std, beta=cfg.beta)
+                                     mean=mean, mean_ref=mean_ref, std_t=std_t, beta=cfg.beta)
         if log is not None:
             log.append(stats)
         return loss / T

@@ -639,9 +639,32 @@ def test_grpo_loss_clips_and_kl():
     assert stats["clipfrac"] == 1.0
     assert stats["approx_kl"] == pytest.approx(0.5 * math.log(2) ** 2)
     mean, ref, std = torch.ones(2, 3), torch.zeros(2, 3), torch.full((2, 1), 0.5)
-    loss_kl, stats = jagg.grpo_step_loss(old, old, adv, 0.2, mean=mean, mean_ref=ref, std=std, beta=0.1)
+    loss_kl, stats = jagg.grpo_step_loss(old, old, adv, 0.2, mean=mean, mean_ref=ref, std_t=std, beta=0.1)
     assert stats["kl"] == pytest.approx(1 / (2 * 0.25))
     assert loss_kl.item() == pytest.approx(0.1 * 2.0)
+
+
+def test_kl_term_is_flow_grpos_not_the_transitions():
+    """The KL term of a step is Flow-GRPO's, ||mu - mu_ref||^2 / (2 std_t^2) with std_t = noise_level
+    sqrt(sigma / (1 - sigma)) (sigma_next in the denominator at sigma = 1), computed here from the
+    velocities alone: mu - mu_ref = (v - v_ref) (1 + std_t^2 (1 - sigma) / (2 sigma)) dt. The
+    transitions' own KL is 1 / |dt| times larger: with it, beta = 0.04 held the mini SD3 still."""
+    torch.manual_seed(0)
+    T, B, D, noise_level = 4, 3, 5, 0.7
+    sigmas = jagg.sigma_schedule(T, shift=3.0).double()
+    traj = jagg.rollout(lambda z, t: 0.5 * z, torch.randn(B, D, dtype=torch.float64), sigmas, noise_level)
+    cfg = jagg.LossConfig(noise_level=noise_level, clip_range=0.2, beta=1.0)
+    for i in range(T):
+        v, v_ref = torch.randn(B, D, dtype=torch.float64), torch.randn(B, D, dtype=torch.float64)
+        log = []
+        jagg.make_step_loss(traj, torch.zeros(B, dtype=torch.float64), i, i + 1, cfg, v_ref=v_ref[None], log=log)(0, v)
+        sigma, sigma_next = sigmas[i].item(), sigmas[i + 1].item()
+        std_t = noise_level * math.sqrt(sigma / (1 - (sigma_next if sigma >= 1 else sigma)))
+        dt = sigma_next - sigma
+        gap = (v - v_ref) * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
+        expected = (gap**2).mean().item() / (2 * std_t**2)
+        assert log[0]["kl"] == pytest.approx(expected, rel=1e-9), i
+        assert abs(expected / abs(dt) - log[0]["kl"]) > 0.5 * log[0]["kl"]  # the transitions' KL: far off
 
 
 # ------------------------------------------------------------------ routing and training
