@@ -1,6 +1,7 @@
 """Plumbing shared by train_toy.py and train_sd.py; nothing here is part of the algorithm.
 
 - a command line built from a dataclass of hyperparameters (each field's help is its --help),
+  and the JAGG flags both scripts share (JaggConfig) with their checks,
 - files written atomically (an interrupted run never leaves half a file),
 - torch.distributed set-up for torchrun,
 - the benchmarks (jagg.py's training modes timed, interleaved, and their saved activations) and
@@ -53,6 +54,37 @@ def fail_on(checks):
     for ok, message in checks:
         if not ok:
             raise SystemExit(f"error: {message}")
+
+
+@dataclasses.dataclass
+class JaggConfig:
+    """The JAGG flags of both training scripts; each script's Config extends it (and may change a
+    default). The choices are jagg.py's own constants."""
+    window: int = arg(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
+    jagg_frac: float = arg(1.0, "fraction of windows (the best by --route) trained by JAGG; the rest exact")
+    anchors: str = arg("window", "window: the paper's disjoint windows; shared (ours): adjacent windows share their end "
+                                 "step, anchors every W - 1 steps, all in one forward with graph (more rows in memory "
+                                 "at once)", choices=list(jagg.ANCHOR_MODES))
+    interior: str = arg("forward", "velocities of the steps between anchors: forward (the paper: one no-graph forward, "
+                                   "with CFG's and the reference's) or rollout (ours: the rollout's, corrected by the "
+                                   "anchors' change; no network call, reference model included)",
+                        choices=list(jagg.INTERIOR_MODES))
+    weights: str = arg("time", "interpolation weights between anchors: time (the paper's abstract: alpha_k by t) or "
+                               "index (the authors' early code: alpha_k = k / (W - 1))", choices=list(jagg.WEIGHTS))
+    max_graph_rows: int = arg(0, "at most this many anchor rows (of B samples) in a graph at once (ours; the same "
+                                 "gradient, less memory: shared anchors otherwise hold all theirs); 0: no bound. The "
+                                 "benchmark adds every JAGG mode with this bound")
+    route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
+                                 "(ours: the probe's measured gradient cosines, averaged over probes)",
+                     choices=list(jagg.ROUTES))
+    probe_every: int = arg(0, "every N epochs (train_toy.py: GRPO steps, and at step 1), before training on the batch, "
+                              "measure the cosine of JAGG's gradient to the exact one per window on --probe-batch "
+                              "samples (0: off)")
+    probe_batch: int = arg(2, "samples the probe measures on (per rank; the cosines are averaged over ranks)")
+    probe_decay: float = arg(0.5, "--route probe ranks windows by an exponential average of the probes: weight of the "
+                                  "old average")
+    min_cosine: float = arg(0.0, "--route probe never lets JAGG take a window whose averaged cosine is below this "
+                                 "(0 keeps windows with a negative cosine exact; -1: no floor)")
 
 
 def jagg_flag_checks(cfg):
@@ -181,6 +213,18 @@ def all_gather_cat(x):
 
 
 # ------------------------------------------------------------------ metrics
+
+
+def probe_counts_as_training(method, route):
+    """The probe's time is training time only where it routes (a JAGG run with --route probe);
+    anywhere else it is a diagnostic, and the training time leaves it out."""
+    return method == "jagg" and route == "probe"
+
+
+def probe_cosine_by_position(rows):
+    """The mean of the probes' cosines per segment position over the metrics rows; None without probes."""
+    probes = [r["probe/grad_cosine"] for r in rows if "probe/grad_cosine" in r]
+    return [sum(c) / len(probes) for c in zip(*probes)] if probes else None
 
 
 def step_metrics(step_stats):

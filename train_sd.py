@@ -45,7 +45,7 @@ from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed,
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
 from common import bench_modes, benchmark_trajectory, benchmark_window, chart, compare_summary, font, save_png, step_metrics
 from common import training_step_bars, writable_folder_check
-from common import write_json, write_jsonl
+from common import JaggConfig, probe_cosine_by_position, probe_counts_as_training, write_json, write_jsonl
 
 SHAPES_REWARDS = ("shapes", "shapes_cover", "cover")  # mini_sd3.py's rewards: its prompts only
 REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "darkness", "pickscore", *SHAPES_REWARDS]
@@ -57,7 +57,7 @@ DEFAULT_PROMPTS = [
 
 
 @dataclass
-class Config:
+class Config(JaggConfig):
     # --- model and data
     model: str = arg("stabilityai/stable-diffusion-3.5-medium", "diffusers StableDiffusion3Pipeline: hub id or local "
                      "directory; mini: the small SD3 of mini_sd3.py, pretrained once and cached in runs/cache")
@@ -78,30 +78,10 @@ class Config:
                               "run's but for the JAGG flags. Its last evaluation is redrawn from its saved weights "
                               "for samples.png")
     seed: int = arg(0, "random seed; ranks add their rank to the sampling seed")
-    # --- JAGG
+    # --- JAGG: common.JaggConfig's flags, and
     method: str = arg("jagg", "exact (Flow-GRPO), jagg, or compare (exact, then jagg, from the same model and seed, "
                               "into --out/exact and --out/jagg, with summary.json and pictures in --out)",
                       choices=["exact", "jagg", "compare"])
-    window: int = arg(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
-    jagg_frac: float = arg(1.0, "fraction of windows (the best by --route) trained by JAGG; the rest exact")
-    anchors: str = arg("window", "window: the paper's disjoint windows; shared (ours): adjacent windows share their end "
-                                 "step, anchors every W - 1 steps, all in one forward with graph (more rows in memory at once)",
-                       choices=["window", "shared"])
-    interior: str = arg("forward", "velocities of the steps between anchors: forward (the paper: one no-graph CFG forward) "
-                                   "or rollout (ours: the rollout's, corrected by the anchors' change; no network call, "
-                                   "reference model included)", choices=["forward", "rollout"])
-    weights: str = arg("time", "interpolation weights between anchors: time (the paper's abstract: alpha_k by t) or "
-                               "index (the authors' early code: alpha_k = k / (W - 1))", choices=["time", "index"])
-    max_graph_rows: int = arg(0, "at most this many anchor rows (of B samples) in a graph at once (ours; the same gradient, "
-                                 "less memory: shared anchors otherwise hold all theirs); 0: no bound. The benchmark adds "
-                                 "every JAGG mode with this bound")
-    route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
-                                 "(ours: the probe's measured gradient cosines, averaged over probes)", choices=["velocity", "probe"])
-    probe_every: int = arg(0, "every N epochs, before training on the epoch's batch, measure the cosine of JAGG's gradient "
-                              "to the exact one per window on --probe-batch samples (0: off)")
-    probe_batch: int = arg(2, "samples the probe measures on (per rank; the cosines are averaged over ranks)")
-    probe_decay: float = arg(0.5, "--route probe ranks windows by an exponential average of the probes: weight of the old average")
-    min_cosine: float = arg(0.0, "--route probe never lets JAGG take a window whose averaged cosine is below this")
     # --- GRPO
     epochs: int = arg(100, "GRPO epochs (each: rollouts of --prompts-per-epoch prompts, then training)")
     num_steps: int = arg(10, "T, sampling steps of a rollout (Flow-GRPO trains with 10)")
@@ -143,7 +123,7 @@ class Config:
                                  "write benchmark.json and benchmark.png to --out, then exit")
     random_init: bool = arg(False, "benchmark: build the transformer from its config alone (no weights needed); the "
                                    "benchmark uses gradient checkpointing only if a GPU runs out of memory without it")
-    bench_size: str = arg("auto", "benchmark transformer with --random-init: sd35-medium, cpu (9M params), tiny; "
+    bench_size: str = arg("auto", "benchmark transformer with --random-init: sd35-medium, cpu (7.8M parameters), tiny; "
                                   "auto: sd35-medium on GPU, cpu on CPU", choices=["auto", "sd35-medium", "cpu", "tiny"])
     bench_batch: int = arg(0, "benchmark batch size B (0: 4 on GPU, 2 on CPU)")
     bench_train: str = arg("full", "benchmark: what is trained, every weight (full) or a LoRA of --lora-rank on the "
@@ -203,8 +183,7 @@ class Config:
         return True, ""
 
     # Flags that change JAGG's run but not exact GRPO's: --exact-from may differ in these alone.
-    JAGG_ONLY_FLAGS = ("method", "out", "resume", "exact_from", "window", "jagg_frac", "anchors", "interior", "weights",
-                       "max_graph_rows", "route", "probe_every", "probe_batch", "probe_decay", "min_cosine")
+    JAGG_ONLY_FLAGS = ("method", "out", "resume", "exact_from", *(f.name for f in dataclasses.fields(JaggConfig)))
 
     def exact_from_checks(self):
         """--exact-from: a finished exact run whose settings are this run's but for JAGG_ONLY_FLAGS."""
@@ -807,7 +786,6 @@ def summarize(cfg, rows):
     later = [v for e, v in evals if e > 0][-cfg.final_evals:] or [evals[-1][1]]
     final = sum(later) / len(later)
     trained = [r for r in rows if r["epoch"] > 0]
-    probes = [r["probe/grad_cosine"] for r in trained if "probe/grad_cosine" in r]
     return {
         "method": cfg.method, "mode": mode_name(cfg.method, cfg.anchors, cfg.interior), "weights": cfg.weights,
         "initial_reward": evals[0][1], "final_reward": final, "final_evals_used": len(later),
@@ -815,14 +793,14 @@ def summarize(cfg, rows):
         "eval_curve": evals,
         # rollouts and optimizer steps, and the probe only where it routes (else it is a diagnostic)
         "train_seconds": sum(r.get("time/train_seconds", 0.0) for r in trained) - (
-            0.0 if cfg.method == "jagg" and cfg.route == "probe" else sum(r.get("time/probe_seconds", 0.0) for r in trained)),
+            0.0 if probe_counts_as_training(cfg.method, cfg.route) else sum(r.get("time/probe_seconds", 0.0) for r in trained)),
         "backward_seconds": sum(r["time/backward_seconds"] for r in trained),
         "grad_seconds": sum(r["time/grad_seconds"] for r in trained),
         "probe_seconds": sum(r.get("time/probe_seconds", 0.0) for r in trained),
         "grad_steps": sum(r["train/grad_steps"] for r in trained),
         "skipped_steps": sum(r["train/skipped_steps"] for r in trained),
         "window": cfg.window, "epochs": cfg.epochs,
-        "probe_cosine_by_position": [sum(p[i] for p in probes) / len(probes) for i in range(len(probes[0]))] if probes else None,
+        "probe_cosine_by_position": probe_cosine_by_position(trained),
         "config": dataclasses.asdict(cfg),
     }
 
@@ -837,7 +815,7 @@ SD3_CONFIGS = {
                         num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
                         pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
                         dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
-    # A reduced SD3 transformer (about 9M parameters) whose window gradient a 2-core CPU times in minutes.
+    # A reduced SD3 transformer (7.8M parameters) whose window gradient a 2-core CPU times in minutes.
     "cpu": dict(sample_size=32, patch_size=2, in_channels=16, num_layers=6, attention_head_dim=32,
                 num_attention_heads=6, joint_attention_dim=192, caption_projection_dim=192,
                 pooled_projection_dim=192, out_channels=16, pos_embed_max_size=32),

@@ -35,40 +35,23 @@ from common import COLORS, all_gather_cat, arg, bench_modes, benchmark_trajector
 from common import init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
 from common import report_trajectory, save_png, step_metrics, torch_save, training_step_bars, writable_folder_check
-from common import compare_summary, write_json, write_jsonl
+from common import JaggConfig, compare_summary, probe_cosine_by_position, probe_counts_as_training, write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
 
 
 @dataclass
-class Config:
+class Config(JaggConfig):
     # --- what to run
     method: str = arg("compare", "exact, jagg, or compare (both, from the same seed and checkpoint)",
                       choices=["exact", "jagg", "compare"])
-    compare: bool = arg(False, "same as --method compare")
     benchmark: bool = arg(False, "time one window's gradient (exact vs JAGG) and one whole trajectory's in every mode, "
                                  "with a rollout, at W = 4 and 8; write benchmark.json and benchmark.png, then exit")
     out: str = arg("runs/toy", "output folder: summary.json, metrics.jsonl, pictures")
     seed: int = arg(0, "random seed (model init, data, rollouts); ranks add their rank")
-    # --- JAGG
-    window: int = arg(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
-    jagg_frac: float = arg(1.0, "fraction of windows (the best by --route) trained by JAGG; the rest exact")
-    anchors: str = arg("window", "window: the paper's disjoint windows; shared (ours): adjacent windows share their end "
-                                 "step, anchors every W - 1 steps, all in one forward with graph", choices=["window", "shared"])
-    interior: str = arg("forward", "velocities of the steps between anchors: forward (the paper: one no-graph forward) "
-                                   "or rollout (ours: the rollout's, corrected by the anchors' change; no network call)",
-                        choices=["forward", "rollout"])
-    weights: str = arg("time", "interpolation weights between anchors: time (the paper's abstract: alpha_k by t) or "
-                               "index (the authors' early code: alpha_k = k / (W - 1))", choices=["time", "index"])
-    max_graph_rows: int = arg(0, "at most this many anchor rows (of B samples) in a graph at once (ours; the same gradient, "
-                                 "less memory: shared anchors otherwise hold all theirs); 0: no bound. The benchmark adds "
-                                 "every JAGG mode with this bound")
-    route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
-                                 "(ours: the probe's measured gradient cosines, averaged over probes)", choices=["velocity", "probe"])
+    # --- JAGG: common.JaggConfig's flags, the probe on by default here
     probe_every: int = arg(10, "every N GRPO steps (and at step 1), measure the cosine of JAGG's gradient to the exact one "
                                "per window on --probe-batch samples, before training on the batch (0: off)")
     probe_batch: int = arg(8, "samples the probe measures on")
-    probe_decay: float = arg(0.5, "--route probe ranks windows by an exponential average of the probes: weight of the old average")
-    min_cosine: float = arg(0.0, "--route probe never lets JAGG take a window whose averaged cosine is below this")
     # --- GRPO
     steps: int = arg(80, "GRPO steps (each: one batch of rollouts, --minibatches optimizer steps)")
     num_steps: int = arg(16, "T, sampling steps of a rollout")
@@ -107,8 +90,6 @@ class Config:
              f"--base-ckpt {self.base_ckpt!r} does not exist; omit --base-ckpt to pretrain and cache a base model"),
         ])
         fail_on([writable_folder_check(self.out)])
-        if self.compare:
-            self.method = "compare"
 
 
 # =====================================================================================
@@ -325,7 +306,7 @@ def train(cfg, method, base, rank, world):
     routing = dict(anchors=cfg.anchors, interior=cfg.interior, route=cfg.route, min_cosine=cfg.min_cosine,
                    weights=cfg.weights, max_graph_rows=cfg.max_graph_rows or None)
     # The probe routes (counted as training) only where it decides something; else it is a diagnostic.
-    probe_routes = method == "jagg" and cfg.route == "probe"
+    probe_routes = probe_counts_as_training(method, cfg.route)
     # Each rank draws its own rollouts (groups stay on one rank, so advantages are local).
     g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     labels = torch.arange(len(PROMPTS)).repeat_interleave(cfg.group_size)  # [B]
@@ -393,7 +374,6 @@ def train(cfg, method, base, rank, world):
     train_seconds = time.perf_counter() - t_start - eval_seconds
 
     final_reward = rows[-1]["eval/reward"]
-    probes = [r["probe/grad_cosine"] for r in rows if "probe/grad_cosine" in r]
     # Every (probe, segment) pair, by how that step routed the segment: does JAGG take the faithful ones?
     pairs = [(c, r["routing/routed"][j]) for r in rows if "probe/grad_cosine" in r for j, c in enumerate(r["probe/grad_cosine"])]
 
@@ -421,7 +401,7 @@ def train(cfg, method, base, rank, world):
         "window": cfg.window,
         "jagg_frac": jagg_frac,
         # per segment position: the mean measured cosine, and how often JAGG took it
-        "probe_cosine_by_position": [sum(p[i] for p in probes) / len(probes) for i in range(len(probes[0]))] if probes else None,
+        "probe_cosine_by_position": probe_cosine_by_position(rows),
         "routed_frac_by_position": [c / opt_steps for c in routed_count],
         "cosine_routed": mean_cosine(True),  # mean probe cosine of the segments JAGG took in that step
         "cosine_kept_exact": mean_cosine(False),

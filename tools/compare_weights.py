@@ -11,59 +11,16 @@ Prints a markdown table and writes it as JSON to --out.
 """
 
 import argparse
-import dataclasses
 import os
 import sys
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
+from base_batches import mini_batches, toy_batches  # noqa: E402
 from common import write_json  # noqa: E402
-
-
-def toy_batches(args):
-    """(velocity_fn, params, traj, adv) per batch, from train_toy.py's base model and task."""
-    import train_toy
-
-    cfg = train_toy.Config()
-    model, _ = train_toy.base_model(cfg, rank=0)
-    sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)
-    g = torch.Generator().manual_seed(args.seed)
-    labels = torch.arange(len(train_toy.PROMPTS)).repeat_interleave(args.batch // len(train_toy.PROMPTS))  # [B]
-    fn = train_toy.make_velocity_fn(model, labels)
-    for _ in range(args.batches):
-        with torch.no_grad():
-            traj = jagg.rollout(fn, torch.randn(len(labels), 2, generator=g), sigmas, cfg.noise_level, generator=g)
-        adv = jagg.group_advantages(train_toy.reward_fn(traj.sample, labels), labels)
-        yield fn, list(model.parameters()), traj, adv, cfg.num_steps
-
-
-def mini_batches(args, full_finetune=True, reward="shapes", group=4, cfg_grad="cond", global_std=False):
-    """The same from the mini SD3 (CFG 4.5, T = 10, the shapes reward unless `reward` says
-    otherwise): groups of `group` samples per prompt, the parameters full fine-tuning trains or,
-    with full_finetune=False, train_sd.py's LoRA (zero-initialised, so the same base model)."""
-    import train_sd
-
-    cfg = train_sd.Config(model=args.model, reward=reward, full_finetune=full_finetune, gradient_checkpointing=False,
-                          device="cpu", rollout_batch=args.batch, seed=args.seed)
-    torch.manual_seed(args.seed)  # the LoRA's initialisation
-    pipe, transformer = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
-    cfg = dataclasses.replace(cfg, resolution=train_sd.default_resolution(pipe, cfg))
-    prompts_all = train_sd.default_prompts(cfg)
-    reward_fn = train_sd.make_reward_fn(cfg, "cpu")
-    sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0))
-    g = torch.Generator().manual_seed(args.seed)
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    for _ in range(args.batches):
-        pick = torch.randint(len(prompts_all), (args.batch // group,), generator=g)
-        ids = pick.repeat_interleave(group)  # [B]
-        prompts = [prompts_all[i] for i in ids.tolist()]
-        traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16=False)
-        adv = jagg.group_advantages(reward_fn(images, prompts), ids, global_std=global_std)
-        fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, cfg_grad == "both")
-        yield fn, params, traj, adv, cfg.num_steps
 
 
 def main(argv=None):

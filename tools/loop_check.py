@@ -176,6 +176,7 @@ def main(argv=None):
     parser.add_argument("--direction-batches", type=int, default=3,
                         help="independent batches for the direction check (darkness only; 0: skip it)")
     parser.add_argument("--beta", type=float, default=0.04, help="KL weight of the step")
+    parser.add_argument("--guidance-scale", type=float, default=4.5, help="CFG scale of the step and direction checks")
     parser.add_argument("--seed", type=int, default=0, help="seed of the rollouts and the LoRA's initialisation")
     parser.add_argument("--json", default="", help="also write the tables to this JSON file")
     args = parser.parse_args(argv)
@@ -185,7 +186,8 @@ def main(argv=None):
             parser.error(f"--train {spec!r}: expected lora:LR or full:LR, e.g. lora:1e-3")
     torch.manual_seed(args.seed)
     base = train_sd.Config(model=args.model, reward=args.reward, gradient_checkpointing=False, device="cpu", seed=args.seed,
-                           rollout_batch=args.prompts_per_batch * args.group, beta=args.beta, clip_range=0.2)
+                           rollout_batch=args.prompts_per_batch * args.group, beta=args.beta, clip_range=0.2,
+                           guidance_scale=args.guidance_scale)
     reward_fn = train_sd.make_reward_fn(base, "cpu")
     result = {}
 

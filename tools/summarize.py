@@ -160,18 +160,22 @@ def curves(paths, last, png=""):
     """Single train_sd.py runs (exact or jagg): start, highest evaluation, the mean and spread of
     the last `last` evaluations, training time; for runs with different methods but one setting.
     png: also draw the curves, one line per run named by its mode."""
-    print(f"| run | mode | start | highest (epoch) | mean of the last {last} evaluations | training (s) | backward (s) |")
-    print("|---|---|---|---|---|---|---|")
+    runs = [load(path) for path in paths]
+    # the settings that differ between the runs (their output folders aside), as flags
+    differ = [k for k in runs[0]["config"] if k != "out" and len({json.dumps(r["config"].get(k)) for r in runs}) > 1]
+    print(f"| run | mode | settings | start | highest (epoch) | mean of the last {last} evaluations | training (s) "
+          f"| backward (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     drawn = {}
-    for path in paths:
-        s = load(path)
+    for path, s in zip(paths, runs):
         curve = s["eval_curve"]
         tail = [v for _, v in curve[-last:]]
         mean = sum(tail) / len(tail)
         sd = (sum((v - mean) ** 2 for v in tail) / max(1, len(tail) - 1)) ** 0.5
         epoch, top = max(curve[1:] or curve, key=lambda c: c[1])
-        print(f"| {path} | {s['mode']} | {curve[0][1]:.3f} | {top:.3f} ({epoch}) | {mean:.3f} ± {sd:.3f} "
-              f"| {s['train_seconds']:.0f} | {s['backward_seconds']:.0f} |")
+        flags = " ".join(f"--{k.replace('_', '-')} {s['config'][k]}" for k in differ) or "-"
+        print(f"| {os.path.basename(os.path.normpath(path))} | {s['mode']} | {flags} | {curve[0][1]:.3f} | {top:.3f} ({epoch}) "
+              f"| {mean:.3f} ± {sd:.3f} | {s['train_seconds']:.0f} | {s['backward_seconds']:.0f} |")
         drawn[s["mode"] if s["mode"] not in drawn else path] = curve
     if png:
         import sys
