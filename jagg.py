@@ -70,9 +70,7 @@ def _check(ok, message):
 #  PART I: THE PAPER
 # #####################################################################################
 
-# =====================================================================================
 # === 1. SDE step: the Gaussian policy of one sampling step (Flow-GRPO) ===
-# =====================================================================================
 # The deterministic flow ODE has no log-probability, so Flow-GRPO samples with an SDE whose
 # marginals match the ODE's. Each step is then a Gaussian policy z_{k+1} ~ N(mu_k, std_k^2)
 # and GRPO can use the ratio of its densities.
@@ -130,9 +128,7 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     return prev_sample.to(out_dtype), log_prob, mean, std
 
 
-# =====================================================================================
 # === 2. Rollout: sample trajectories and keep what training needs ===
-# =====================================================================================
 
 
 @dataclass
@@ -197,9 +193,7 @@ def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
     )
 
 
-# =====================================================================================
 # === 3. Group-relative advantages (GRPO) ===
-# =====================================================================================
 
 
 def group_advantages(rewards, group_ids, eps=1e-4, global_std=False, clip=5.0):
@@ -221,9 +215,7 @@ def group_advantages(rewards, group_ids, eps=1e-4, global_std=False, clip=5.0):
     return adv.clamp(-clip, clip)
 
 
-# =====================================================================================
 # === 4. The per-step GRPO loss ===
-# =====================================================================================
 
 
 @dataclass
@@ -241,10 +233,9 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
     All per-sample inputs are [B] (mean, mean_ref: [B, *D]; std_t: [B, 1..]).
     ratio = exp(logp - logp_old);  L = mean_B max(-A ratio, -A clip(ratio, 1 -/+ eps))
     KL term = ||mu - mu_ref||^2 / (2 std_t^2), averaged over *D: Flow-GRPO's, with std_t the SDE's
-    noise scale (section 1), not the transition's std_t sqrt(|dt|). It is the KL of the two
-    Gaussian transitions times |dt|, so beta means what it means in Flow-GRPO's configs; the
-    transitions' own KL is 1 / |dt| (about 10 at T = 10) times larger, and at beta 0.04 it held
-    the mini SD3 at its base reward (docs/mini_sd3.md).
+    noise scale (section 1), not the transition's std_t sqrt(|dt|): the two transitions' KL times
+    |dt|, so beta means what it means in Flow-GRPO's configs (their own KL, 1 / |dt| ~ 10 times
+    larger at T = 10, held the mini SD3 at its base reward at beta 0.04: docs/mini_sd3.md).
     Returns (loss, stats) where stats holds detached per-step diagnostics.
     """
     ratio = torch.exp(log_prob - log_prob_old)  # [B]
@@ -290,9 +281,7 @@ def make_step_loss(traj, advantages, a, b, cfg, v_ref=None, log=None):
     return step_loss
 
 
-# =====================================================================================
 # === 5. Exact per-step backward: the baseline (what Flow-GRPO does) ===
-# =====================================================================================
 # Every backward_* function takes S consecutive steps (the paper: a window of W): z [S, B, *D],
 # t [S, B], and step_loss(k, v_k) -> scalar, the loss of the k-th of those steps given its
 # velocity [B, *D]. They accumulate parameter gradients like loss.backward() and return the
@@ -333,9 +322,7 @@ def backward_exact(velocity_fn, z, t, step_loss, timings=None):
     return total
 
 
-# =====================================================================================
 # === 6. JAGG: interpolate the Jacobians, back-propagate once ===
-# =====================================================================================
 # The gradient of a window a..b is a sum of vector-Jacobian products:
 #     grad = sum_k g_k^T J_k,      g_k = dL_k/dv_k,   J_k = dv_theta(z_k, t_k)/dtheta.
 # g_k is cheap (the loss is a few elementwise ops on v_k); each J_k costs a full backward.
@@ -405,9 +392,7 @@ def backward_jagg_window(velocity_fn, z, t, step_loss, timings=None):
     return total
 
 
-# =====================================================================================
 # === 7. Routing: which windows are linear enough for JAGG ===
-# =====================================================================================
 # OURS (the abstract names the knob jagg_frac but not the score): score a window by the cosine
 # similarity between its interior velocities and their endpoint interpolation. The velocities
 # come from the rollout, so the score costs no network call. If v itself moves linearly in t,
@@ -455,9 +440,7 @@ def route_windows(scores, lengths, jagg_frac, floor=None):
     return [i in chosen for i in range(len(scores))]
 
 
-# =====================================================================================
 # === 8. One training step over a batch of trajectories ===
-# =====================================================================================
 # A batch's gradient, window by window: each window routed to JAGG runs backward_jagg_window
 # (section 6), the others backward_exact (section 5). The options of Part II only change which
 # steps are anchors and how interior velocities are found: backward_jagg_auto below hands them to
@@ -614,9 +597,7 @@ def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, ja
     return stats, routed
 
 
-# =====================================================================================
 # === 9. Fidelity probe: is the approximation good on YOUR model? ===
-# =====================================================================================
 # JAGG's error depends on how linear the network's Jacobian is along a trajectory, which
 # differs between models. The probe computes both gradients of the same segments and reports
 # their cosine, so a user adapting JAGG sees at once whether it holds. OURS: route="probe"
@@ -666,9 +647,7 @@ def probe_average(average, cosines, decay):
 #  PART II: BEYOND THE PAPER (OURS; every option defaults to the paper's behaviour)
 # #####################################################################################
 
-# =====================================================================================
 # === 10. Anchors: windows that share their endpoints ===
-# =====================================================================================
 # The paper's two endpoints generalise to sorted anchor steps a_0 = 0 < ... < a_m = S - 1. A step
 # between consecutive anchors a_j, a_{j+1} interpolates between those two ("hat" weights H in
 # t; an anchor keeps weight 1 on itself):
@@ -741,9 +720,7 @@ def backward_calls(bounds, routed, anchors="window"):
     return sorted(calls, key=lambda call: call[1])
 
 
-# =====================================================================================
 # === 11. Rollout interiors: no interior step calls the network ===
-# =====================================================================================
 # The rollout stored v_k(theta_old). To first order, with JAGG's own interpolated Jacobian,
 #     v_k(theta) ~= v_k(theta_old) + sum_j H[k, j] (v_{a_j}(theta) - v_{a_j}(theta_old)),
 # so the interior steps call no network at all: the anchors' current velocities come from the
@@ -766,9 +743,7 @@ def interpolate_from_anchors(v_anchor, v_old, H, anchors):
     return v
 
 
-# =====================================================================================
 # === 12. The general JAGG backward: anchors, rollout interiors, index weights ===
-# =====================================================================================
 # Index weights: the authors' early code (SchumiDing/eff_grpo, fastvideo/
 # train_grpo_qwenimage_jagg.py) weights steps by index, alpha_k = k / (W - 1) (weights="index"),
 # which equals the t-weighting only when t is linear in k. With SD3's shifted schedule it is not:
@@ -839,9 +814,7 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
     return total
 
 
-# =====================================================================================
 # === 13. A bound on the rows held in a graph ===
-# =====================================================================================
 # backward_jagg keeps all M anchor rows in one graph (shared anchors at T = 10, W = 4: 4 rows of
 # B samples, against exact's 1 at a time). The joint backward is linear in the anchors,
 # sum_j G_j^T J_{a_j}, so it can run anchor by anchor, each anchor's graph freed by its own
