@@ -1,6 +1,6 @@
 """A small Stable Diffusion 3 trained here: SD3.5's pipeline on a GenEval-like task in miniature.
 
-    python mini_sd3.py                 # build and pretrain the mini pipeline once (about 15 min on 2 cores)
+    python mini_sd3.py                 # build and pretrain the mini pipeline once (about 10 min on 2 cores)
     python train_sd.py --model mini --reward shapes --method compare   # GRPO on it, exact vs JAGG
 
 You do not need to read this file to learn JAGG: it is the model and the task, not the algorithm.
@@ -240,7 +240,8 @@ def score_cover(image, prompt):
 
     Why a mix: fine structure is the hard part at this size. GRPO moves what the first, noisy
     sampling steps decide (where and how large the colours are) much more than the last, nearly
-    noiseless steps that sharpen a square's corners, and score alone barely rose (README)."""
+    noiseless steps that sharpen a square's corners: score alone fell where coverage rose
+    (docs/mini_sd3.md)."""
     return 0.5 * score(image, prompt) + 0.5 * coverage(image, prompt)
 
 

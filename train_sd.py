@@ -1,7 +1,8 @@
 """JAGG-GRPO on a real DiT checkpoint: Stable Diffusion 3 / 3.5 through diffusers.
 
     python train_sd.py --model stabilityai/stable-diffusion-3.5-medium --method jagg --window 4
-    python train_sd.py --model mini --reward shapes --method compare   # the small SD3 trained here, on a CPU
+    python train_sd.py --model mini --reward darkness --method compare --full-finetune --lr 3e-4 --guidance-scale 2.5
+                                       # the small SD3 trained here, on a CPU (docs/mini_sd3.md, tools/mini_quality.sh)
     torchrun --nproc_per_node=8 train_sd.py --model PATH --method jagg
     python train_sd.py --benchmark --window 4 --random-init [--json]   # exact vs JAGG timing
 
@@ -100,7 +101,7 @@ class Config(JaggConfig):
                            choices=["constant", "cosine"])
     weight_decay: float = arg(1e-4, "AdamW weight decay")
     clip_range: float = arg(1e-4, "GRPO ratio clip range (Flow-GRPO uses 1e-4)")
-    beta: float = arg(0.04, "KL weight to the reference model (0: no reference forward)")
+    beta: float = arg(0.04, "KL weight to the reference model, Flow-GRPO's term and scale (0: no reference forward)")
     adv_clip: float = arg(5.0, "advantages are clipped to [-adv_clip, adv_clip]")
     global_std: bool = arg(False, "standardise advantages by the std of all rewards instead of each group's")
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
@@ -312,7 +313,7 @@ def add_lora(transformer, rank, alpha):
 
 
 def mini_model_path():
-    """The cached mini SD3 (mini_sd3.py): the first process pretrains it (about 15 minutes on 2 CPU
+    """The cached mini SD3 (mini_sd3.py): the first process pretrains it (about 10 minutes on 2 CPU
     cores, once), the other ranks wait for it."""
     import mini_sd3
 
