@@ -2,6 +2,7 @@
 # JAGG's quality on the mini SD3 (mini_sd3.py), on a CPU: the table in docs/mini_sd3.md.
 # Seeds 0-4; per seed exact GRPO once, then the paper's JAGG and shared anchors + rollout
 # interiors from the same model and seed with --exact-from it; two runs at a time, one thread each.
+# A run that has finished before is not run again, so an interrupted table resumes.
 #
 #   tools/mini_quality.sh darkness [OUT]   # 15 epochs a run: about 20 minutes on 2 cores
 #   tools/mini_quality.sh cover [OUT]      # 20 epochs a run: about 30 minutes on 2 cores
@@ -22,24 +23,29 @@ case "$reward" in
 esac
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
-run() {  # DIR FLAGS...
+run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished before
   local dir=$1; shift
+  [ -f "$dir/summary.json" ] && return 0
   python3 train_sd.py --model mini --reward "$reward" --full-finetune --lr 3e-4 --guidance-scale 2.5 --beta 0.04 \
     --train-batch 8 --clip-range 0.2 --prompts-per-epoch 4 --group-size 8 --rollout-batch 32 --window 4 \
     --no-gradient-checkpointing --epochs "$epochs" $evals --final-evals 3 --save-every "$epochs" --out "$dir" "$@" \
     > "$dir.log" 2>&1
   tail -n 1 "$dir.log"
 }
-seed_runs() {  # SEED: exact, then both JAGG modes from it
-  local s=$1
-  mkdir -p "$out/paper_seed$s"
-  [ -f "$out/paper_seed$s/exact/summary.json" ] || run "$out/paper_seed$s/exact" --method exact --seed "$s"
+job() {  # KIND SEED: exact, or a JAGG mode with --exact-from the seed's exact run
+  local kind=$1 s=$2
   local jagg_flags=(--method compare --exact-from "$out/paper_seed$s/exact" --seed "$s" --probe-every 5 --probe-batch 4)
-  run "$out/paper_seed$s" "${jagg_flags[@]}"
-  run "$out/shared_seed$s" "${jagg_flags[@]}" --anchors shared --interior rollout
+  case "$kind" in
+    exact) mkdir -p "$out/paper_seed$s"; run "$out/paper_seed$s/exact" --method exact --seed "$s" ;;
+    paper) run "$out/paper_seed$s" "${jagg_flags[@]}" ;;
+    shared) run "$out/shared_seed$s" "${jagg_flags[@]}" --anchors shared --interior rollout ;;
+  esac
 }
+export -f run job
+export reward out epochs evals
 mkdir -p "$out"
-(seed_runs 0; seed_runs 2; seed_runs 4) &
-(seed_runs 1; seed_runs 3) &
-wait
+# two runs at a time: every seed's exact run first, then the JAGG runs that start from them
+printf 'exact %s\n' 0 1 2 3 4 | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
+printf '%s\n' "paper 0" "shared 0" "paper 1" "shared 1" "paper 2" "shared 2" "paper 3" "shared 3" "paper 4" "shared 4" \
+  | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
 python3 tools/summarize.py compare "$out"/paper_seed[0-9] "$out"/shared_seed[0-9]
