@@ -79,7 +79,7 @@ class Config(JaggConfig):
                               "run's but for the JAGG flags. Its last evaluation is redrawn from its saved weights "
                               "for samples.png")
     seed: int = arg(0, "random seed; ranks add their rank to the sampling seed")
-    # --- JAGG: common.JaggConfig's flags, and
+    # --- what to run (the JAGG flags are common.JaggConfig's)
     method: str = arg("jagg", "exact (Flow-GRPO), jagg, or compare (exact, then jagg, from the same model and seed, "
                               "into --out/exact and --out/jagg, with summary.json and pictures in --out)",
                       choices=["exact", "jagg", "compare"])
