@@ -11,7 +11,7 @@ What happens:
    4 "prompts", each a mixture of Gaussians with several modes. The checkpoint is cached.
 2. GRPO fine-tunes it with a prompt-dependent reward: closeness to ONE target mode per prompt,
    which the base model, spreading its samples over all modes, does not maximise.
-3. With --compare (the default) exact GRPO and JAGG train from the same checkpoint and seed;
+3. With --method compare (the default) exact GRPO and JAGG train from the same checkpoint and seed;
    the run writes the rewards, the backward time, the gradient fidelity and pictures to --out.
 """
 
