@@ -1,8 +1,9 @@
 """JAGG-GRPO on a real DiT checkpoint: Stable Diffusion 3 / 3.5 through diffusers.
 
     python train_sd.py --model stabilityai/stable-diffusion-3.5-medium --method jagg --window 4
-    python train_sd.py --model mini --reward darkness --method compare --full-finetune --lr 3e-4 --guidance-scale 2.5
-                                       # the small SD3 trained here, on a CPU (docs/mini_sd3.md, tools/mini_quality.sh)
+    python train_sd.py --model mini --reward darkness --method compare --full-finetune --lr 3e-4 --guidance-scale 2.5 \
+        --epochs 15 --prompts-per-epoch 4 --train-batch 8 --clip-range 0.2   # the small SD3 trained here, on a CPU
+                                                                             # (docs/mini_sd3.md, tools/mini_quality.sh)
     torchrun --nproc_per_node=8 train_sd.py --model PATH --method jagg
     python train_sd.py --benchmark --window 4 --random-init [--json]   # exact vs JAGG timing
 
