@@ -1,6 +1,6 @@
 """Rollout batches from each base model, drawn exactly as training draws them: what the tools that
-measure gradients (compare_weights.py, gradient_signal.py) compute on. Each yields
-(velocity_fn, params, traj, advantages, T) per batch."""
+measure gradients (compare_weights.py, gradient_signal.py, loop_check.py) compute on. The
+*_batches generators yield (velocity_fn, params, traj, advantages, T) per batch."""
 
 import dataclasses
 import os
@@ -30,6 +30,18 @@ def toy_batches(args):
         yield fn, list(model.parameters()), traj, adv, cfg.num_steps
 
 
+def draw_groups(pipe, transformer, cfg, prompts_all, n_prompts, group, generator):
+    """train_sd.py's rollouts for n_prompts prompts drawn from prompts_all, group samples each, at
+    cfg's T, CFG and noise level. Returns (prompt ids [B], prompts, traj, cond, uncond, images)."""
+    import train_sd
+
+    ids = torch.randint(len(prompts_all), (n_prompts,), generator=generator).repeat_interleave(group)  # [B]
+    prompts = [prompts_all[i] for i in ids.tolist()]
+    sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0))
+    traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16=False)
+    return ids, prompts, traj, cond, uncond, images
+
+
 def mini_batches(args, full_finetune=True, reward="shapes", group=4, cfg_grad="cond", global_std=False):
     """The same from the mini SD3 (CFG 4.5, T = 10, the shapes reward unless `reward` says
     otherwise): groups of `group` samples per prompt, the parameters full fine-tuning trains or,
@@ -43,14 +55,11 @@ def mini_batches(args, full_finetune=True, reward="shapes", group=4, cfg_grad="c
     cfg = dataclasses.replace(cfg, resolution=train_sd.default_resolution(pipe, cfg))
     prompts_all = train_sd.default_prompts(cfg)
     reward_fn = train_sd.make_reward_fn(cfg, "cpu")
-    sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0))
     g = torch.Generator().manual_seed(args.seed)
     params = [p for p in transformer.parameters() if p.requires_grad]
     for _ in range(args.batches):
-        pick = torch.randint(len(prompts_all), (args.batch // group,), generator=g)
-        ids = pick.repeat_interleave(group)  # [B]
-        prompts = [prompts_all[i] for i in ids.tolist()]
-        traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16=False)
+        ids, prompts, traj, cond, uncond, images = draw_groups(pipe, transformer, cfg, prompts_all, args.batch // group,
+                                                               group, g)
         adv = jagg.group_advantages(reward_fn(images, prompts), ids, global_std=global_std)
         fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, cfg_grad == "both")
         yield fn, params, traj, adv, cfg.num_steps

@@ -13,9 +13,12 @@ on fresh rollouts from the model, with train_sd.py's own functions:
   guidance scales and SDE noise levels; GRPO learns only from these differences.
 - the step: one optimizer step of train_sd.py's training (exact GRPO, the flags below) and how
   far it moves the policy: the relative change of the velocity on the batch, the log-ratio of the
-  sampled transitions after the step, and the change of the group's mean reward direction.
+  sampled transitions after the step, and how much it moved toward the samples with positive
+  advantage (the advantage-weighted change of their log-probabilities).
 - the VAE's reach: task images darkened by a factor, through the VAE's encoder and decoder: how
   much of a change in the image survives the latent round trip.
+- direction (darkness only): cosines between independent batches' darkness gradients, pathwise
+  (differentiated through the sampler and the VAE) and GRPO's score-function estimate.
 Prints one table per part; --json writes them too.
 """
 
@@ -31,19 +34,16 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
 import train_sd  # noqa: E402
+from base_batches import draw_groups  # noqa: E402
 from common import write_json  # noqa: E402
 
 
 def rollouts(pipe, transformer, cfg, prompts_all, args, g):
-    pick = torch.randint(len(prompts_all), (args.prompts_per_batch,), generator=g)
-    ids = pick.repeat_interleave(args.group)  # [B]
-    prompts = [prompts_all[i] for i in ids.tolist()]
-    sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0))
-    traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16=False)
-    return ids, prompts, traj, cond, uncond, images
+    return draw_groups(pipe, transformer, cfg, prompts_all, args.prompts_per_batch, args.group, g)
 
 
 def exploration(pipe, transformer, cfg, prompts_all, reward_fn, args):
