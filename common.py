@@ -85,6 +85,18 @@ class JaggConfig:
                                   "old average")
     min_cosine: float = arg(0.0, "--route probe never lets JAGG take a window whose averaged cosine is below this "
                                  "(0 keeps windows with a negative cosine exact; -1: no floor)")
+    max_drift: float = arg(jagg.JaggOptions.max_drift,
+                           "--interior rollout: a segment whose anchors' velocities moved more than this (relative "
+                           "norm) since the rollout takes forward interiors instead (ours; jagg.py section 11); "
+                           "-1: the rollout rule at any drift")
+
+    def jagg_options(self, method="jagg"):
+        """The jagg.JaggOptions these flags ask for; method "exact" trains every window exactly."""
+        return jagg.JaggOptions(window=self.window, jagg_frac=0.0 if method == "exact" else self.jagg_frac,
+                                anchors=self.anchors, interior=self.interior, weights=self.weights,
+                                max_graph_rows=self.max_graph_rows or None,
+                                max_drift=None if self.max_drift < 0 else self.max_drift,
+                                route=self.route, min_cosine=self.min_cosine)
 
 
 def jagg_flag_checks(cfg):
@@ -98,6 +110,7 @@ def jagg_flag_checks(cfg):
         (cfg.probe_batch >= 1, f"--probe-batch must be >= 1, got {cfg.probe_batch}"),
         (0.0 <= cfg.probe_decay < 1.0, f"--probe-decay must be in [0, 1), got {cfg.probe_decay}"),
         (-1.0 <= cfg.min_cosine <= 1.0, f"--min-cosine must be in [-1, 1] (a cosine), got {cfg.min_cosine}"),
+        (cfg.max_drift >= 0 or cfg.max_drift == -1, f"--max-drift must be >= 0, or -1 (no guard), got {cfg.max_drift}"),
         (cfg.route != "probe" or cfg.probe_every >= 1,
          "--route probe routes by the probe's measurements: give it --probe-every N >= 1"),
         (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= jagg.min_graph_rows(cfg.interior),
@@ -232,7 +245,10 @@ def step_metrics(step_stats):
     averages of the per-step diagnostics, sums of the counts and times, grouped by prefix."""
     row = {f"train/{k}": sum(s[k] for s in step_stats) / len(step_stats)
            for k in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "grad_norm")}
-    row["train/grad_steps"] = sum(s["grad_steps"] for s in step_stats)
+    row["train/grad_rows"] = sum(s["grad_rows"] for s in step_stats)
+    for key in ("rollout_refreshed", "anchor_drift"):  # the drift guard of rollout interiors, when it ran
+        if key in step_stats[0]:
+            row[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)
     row["train/skipped_steps"] = sum(s["skipped"] for s in step_stats)
     row["time/backward_seconds"] = sum(s["backward_seconds"] for s in step_stats)
     row["time/grad_seconds"] = sum(s["grad_seconds"] for s in step_stats)
@@ -563,14 +579,14 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
-            stats, _ = jagg.window_gradients(velocity_fn, traj, advantages, cfg, window, 0.0 if name == "exact" else 1.0,
-                                        ref_velocity_fn, timings=timings, anchors=anchors, interior=interior,
-                                        max_graph_rows=max_graph_rows)
+            opts = jagg.JaggOptions(window, 0.0 if name == "exact" else 1.0, anchors=anchors, interior=interior,
+                                    max_graph_rows=max_graph_rows)
+            stats, _ = jagg.window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn, timings)
             if cuda:
                 torch.cuda.synchronize(device)
                 timings["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
             timings["train_s"] = time.perf_counter() - start
-            timings["backward_rows"] = stats["grad_steps"]
+            timings["backward_rows"] = stats["grad_rows"]
             return timings
         return run
 

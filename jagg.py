@@ -94,11 +94,12 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     v, z: [B, *D]; sigma, sigma_next: [B]. If prev_sample (z_{k+1}, [B, *D]) is given it is
     scored instead of sampled. Returns (prev_sample, log_prob [B], mean [B, *D], std [B, 1..]):
     the next state, its Gaussian log-density averaged over the non-batch dimensions (Flow-GRPO's
-    convention), and the mean and standard deviation of the Gaussian it was drawn from.
+    convention), and the mean and standard deviation of the Gaussian it was drawn from. All four
+    are fp32 (fp64 if given fp64), whatever v's dtype: the state is stored exactly as it was
+    scored, so a bf16 network on fp32 latents still gives a first ratio of exactly 1.
     """
     # Why fp32: log-probabilities of near-identical policies are subtracted and exponentiated
     # in the GRPO ratio; bf16 rounding alone would move the ratio by more than the clip range.
-    out_dtype = v.dtype
     dtype = torch.promote_types(v.dtype, torch.float32)  # fp32, or fp64 if given fp64
     v, z = v.to(dtype), z.to(dtype)
     shape = (-1,) + (1,) * (z.ndim - 1)
@@ -125,7 +126,7 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
         - 0.5 * math.log(2 * math.pi)
     )  # [B, *D]
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))  # [B]
-    return prev_sample.to(out_dtype), log_prob, mean, std
+    return prev_sample, log_prob, mean, std
 
 
 # === 2. Rollout: sample trajectories and keep what training needs ===
@@ -150,6 +151,13 @@ class Trajectory:
         """The final clean samples z_T: [B, *D]."""
         return self.z_next[-1]
 
+    def first_steps(self, n):
+        """The trajectories' first n steps (Flow-GRPO trains int(T * timestep_fraction) = 9 of
+        T = 10: the last step, sigma ~0.009 -> 0, barely changes the image and is not trained).
+        Every tensor is sliced on dim 0 (T), so the result's .sample is z_n: reward the full one."""
+        _check(1 <= n <= self.z.shape[0], f"a trajectory of {self.z.shape[0]} steps has no first {n} steps to train")
+        return Trajectory(**{name: getattr(self, name)[:n] for name in self.TENSORS}, noise_level=self.noise_level)
+
     def subset(self, idx):
         """The trajectories of the samples idx (a minibatch): every tensor is indexed on dim 1 (B)."""
         return Trajectory(**{name: getattr(self, name)[:, idx] for name in self.TENSORS}, noise_level=self.noise_level)
@@ -167,7 +175,8 @@ class Trajectory:
 def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
     """Sample B trajectories of T = len(sigmas) - 1 SDE steps from the noise z_0: [B, *D].
 
-    The velocities are stored because JAGG's routing score (section 7) reads them for free.
+    The velocities are stored because JAGG's routing score (section 7) reads them for free (and
+    an option beyond the paper uses them in place of the interior steps' forward passes).
     """
     B = noise.shape[0]
     T = len(sigmas) - 1
@@ -232,10 +241,9 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
 
     All per-sample inputs are [B] (mean, mean_ref: [B, *D]; std_t: [B, 1..]).
     ratio = exp(logp - logp_old);  L = mean_B max(-A ratio, -A clip(ratio, 1 -/+ eps))
-    KL term = ||mu - mu_ref||^2 / (2 std_t^2), averaged over *D: Flow-GRPO's, with std_t the SDE's
-    noise scale (section 1), not the transition's std_t sqrt(|dt|): the two transitions' KL times
-    |dt|, so beta means what it means in Flow-GRPO's configs (their own KL, 1 / |dt| ~ 10 times
-    larger at T = 10, held the mini SD3 at its base reward at beta 0.04: docs/mini_sd3.md).
+    KL term = mean_B mean_D ||mu - mu_ref||^2 / (2 std_t^2)   (Flow-GRPO's train_sd3.py)
+    with std_t the SDE's noise scale of section 1, not the transition's std_t sqrt(|dt|): the KL
+    of the two Gaussian transitions times |dt|, so beta means what it means in Flow-GRPO's configs.
     Returns (loss, stats) where stats holds detached per-step diagnostics.
     """
     ratio = torch.exp(log_prob - log_prob_old)  # [B]
@@ -250,7 +258,7 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
         stats = {
             "clipfrac": (torch.abs(ratio - 1.0) > clip_range).float().mean().item(),
             # approx_kl = E[(logp - logp_old)^2] / 2, the k2 estimator (Schulman, "Approximating
-            # KL divergence", 2020), as logged by CleanRL and Flow-GRPO.
+            # KL divergence", 2020), as Flow-GRPO logs it (CleanRL's ppo.py logs k1 and k3).
             "approx_kl": 0.5 * ((log_prob - log_prob_old) ** 2).mean().item(),
             "kl": kl.item(),
         }
@@ -286,7 +294,8 @@ def make_step_loss(traj, advantages, a, b, cfg, v_ref=None, log=None):
 # t [S, B], and step_loss(k, v_k) -> scalar, the loss of the k-th of those steps given its
 # velocity [B, *D]. They accumulate parameter gradients like loss.backward() and return the
 # summed loss. timings, if given, is a dict that receives seconds under "fwd_graph",
-# "fwd_nograd" and "backward" (synchronised on CUDA so that the numbers mean something).
+# "fwd_nograd" and "backward" (and the training step's "fwd_ref" for the KL reference),
+# synchronised on CUDA so that the numbers mean something.
 
 
 @contextlib.contextmanager
@@ -341,14 +350,9 @@ def backward_exact(velocity_fn, z, t, step_loss, timings=None):
 # so is JAGG's gradient. With W = 2 there is no interior step, so it is always exact.
 
 
-def interpolation_weights(t, weights="time"):
-    """alpha_k for a window's times t: [W, B]. Returns [W, B]: by time (the paper's abstract),
-    alpha_k = (t_a - t_k) / (t_a - t_b). (weights="index", the authors' early code, section 12:
-    alpha_k = k / (W - 1).)"""
-    _check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
-    if weights == "index":
-        k = torch.arange(t.shape[0], dtype=t.dtype, device=t.device)  # [W]
-        return (k / (t.shape[0] - 1))[:, None].expand(t.shape)  # [W, B]
+def interpolation_weights(t):
+    """alpha_k = (t_a - t_k) / (t_a - t_b) for a window's times t: [W, B] (the paper's abstract:
+    weighted by t). Returns [W, B]: 0 at a, 1 at b."""
     span = t[0] - t[-1]  # [B]
     _check(bool((span != 0).all()), "a window's endpoints must have different times (t_a != t_b)")
     return (t[0] - t) / span  # [W, B]
@@ -441,194 +445,95 @@ def route_windows(scores, lengths, jagg_frac, floor=None):
 
 
 # === 8. One training step over a batch of trajectories ===
-# A batch's gradient, window by window: each window routed to JAGG runs backward_jagg_window
-# (section 6), the others backward_exact (section 5). The options of Part II only change which
-# steps are anchors and how interior velocities are found: backward_jagg_auto below hands them to
-# Part II's backward_jagg, and a window of the paper's to the function of section 6.
+# A batch's gradient, window by window: the windows routing gives to JAGG run
+# backward_jagg_window (section 6), the others backward_exact (section 5). With the KL term, the
+# frozen reference model's velocities are needed at every step too; they need no graph.
+# The caller then clips the gradient and steps the optimizer (train_step does, section 16).
 
 
-def backward_jagg_auto(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_rollout=None, weights="time",
-                  max_graph_rows=None):
-    """JAGG's gradient of S steps: the paper's backward_jagg_window when nothing asks for more,
-    else Part II's backward_jagg (anchors, rollout interiors, index weights, a bound on rows)."""
-    paper = (anchors is None or list(anchors) == [0, z.shape[0] - 1]) and v_rollout is None and weights == "time" \
-        and (max_graph_rows is None or max_graph_rows >= 2)
-    if paper:
-        return backward_jagg_window(velocity_fn, z, t, step_loss, timings)
-    return backward_jagg(velocity_fn, z, t, step_loss, timings, anchors, v_rollout, weights, max_graph_rows)
+@dataclass
+class JaggOptions:
+    """How a batch's gradient is computed. The paper's knobs come first; every other field is an
+    option beyond the paper (Part II) whose default is the paper's behaviour."""
+
+    window: int = 4  # W, sampling steps per window
+    jagg_frac: float = 1.0  # the fraction of windows (the most linear ones) trained by JAGG; the rest exact
+    # --- beyond the paper (Part II, OURS)
+    anchors: str = "window"  # "window": the paper's disjoint windows; "shared": windows share end steps (section 10)
+    interior: str = "forward"  # "forward": the paper's no-graph forwards; "rollout": the rollout's velocities (11)
+    weights: str = "time"  # "time": the paper's alpha_k by t; "index": alpha_k = k / (W - 1) (section 12)
+    max_graph_rows: int = None  # at most this many anchor rows in a graph at once, same gradient (13); None: no bound
+    max_drift: float = 0.5  # rollout interiors only while the anchors' ratios stay within this share of the clip (11)
+    route: str = "velocity"  # "velocity": by linearity_score; "probe": by the probe's averaged cosines (14)
+    min_cosine: float = None  # route="probe" never lets JAGG take a window whose cosine is below this
+
+    def is_paper(self):
+        """True when nothing beyond the paper is asked for: Part I's functions compute it all."""
+        return (self.anchors == "window" and self.interior == "forward" and self.weights == "time"
+                and self.route == "velocity" and (self.max_graph_rows is None or self.max_graph_rows >= 2))
 
 
-def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None, weights="time"):
-    """The frozen reference model's velocities of S steps, for the KL term (no graph): a forward
-    at every step, or, with v_rollout (rollout interiors), at the anchors only, the interiors
-    interpolated from the reference's difference to the rollout's velocities there."""
-    with torch.no_grad():
-        if v_rollout is None:
-            return ref_velocity_fn(z, t)  # [S, B, *D]
-        anchors = _anchor_steps((0, z.shape[0] - 1) if anchors is None else anchors, z.shape[0])
-        v_anc = ref_velocity_fn(z[anchors], t[anchors])  # [M, B, *D]
-        H = hat_weights(t.to(torch.promote_types(z.dtype, torch.float32)), anchors, weights)  # [S, M, B]
-        return interpolate_from_anchors(v_anc, v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
-
-
-def window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn=None,
-                     timings=None, anchors="window", interior="forward",
-                     route="velocity", probe_cosines=None, min_cosine=None, weights="time", max_graph_rows=None):
-    """Accumulate the gradient of the whole batch's loss, window by window, routed between exact
-    and JAGG; does not step the optimizer. Returns (stats, routed): routed[i] is True when
-    window (segment) i of segment_bounds was interpolated by JAGG.
-
-    route: "velocity" ranks the windows by linearity_score; "probe" by probe_cosines (section
-    9's average) once there are any, never routing one below min_cosine. Part II's options:
-    anchors "window" (the paper) or "shared" (section 10), interior "forward" (the paper) or
-    "rollout" (section 11), weights "time" or "index" (section 12), max_graph_rows (section 13).
-    """
-    T = traj.z.shape[0]
-    bounds = segment_bounds(T, window, anchors)
-    _check(interior in INTERIOR_MODES, f"interior must be one of {INTERIOR_MODES}, got {interior!r}")
-    _check(route in ROUTES, f"route must be one of {ROUTES}, got {route!r}")
-    _check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
-    check_max_graph_rows(max_graph_rows, interior)
-    _check(probe_cosines is None or len(probe_cosines) == len(bounds),
-           f"probe_cosines needs one value per segment ({len(bounds)}), got {probe_cosines}")
+def paper_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=None, timings=None):
+    """Accumulate the gradient of the batch's GRPO loss (the mean over its T steps and B samples)
+    into the parameters' .grad, window by window, routed between exact and the paper's JAGG.
+    traj: T steps of B samples; advantages: [B]; cfg: LossConfig; opts: JaggOptions (the paper's
+    fields). Returns (stats, routed): routed[i] is True when window i went to JAGG."""
+    _check(opts.is_paper(), f"paper_gradients computes the paper's JAGG only; {opts} asks for more: use train_step")
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
+    T = traj.z.shape[0]
+    bounds = window_bounds(T, opts.window)  # [(a, b_exclusive), ...]
+    # Route: the jagg_frac most linear windows, judged on the rollout's own velocities (free).
     scores = [linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
-    by_probe = route == "probe" and probe_cosines is not None  # before the first probe: by velocity
-    routed = route_windows(probe_cosines if by_probe else scores, [b - a for a, b in bounds], jagg_frac,
-                           floor=min_cosine if by_probe else None)
+    routed = route_windows(scores, [b - a for a, b in bounds], opts.jagg_frac)
 
-    calls = backward_calls(bounds, routed, anchors)  # the paper: one call per window
-
-    v_old = traj.v if interior == "rollout" else None
-    log, loss = [], 0.0
-    for kind, a, b, steps in calls:
-        z, t = traj.z[a:b], traj.t[a:b]
-        options = {}  # Part II's, for a JAGG call: anchors inside the call, rollout interiors, weights
-        if kind == "jagg":
-            options = {"anchors": [s - a for s in steps], "v_rollout": None if v_old is None else v_old[a:b],
-                       "weights": weights}
+    log, loss = [], 0.0  # log: every step's stats from grpo_step_loss
+    for (a, b), use_jagg in zip(bounds, routed):
+        z, t = traj.z[a:b], traj.t[a:b]  # [W, B, *D], [W, B]
         v_ref = None
         if cfg.beta > 0:
-            with _timed(timings, "fwd_ref", traj.z.device):
-                v_ref = reference_velocities(ref_velocity_fn, z, t, **options)  # [b-a, B, *D]
+            with _timed(timings, "fwd_ref", traj.z.device), torch.no_grad():
+                v_ref = ref_velocity_fn(z, t)  # [W, B, *D]
         step_loss = make_step_loss(traj, advantages, a, b, cfg, v_ref, log)
-        if kind == "exact":
-            loss += backward_exact(velocity_fn, z, t, step_loss, timings)
-        else:
-            loss += backward_jagg_auto(velocity_fn, z, t, step_loss, timings, **options, max_graph_rows=max_graph_rows)
-    grad_steps = sum(b - a if kind == "exact" else len(steps) for kind, a, b, steps in calls)  # network rows with grad
-    stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
-    stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_steps=grad_steps, window_scores=scores)
-    return stats, routed
+        backward = backward_jagg_window if use_jagg else backward_exact
+        loss += backward(velocity_fn, z, t, step_loss, timings)
 
-
-def _distributed():
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-
-
-def _average_gradients_over_ranks(params):
-    """Data parallelism: every rank's .grad becomes the mean over ranks, in ONE all-reduce of all
-    gradients (flattened into one buffer per dtype). A parameter without a gradient counts as 0."""
-    if not _distributed():
-        return
-    world = torch.distributed.get_world_size()
-    for dtype in {p.dtype for p in params}:
-        group = [p for p in params if p.dtype == dtype]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in group])  # [P]
-        torch.distributed.all_reduce(flat)
-        flat /= world
-        for p, g in zip(group, flat.split([p.numel() for p in group])):
-            p.grad = g.view_as(p).clone()
-
-
-def _agree_across_ranks(flag, device):
-    """Under torch.distributed: True only if flag is True on every rank (so all ranks skip alike)."""
-    if not _distributed():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-    return bool(t.item() > 0)
-
-
-def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, window, jagg_frac,
-               max_grad_norm=1.0, ref_velocity_fn=None, no_sync=contextlib.nullcontext, anchors="window",
-               interior="forward", route="velocity", probe_cosines=None, min_cosine=None, step=None, weights="time",
-               max_graph_rows=None):
-    """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
-    advantages: [B]). Segments of W steps, the top jagg_frac of them by JAGG, the rest exact
-    (anchors ... min_cosine: see window_gradients). A step whose loss or gradient norm is not
-    finite is skipped: stats["skipped"] is True and a warning names step, the caller's step
-    number. Returns a dict of statistics and the per-segment routing. Under torch.distributed
-    the gradients are averaged over the ranks here; pass DDP's model.no_sync as no_sync."""
-    _check(traj.noise_level is None or traj.noise_level == cfg.noise_level,
-           f"the trajectories were drawn at noise_level {traj.noise_level} but the loss scores them at "
-           f"{cfg.noise_level}: pass the same noise level to rollout and LossConfig")
-    _check(advantages.shape == traj.log_prob.shape[1:],
-           f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
-    params = list(params)
-    timings = {}
-    optimizer.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    # Why DDP must not all-reduce itself: its reducer pairs each forward with graph with the next
-    # backward, and the bounded path with rollout interiors runs the next chunk's forward before
-    # this chunk's backward: the ranks would drift apart silently. So every backward runs inside
-    # no_sync, then per optimizer step ONE all-reduce of the gradients (and one of the finite
-    # flag below), whatever the mode, anchors or bound.
-    with no_sync():
-        stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn,
-                                         timings, anchors, interior, route, probe_cosines, min_cosine, weights,
-                                         max_graph_rows)
-    _average_gradients_over_ranks(params)
-    stats["grad_seconds"] = time.perf_counter() - start
-    stats["backward_seconds"] = timings.get("backward", 0.0)
-    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    # A non-finite loss or gradient (bf16 rollouts of real models do give NaN log-probabilities)
-    # would poison the weights and the optimizer's moments for good: skip the step instead,
-    # leaving both untouched, and say so.
-    finite = _agree_across_ranks(math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]), params[0].device)
-    stats["skipped"] = not finite
-    if finite:
-        optimizer.step()
-    else:
-        optimizer.zero_grad(set_to_none=True)
-        warnings.warn(f"optimizer step {'?' if step is None else step} skipped: non-finite loss ({stats['loss']}) "
-                      f"or gradient norm ({stats['grad_norm']}); parameters and optimizer state left as they were",
-                      RuntimeWarning, stacklevel=2)
+    # grad_rows: network rows run with grad, the cost JAGG cuts (exact: T; JAGG: 2 per window).
+    grad_rows = sum(2 if use_jagg else b - a for (a, b), use_jagg in zip(bounds, routed))
+    stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}  # means over steps
+    stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_rows=grad_rows, window_scores=scores)
     return stats, routed
 
 
 # === 9. Fidelity probe: is the approximation good on YOUR model? ===
 # JAGG's error depends on how linear the network's Jacobian is along a trajectory, which
-# differs between models. The probe computes both gradients of the same segments and reports
+# differs between models. The probe computes both gradients of the same windows and reports
 # their cosine, so a user adapting JAGG sees at once whether it holds. OURS: route="probe"
-# keeps an exponential average of these cosines per segment position and routes by it.
+# keeps an exponential average of these cosines per window position and routes by it.
 
 
-def _flat_grad(params):
+def flat_grad(params):
+    """Every parameter's .grad in one float64 vector [P] (a missing .grad counts as zeros)."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double() for p in params])
 
 
-def gradient_cosines(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
-                     anchors="window", interior="forward", weights="time"):
-    """For each segment of traj (segment_bounds), the cosine between the gradient of its steps
-    by JAGG between its two end steps, with interiors as `interior` says and `weights` as the
-    weighting, and the exact one (a list). Shared-anchor segments are measured one at a time, each with both its end anchors.
-    Leaves the parameters' .grad set to None."""
+def paper_gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None):
+    """For each window of traj, the cosine between its gradient by backward_jagg_window and by
+    backward_exact (a list; 1.0 for a window of one step). Leaves the parameters' .grad None."""
     params = list(params)
     cosines = []
-    for a, b in segment_bounds(traj.z.shape[0], window, anchors):
+    for a, b in window_bounds(traj.z.shape[0], opts.window):
         if b - a < 2:  # one step: always exact
             cosines.append(1.0)
             continue
         z, t = traj.z[a:b], traj.t[a:b]
-        v_old = traj.v[a:b] if interior == "rollout" else None
+        with torch.no_grad():
+            v_ref = ref_velocity_fn(z, t) if cfg.beta > 0 else None  # [W, B, *D]
         grads = []
-        for backward, kwargs in ((backward_exact, {}), (backward_jagg_auto, {"v_rollout": v_old, "weights": weights})):
+        for backward in (backward_exact, backward_jagg_window):
             for p in params:
                 p.grad = None
-            v_ref = reference_velocities(ref_velocity_fn, z, t, **kwargs) if cfg.beta > 0 else None
-            backward(velocity_fn, z, t, make_step_loss(traj, advantages, a, b, cfg, v_ref), **kwargs)
-            grads.append(_flat_grad(params))  # [P]
+            backward(velocity_fn, z, t, make_step_loss(traj, advantages, a, b, cfg, v_ref))
+            grads.append(flat_grad(params))  # [P]
         cosines.append(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item())
     for p in params:
         p.grad = None
@@ -637,7 +542,7 @@ def gradient_cosines(velocity_fn, params, traj, advantages, cfg, window, ref_vel
 
 def probe_average(average, cosines, decay):
     """The running average route="probe" ranks by: average <- decay * average + (1 - decay) *
-    cosines per segment position; the first probe (average None) starts it."""
+    cosines per window position; the first probe (average None) starts it."""
     if average is None:
         return list(cosines)
     return [decay * m + (1 - decay) * c for m, c in zip(average, cosines)]
@@ -659,16 +564,27 @@ def probe_average(average, cosines, decay):
 # (T = 10, W = 4: anchors 0, 3, 6, 9; 4 rows with grad instead of the paper's 6).
 
 ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
+WEIGHTS = ("time", "index")  # the paper's alpha_k by t; the authors' early code's by step index (section 12)
+
+
+def segment_weights(t, weights="time"):
+    """alpha_k over one segment's times t: [S, B] -> [S, B], 0 at its first step, 1 at its last:
+    by time (the paper's interpolation_weights) or by index, alpha_k = k / (S - 1)."""
+    _check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "time":
+        return interpolation_weights(t)
+    k = torch.arange(t.shape[0], dtype=t.dtype, device=t.device)  # [S]
+    return (k / (t.shape[0] - 1))[:, None].expand(t.shape)  # [S, B]
 
 
 def hat_weights(t, anchors, weights="time"):
     """H[k, j], the weight of anchor j in step k's interpolated Jacobian, for times t: [S, B] and
     anchor steps 0 = a_0 < ... < a_m = S - 1. Returns [S, M, B], M = len(anchors); rows sum to 1.
     The paper's anchors (0, S - 1) give H[:, 0] = 1 - alpha and H[:, 1] = alpha. weights:
-    "time" or "index" (interpolation_weights), between each pair of consecutive anchors."""
+    "time" or "index" (segment_weights), between each pair of consecutive anchors."""
     H = t.new_zeros(t.shape[0], len(anchors), t.shape[1])  # [S, M, B]
     for j, (a, b) in enumerate(zip(anchors, anchors[1:])):
-        alpha = interpolation_weights(t[a : b + 1], weights)  # [b - a + 1, B]: 0 at a_j, 1 at a_{j+1}
+        alpha = segment_weights(t[a : b + 1], weights)  # [b - a + 1, B]: 0 at a_j, 1 at a_{j+1}
         H[a : b + 1, j] = 1 - alpha
         H[a : b + 1, j + 1] = alpha
     return H
@@ -743,17 +659,47 @@ def interpolate_from_anchors(v_anchor, v_old, H, anchors):
     return v
 
 
+# Once the policy has moved. From the second optimizer step on a rollout, theta != theta_old and
+# the rule above errs by the part of each interior's change that is not affine between its
+# anchors. That error moves the interiors' ratios, and GRPO's clip turns a small ratio error into
+# a wrong gradient wherever it carries a sample across the clip boundary: measured, rollout
+# interiors stay as close to exact as forward interiors until ratios near the boundary, then fall
+# far behind (docs/offpolicy.md). The anchors show how far their ratios have moved, for free:
+#     drift_j = max_b |ratio_{a_j, b} - 1| / clip_range      (0 on-policy; 1: at the clip boundary)
+# A segment with an anchor drifted past max_drift takes its interior velocities from a no-graph
+# forward instead, as forward interiors do: their accuracy, at their cost, there only.
+
+
+def ratio_drift(traj, cfg, k, v_k):
+    """drift at step k of traj with velocity v_k [B, *D]: max_b |ratio - 1| / cfg.clip_range."""
+    _, log_prob, _, _ = sde_step(v_k, traj.z[k], traj.t[k], traj.t_next[k], cfg.noise_level, prev_sample=traj.z_next[k])
+    return ((log_prob - traj.log_prob[k]).exp() - 1).abs().max().item() / cfg.clip_range
+
+
+def stale_segments(drifts, max_drift, record=None):
+    """The segments j (between anchors j and j + 1) whose rollout interiors must not be trusted:
+    an anchor's drift above max_drift (None: trust them at any drift). drifts: one per anchor
+    (the training step passes one segment's two). record (a dict), if given, adds the segments
+    seen and refreshed under "rollout_segments" and "rollout_refreshed" and keeps the largest
+    drift under "anchor_drift"."""
+    stale = [j for j in range(len(drifts) - 1) if max_drift is not None and max(drifts[j], drifts[j + 1]) > max_drift]
+    if record is not None:
+        record["rollout_segments"] = record.get("rollout_segments", 0) + len(drifts) - 1
+        record["rollout_refreshed"] = record.get("rollout_refreshed", 0) + len(stale)
+        record["anchor_drift"] = max(record.get("anchor_drift", 0.0), *drifts)
+    return stale
+
+
 # === 12. The general JAGG backward: anchors, rollout interiors, index weights ===
 # Index weights: the authors' early code (SchumiDing/eff_grpo, fastvideo/
 # train_grpo_qwenimage_jagg.py) weights steps by index, alpha_k = k / (W - 1) (weights="index"),
-# which equals the t-weighting only when t is linear in k. With SD3's shifted schedule it is not:
-# the steps bunch up at high noise, and the two weightings differ inside every window.
-
-WEIGHTS = ("time", "index")
+# which equals the t-weighting only when t is linear in k (segment_weights, section 10). With
+# SD3's shifted schedule it is not: the steps bunch up at high noise, and the two differ inside
+# every window.
 
 
 def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_rollout=None, weights="time",
-                  max_graph_rows=None):
+                  max_graph_rows=None, drift_fn=None, max_drift=None):
     """backward_jagg_window generalised: ONE forward with graph on the anchor steps and ONE
     backward of their composite signals G_j (sections 10-12).
 
@@ -761,7 +707,11 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
     v_rollout: [S, B, *D] the rollout's velocities (rollout interiors, section 11), or None for
     the paper's no-graph forward of the interior steps. weights: "time" or "index" (hat_weights).
     max_graph_rows: at most this many anchor rows in a graph at once (section 13), same gradient.
-    Exact under section 10's conditions; with v_rollout, also while theta = theta_old.
+    drift_fn(k, v_k) -> float, max_drift: with v_rollout, segments with an anchor whose drift
+    (section 11's ratio_drift, as the training step passes it) is above max_drift take forward
+    interiors (stale_segments); None: the rollout rule at any drift. timings also receives
+    stale_segments' counts. Exact under section 10's conditions; with v_rollout, also while
+    theta = theta_old.
     """
     _check_window(z, t)
     S = z.shape[0]
@@ -770,10 +720,11 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
     _check(v_rollout is None or tuple(v_rollout.shape) == tuple(z.shape),
            f"v_rollout must be [S, B, *D] like z {tuple(z.shape)}, got {None if v_rollout is None else tuple(v_rollout.shape)}")
     if max_graph_rows is not None and max_graph_rows < len(anchors):
-        return backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings, anchors, v_rollout, weights)
+        return backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings, anchors, v_rollout, weights,
+                                     drift_fn, max_drift)
     # G_j is accumulated in fp32 at least, whatever the network's precision.
-    acc = torch.promote_types(z.dtype, torch.float32)
-    H = hat_weights(t.to(acc), anchors, weights)  # [S, M, B]
+    acc_dtype = torch.promote_types(z.dtype, torch.float32)
+    H = hat_weights(t.to(acc_dtype), anchors, weights)  # [S, M, B]
     interior = [k for k in range(S) if k not in anchors]
 
     # Forward interiors, as in backward_jagg_window: one batched forward without graph.
@@ -786,6 +737,17 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
     with _timed(timings, "fwd_graph", z.device):
         v_anc = velocity_fn(z[anchors], t[anchors])  # [M, B, *D]
 
+    # Rollout interiors of segments whose anchors drifted too far: a no-graph forward there.
+    refresh = []
+    if v_rollout is not None and drift_fn is not None:
+        drifts = [drift_fn(a, v_anc[j].detach()) for j, a in enumerate(anchors)]
+        refresh = [k for j in range(len(anchors) - 1) if anchors[j + 1] - anchors[j] > 1  # segments with interiors
+                   and stale_segments(drifts[j : j + 2], max_drift, timings) for k in range(anchors[j] + 1, anchors[j + 1])]
+        if refresh:
+            with _timed(timings, "fwd_nograd", z.device), torch.no_grad():
+                v_mid = velocity_fn(z[refresh], t[refresh])  # [R, B, *D]
+
+    with _timed(timings, "fwd_graph", z.device):  # the g_k below count as part of the forward
         # Every step's velocity, without graph: the anchors' own, the interiors' from the forward
         # above or, rollout interiors, from the anchors' change since the rollout.
         if v_rollout is None:
@@ -795,17 +757,19 @@ def backward_jagg(velocity_fn, z, t, step_loss, timings=None, anchors=None, v_ro
                 v_all[interior] = v_mid.to(v_all.dtype)
         else:
             v_all = interpolate_from_anchors(v_anc.detach(), v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
+            if refresh:
+                v_all[refresh] = v_mid.to(v_all.dtype)
 
         # g_k for every step, from the loss alone: detach v_k, make it a leaf, differentiate.
         H = H.reshape(H.shape + (1,) * (z.ndim - 2))  # [S, M, B, 1..]
-        G = torch.zeros(v_anc.shape, dtype=acc, device=z.device)  # [M, B, *D]
+        G = torch.zeros(v_anc.shape, dtype=acc_dtype, device=z.device)  # [M, B, *D]
         total = 0.0
         for k in range(S):
             v_k = v_all[k].detach().requires_grad_(True)  # [B, *D]
             loss = step_loss(k, v_k)
             (g_k,) = torch.autograd.grad(loss, v_k)  # [B, *D]
             # G_j = sum_k H[k, j] g_k  (the paper: G_a = sum_k (1 - alpha_k) g_k, G_b = sum_k alpha_k g_k)
-            G += H[k] * g_k.to(acc)  # [M, B, *D]
+            G += H[k] * g_k.to(acc_dtype)  # [M, B, *D]
             total += loss.item()
 
     # One backward: d/dtheta sum_j sum(v_{a_j} * G_j) = sum_j G_j^T J_{a_j}  (the paper: G_a^T J_a + G_b^T J_b).
@@ -842,14 +806,14 @@ def check_max_graph_rows(max_graph_rows, interior):
 
 
 def backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings=None, anchors=None, v_rollout=None,
-                          weights="time"):
+                          weights="time", drift_fn=None, max_drift=None):
     """backward_jagg's gradient with at most max_graph_rows anchor rows (of B samples) in a graph
     at once: the same value up to the order of floating-point sums, the same network rows."""
     S = z.shape[0]
     anchors = _anchor_steps((0, S - 1) if anchors is None else anchors, S)
     rollout = v_rollout is not None
     check_max_graph_rows(max_graph_rows, "rollout" if rollout else "forward")
-    acc = torch.promote_types(z.dtype, torch.float32)
+    acc = torch.promote_types(z.dtype, torch.float32)  # the dtype G_j accumulates in
     H = hat_weights(t.to(acc), anchors, weights)  # [S, M, B]
     Hx = H.reshape(H.shape + (1,) * (z.ndim - 2))  # [S, M, B, 1..]
     M, index = len(anchors), {a: j for j, a in enumerate(anchors)}
@@ -865,6 +829,20 @@ def backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings=
     v_anchor = {}  # j -> v_{a_j} [B, *D], detached, once its chunk has run its forward
     g, total = {}, 0.0  # k -> g_k [B, *D]
 
+    def refreshed(j):
+        """Rollout interiors of segment j from a no-graph forward if an anchor drifted too far
+        (stale_segments), once: {k: v_k}; else {}."""
+        if j not in v_fresh:
+            drifts = [drift_fn(anchors[i], v_anchor[i]) for i in (j, j + 1)] if drift_fn is not None else [0.0, 0.0]
+            steps = list(range(anchors[j] + 1, anchors[j + 1])) if stale_segments(drifts, max_drift, timings) else []
+            v_fresh[j] = {}
+            if steps:
+                with _timed(timings, "fwd_nograd", z.device), torch.no_grad():
+                    v_fresh[j] = dict(zip(steps, velocity_fn(z[steps], t[steps])))  # k -> [B, *D]
+        return v_fresh[j]
+
+    v_fresh = {}  # segment j -> its refreshed interiors
+
     def velocity(k):
         """Step k's velocity without graph: an anchor's own, a forward interior's, or the rollout
         interior v_old_k + sum_j H[k, j] (v_{a_j} - v_old_{a_j}) from its two anchors."""
@@ -873,6 +851,8 @@ def backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings=
         if not rollout:
             return v_mid[k]
         j = max(i for i, a in enumerate(anchors) if a < k)  # k lies between a_j and a_{j+1}
+        if k in refreshed(j):
+            return v_fresh[j][k].to(v_anchor[j].dtype)
         return (v_old[k] + sum(Hx[k, i] * (v_anchor[i].to(acc) - v_old[anchors[i]]) for i in (j, j + 1))).to(
             v_anchor[j].dtype)
 
@@ -914,3 +894,245 @@ def backward_jagg_bounded(velocity_fn, z, t, step_loss, max_graph_rows, timings=
             backward(chunk, alive)
             alive = following
     return total
+
+
+# === 14. The training step with every option ===
+# Part I's paper_gradients, generalised: segments between anchors instead of windows, routing by
+# the probe's cosines, the reference model's velocities at the anchors only with rollout
+# interiors. Asked for nothing beyond the paper, it is paper_gradients itself.
+
+ROUTES = ("velocity", "probe")  # OURS both: velocity linearity (free), or the probe's cosines
+
+
+def check_options(opts, num_segments=None, probe_cosines=None):
+    """Every JaggOptions field in range, before any work (a ValueError that names the field)."""
+    _check(opts.anchors in ANCHOR_MODES, f"anchors must be one of {ANCHOR_MODES}, got {opts.anchors!r}")
+    _check(opts.interior in INTERIOR_MODES, f"interior must be one of {INTERIOR_MODES}, got {opts.interior!r}")
+    _check(opts.route in ROUTES, f"route must be one of {ROUTES}, got {opts.route!r}")
+    _check(opts.weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {opts.weights!r}")
+    _check(opts.max_drift is None or opts.max_drift >= 0, f"max_drift must be >= 0 or None, got {opts.max_drift!r}")
+    check_max_graph_rows(opts.max_graph_rows, opts.interior)
+    _check(probe_cosines is None or len(probe_cosines) == num_segments,
+           f"probe_cosines needs one value per segment ({num_segments}), got {probe_cosines}")
+
+
+def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None, weights="time"):
+    """The frozen reference model's velocities of S steps, for the KL term (no graph): a forward
+    at every step, or, with v_rollout (rollout interiors), at the anchors only, the interiors
+    interpolated from the reference's difference to the rollout's velocities there."""
+    with torch.no_grad():
+        if v_rollout is None:
+            return ref_velocity_fn(z, t)  # [S, B, *D]
+        anchors = _anchor_steps((0, z.shape[0] - 1) if anchors is None else anchors, z.shape[0])
+        v_anc = ref_velocity_fn(z[anchors], t[anchors])  # [M, B, *D]
+        H = hat_weights(t.to(torch.promote_types(z.dtype, torch.float32)), anchors, weights)  # [S, M, B]
+        return interpolate_from_anchors(v_anc, v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
+
+
+def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=None, timings=None,
+                     probe_cosines=None):
+    """paper_gradients with JaggOptions' every field: accumulate the batch's gradient, segment by
+    segment (segment_bounds), routed between exact and JAGG. Returns (stats, routed).
+    route="probe" ranks the segments by probe_cosines (probe_average's) once there are any,
+    never routing one below opts.min_cosine; before the first probe, by velocity."""
+    T = traj.z.shape[0]
+    bounds = segment_bounds(T, opts.window, opts.anchors)
+    check_options(opts, len(bounds), probe_cosines)
+    if opts.is_paper():
+        return paper_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn, timings)
+    _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
+    scores = [linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
+    by_probe = opts.route == "probe" and probe_cosines is not None
+    routed = route_windows(probe_cosines if by_probe else scores, [b - a for a, b in bounds], opts.jagg_frac,
+                           floor=opts.min_cosine if by_probe else None)
+
+    calls = backward_calls(bounds, routed, opts.anchors)  # [(kind, a, b_exclusive, anchor steps)]
+    v_old = traj.v if opts.interior == "rollout" else None
+    log, loss, record = [], 0.0, {} if timings is None else timings
+    for kind, a, b, steps in calls:
+        z, t = traj.z[a:b], traj.t[a:b]  # [S, B, *D], [S, B]
+        options = {}  # a JAGG call's: its anchors, rollout interiors, weights
+        if kind == "jagg":
+            options = {"anchors": [s - a for s in steps], "v_rollout": None if v_old is None else v_old[a:b],
+                       "weights": opts.weights}
+        v_ref = None
+        if cfg.beta > 0:
+            with _timed(timings, "fwd_ref", traj.z.device):
+                v_ref = reference_velocities(ref_velocity_fn, z, t, **options)  # [S, B, *D]
+        step_loss = make_step_loss(traj, advantages, a, b, cfg, v_ref, log)
+        if kind == "exact":
+            loss += backward_exact(velocity_fn, z, t, step_loss, timings)
+        else:
+            drift_fn = lambda k, v_k, a=a: ratio_drift(traj, cfg, a + k, v_k)  # noqa: E731 (section 11)
+            loss += backward_jagg(velocity_fn, z, t, step_loss, record, **options, max_graph_rows=opts.max_graph_rows,
+                                  drift_fn=drift_fn, max_drift=opts.max_drift)
+    grad_rows = sum(b - a if kind == "exact" else len(steps) for kind, a, b, steps in calls)  # network rows with grad
+    stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
+    stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_rows=grad_rows, window_scores=scores)
+    if opts.interior == "rollout":  # how often the drift guard (section 11) sent a segment to forward interiors
+        stats.update(rollout_refreshed=record.get("rollout_refreshed", 0), anchor_drift=record.get("anchor_drift", 0.0))
+    return stats, routed
+
+
+def gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None):
+    """paper_gradient_cosines with JaggOptions' anchors, interior, weights and max_drift: for each
+    segment (segment_bounds), the cosine of its JAGG gradient between its two end steps to the
+    exact one (shared-anchor segments one at a time). Leaves the parameters' .grad None."""
+    check_options(opts)
+    if opts.is_paper():
+        return paper_gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn)
+    params = list(params)
+    cosines = []
+    for a, b in segment_bounds(traj.z.shape[0], opts.window, opts.anchors):
+        if b - a < 2:  # one step: always exact
+            cosines.append(1.0)
+            continue
+        z, t = traj.z[a:b], traj.t[a:b]
+        options = {"v_rollout": traj.v[a:b] if opts.interior == "rollout" else None, "weights": opts.weights}
+        jagg_kwargs = dict(options, drift_fn=lambda k, v_k, a=a: ratio_drift(traj, cfg, a + k, v_k),
+                           max_drift=opts.max_drift)
+        grads = []
+        for backward, kwargs, ref_options in ((backward_exact, {}, {}), (backward_jagg, jagg_kwargs, options)):
+            for p in params:
+                p.grad = None
+            v_ref = reference_velocities(ref_velocity_fn, z, t, **ref_options) if cfg.beta > 0 else None
+            backward(velocity_fn, z, t, make_step_loss(traj, advantages, a, b, cfg, v_ref), **kwargs)
+            grads.append(flat_grad(params))  # [P]
+        cosines.append(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item())
+    for p in params:
+        p.grad = None
+    return cosines
+
+
+# #####################################################################################
+#  PART III: A TRAINING STEP FOR REAL RUNS: many GPUs, and steps that must be skipped
+# #####################################################################################
+
+# === 15. train_step: the gradient, averaged over ranks, clipped, and a step if it is finite ===
+# Why DDP must not all-reduce by itself: its reducer pairs each forward with graph with the
+# next backward, and the bounded path with rollout interiors runs the next chunk's forward
+# before this chunk's backward: the ranks would drift apart silently. So every backward runs
+# inside no_sync, then per optimizer step ONE all-reduce of the gradients (and one of the
+# finite flag), whatever the mode, anchors or bound.
+# Why skip: a non-finite loss or gradient (bf16 rollouts of real models do give NaN
+# log-probabilities) would poison the weights and the optimizer's moments for good; every rank
+# skips the step alike, leaving both untouched, and says so.
+
+
+def _distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _average_gradients_over_ranks(params):
+    """Every rank's .grad becomes the mean over ranks, in ONE all-reduce per dtype (the gradients
+    flattened into one buffer). A parameter without a gradient counts as 0."""
+    if not _distributed():
+        return
+    world = torch.distributed.get_world_size()
+    for dtype in {p.dtype for p in params}:
+        group = [p for p in params if p.dtype == dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in group])  # [P]
+        torch.distributed.all_reduce(flat)
+        flat /= world
+        for p, g in zip(group, flat.split([p.numel() for p in group])):
+            p.grad = g.view_as(p).clone()
+
+
+def _agree_across_ranks(flag, device):
+    """True only if flag is True on every rank (so that all ranks skip alike)."""
+    if not _distributed():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return bool(t.item() > 0)
+
+
+def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, opts, *, ref_velocity_fn=None,
+               max_grad_norm=1.0, no_sync=contextlib.nullcontext, probe_cosines=None, step=None):
+    """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
+    advantages: [B]; cfg: LossConfig; opts: JaggOptions). The gradient is window_gradients';
+    under torch.distributed it is averaged over the ranks here (pass DDP's model.no_sync as
+    no_sync). A step whose loss or gradient norm is not finite is skipped: stats["skipped"] is
+    True and a warning names step, the caller's step number. Returns (stats, routed)."""
+    _check(traj.noise_level is None or traj.noise_level == cfg.noise_level,
+           f"the trajectories were drawn at noise_level {traj.noise_level} but the loss scores them at "
+           f"{cfg.noise_level}: pass the same noise level to rollout and LossConfig")
+    _check(advantages.shape == traj.log_prob.shape[1:],
+           f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
+    params = list(params)
+    timings = {}
+    optimizer.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    with no_sync():
+        stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn, timings,
+                                         probe_cosines)
+    _average_gradients_over_ranks(params)
+    stats["grad_seconds"] = time.perf_counter() - start
+    stats["backward_seconds"] = timings.get("backward", 0.0)
+    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    finite = _agree_across_ranks(math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]), params[0].device)
+    stats["skipped"] = not finite
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        warnings.warn(f"optimizer step {'?' if step is None else step} skipped: non-finite loss ({stats['loss']}) "
+                      f"or gradient norm ({stats['grad_norm']}); parameters and optimizer state left as they were",
+                      RuntimeWarning, stacklevel=2)
+    return stats, routed
+
+
+# #####################################################################################
+#  RUN IT: python jagg.py checks Part I on tiny models in seconds (tests/test_jagg.py: the rest)
+# #####################################################################################
+
+
+def _self_check():
+    torch.set_default_dtype(torch.float64)  # exactness shows as ~1e-16, not fp32's ~1e-7
+    gen = torch.Generator().manual_seed(0)
+    T, W, B, D = 8, 4, 16, 3
+    rows = []  # (steps, grad enabled) of every network call
+
+    def as_velocity_fn(net):  # velocity_fn(z [S, B, D], t [S, B]) -> [S, B, D], recording its rows
+        def velocity_fn(z, t):
+            rows.append((z.shape[0], torch.is_grad_enabled()))
+            return net(torch.cat([z, t[..., None]], dim=-1))
+        return velocity_fn
+
+    def grads(net, backward, z, t, step_loss):
+        net.zero_grad(set_to_none=True)
+        backward(as_velocity_fn(net), z, t, step_loss)
+        return flat_grad(net.parameters())
+
+    # 1. A velocity linear in (z, t) (nonlinear in theta: two matrices multiplied) on a straight
+    #    path: J is affine along the window, so JAGG's gradient is exact (section 6).
+    linear = torch.nn.Sequential(torch.nn.Linear(D + 1, D + 1), torch.nn.Linear(D + 1, D))
+    t = sigma_schedule(W - 1)[:, None].expand(W, B)  # [W, B]
+    alpha = interpolation_weights(t)[..., None]  # [W, B, 1]
+    z = (1 - alpha) * torch.randn(B, D, generator=gen) + alpha * torch.randn(B, D, generator=gen)  # [W, B, D]
+    w = torch.randn(W, B, D, generator=gen)
+    step_loss = lambda k, v_k: (w[k] * v_k).sum() + (v_k**2).sum()  # noqa: E731
+    exact, jagg = grads(linear, backward_exact, z, t, step_loss), grads(linear, backward_jagg_window, z, t, step_loss)
+    print(f"1. v linear in (z, t), a straight window of W = {W}: |JAGG - exact| / |exact| = "
+          f"{((jagg - exact).norm() / exact.norm()).item():.1e} (exact up to rounding)")
+
+    # 2. A small nonlinear network on real rollouts: GRPO's loss, JAGG's gradient per window.
+    net = torch.nn.Sequential(torch.nn.Linear(D + 1, 32), torch.nn.Tanh(), torch.nn.Linear(32, D))
+    traj = rollout(as_velocity_fn(net), torch.randn(B, D, generator=gen), sigma_schedule(T), 0.7, generator=gen)
+    advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4)  # [B]: groups of 4
+    cfg, opts = LossConfig(noise_level=0.7, clip_range=0.2), JaggOptions(window=W, jagg_frac=1.0)
+    cosines = paper_gradient_cosines(as_velocity_fn(net), net.parameters(), traj, advantages, cfg, opts)
+    print(f"2. a small MLP, T = {T} steps: cosine of JAGG's gradient to exact, per window: "
+          + ", ".join(f"{c:.4f}" for c in cosines))
+
+    # 3. What it saves: the network rows run with grad (a full backward each) for one batch.
+    for name, frac in (("exact", 0.0), ("JAGG", 1.0)):
+        rows.clear()
+        stats, _ = paper_gradients(as_velocity_fn(net), traj, advantages, cfg, JaggOptions(W, frac))
+        with_grad = sum(s for s, g in rows if g)
+        print(f"3. {name:5s}: the network ran {with_grad} rows with grad (each a backward) and "
+              f"{sum(s for s, g in rows if not g)} without, for the same loss {stats['loss']:+.6f}")
+
+
+if __name__ == "__main__":
+    _self_check()

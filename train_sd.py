@@ -16,8 +16,9 @@ optional EMA, and per-prompt advantages over groups gathered from every rank.
 The model is wrapped once, in make_velocity_fn: the SD3 transformer becomes the
 velocity_fn(z [S, B, C, H, W], t [S, B]) that jagg.py expects. The unconditional branch of
 classifier-free guidance runs without a graph by default: the gradient flows through the
-conditional branch only, so neither method pays a backward for it; --cfg-grad both
-back-propagates through both branches, as Flow-GRPO's train_sd3.py does.
+conditional branch only, so neither method pays a backward for it, as in Flow-GRPO's current
+train_sd3.py (its compute_log_prob detaches that branch); --cfg-grad both back-propagates
+through both branches, as Flow-GRPO's first release did.
 
 Weights cannot be downloaded on the machines this was written on: `--model mini` builds,
 pretrains and caches a small SD3 with SD3.5's parts (mini_sd3.py: three text encoders, a VAE,
@@ -89,8 +90,8 @@ class Config(JaggConfig):
     num_steps: int = arg(10, "T, sampling steps of a rollout (Flow-GRPO trains with 10)")
     guidance_scale: float = arg(4.5, "classifier-free guidance scale (1: no guidance)")
     cfg_grad: str = arg("cond", "which CFG branches training back-propagates through: cond (the unconditional one "
-                                "without graph: half the backward, a biased gradient) or both (Flow-GRPO's: the exact "
-                                "derivative of the guided velocity)", choices=["cond", "both"])
+                                "without graph, as Flow-GRPO's current trainer: half the backward, a biased gradient) "
+                                "or both (Flow-GRPO's first release: the exact derivative of the guided velocity)", choices=["cond", "both"])
     noise_level: float = arg(0.7, "SDE noise level")
     prompts_per_epoch: int = arg(2, "prompts sampled each epoch (the same on every rank)")
     group_size: int = arg(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt")
@@ -341,10 +342,10 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond
 
     cond, uncond: (prompt_embeds [B, L, E], pooled [B, P]) of the B samples. The conditional
     branch carries the graph when grad is enabled. The unconditional one does too with
-    uncond_grad (Flow-GRPO's way: v = v_u + s (v_c - v_u) back-propagates as s J_c - (s - 1) J_u,
-    the true derivative of the guided velocity, at twice the backward); without it, it runs
-    without graph and the gradient flows through s * v_c alone (cheaper, and biased: it ignores
-    that the update also moves v_u)."""
+    uncond_grad (Flow-GRPO's first release: v = v_u + s (v_c - v_u) back-propagates as
+    s J_c - (s - 1) J_u, the true derivative of the guided velocity, at twice the backward);
+    without it, it runs without graph and the gradient flows through s * v_c alone (cheaper, and
+    biased: it ignores that the update also moves v_u), as Flow-GRPO's current trainer does."""
 
     def velocity_fn(z, t):
         S, B = t.shape
@@ -668,7 +669,7 @@ def train(cfg):
 
     sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0)).to(device)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    jagg_frac = cfg.jagg_frac if cfg.method == "jagg" else 0.0
+    opts = cfg.jagg_options(cfg.method)  # exact: every window exact (jagg_frac 0)
     eval_prompts = evaluation_prompts(cfg, prompts_all)
     evaluated = {}  # epoch -> (images, rewards) of the evaluations: the first and the last are drawn
 
@@ -728,8 +729,7 @@ def train(cfg):
             idx_d = perm[: cfg.probe_batch].to(device)
             velocity_fn, ref_fn = fns(idx_d, transformer)
             row["probe/grad_cosine"] = mean_over_ranks(jagg.gradient_cosines(
-                velocity_fn, params, traj.subset(idx_d), adv[idx_d], loss_cfg, cfg.window, ref_fn,
-                anchors=cfg.anchors, interior=cfg.interior, weights=cfg.weights), device)
+                velocity_fn, params, traj.subset(idx_d), adv[idx_d], loss_cfg, cfg.jagg_options(), ref_fn), device)
             probe_avg = jagg.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
             row["time/probe_seconds"] = time.perf_counter() - start
 
@@ -741,10 +741,8 @@ def train(cfg):
             idx_d = idx.to(device)
             velocity_fn, ref_fn = fns(idx_d, net)
             stats, routed = jagg.train_step(
-                velocity_fn, params, optimizer, traj.subset(idx_d), adv[idx_d], loss_cfg, cfg.window, jagg_frac,
-                cfg.max_grad_norm, ref_velocity_fn=ref_fn, no_sync=no_sync, anchors=cfg.anchors, interior=cfg.interior, weights=cfg.weights,
-                max_graph_rows=cfg.max_graph_rows or None,
-                route=cfg.route, probe_cosines=probe_avg, min_cosine=cfg.min_cosine,
+                velocity_fn, params, optimizer, traj.subset(idx_d), adv[idx_d], loss_cfg, opts, ref_velocity_fn=ref_fn,
+                max_grad_norm=cfg.max_grad_norm, no_sync=no_sync, probe_cosines=probe_avg,
                 step=(epoch - 1) * len(minibatches) + i + 1)
             step_stats.append(stats)
             if ema is not None and not stats["skipped"]:
@@ -799,7 +797,7 @@ def summarize(cfg, rows):
         "backward_seconds": sum(r["time/backward_seconds"] for r in trained),
         "grad_seconds": sum(r["time/grad_seconds"] for r in trained),
         "probe_seconds": sum(r.get("time/probe_seconds", 0.0) for r in trained),
-        "grad_steps": sum(r["train/grad_steps"] for r in trained),
+        "grad_steps": sum(r["train/grad_rows"] for r in trained),  # network rows with grad (the name summary.json had)
         "skipped_steps": sum(r["train/skipped_steps"] for r in trained),
         "window": cfg.window, "epochs": cfg.epochs,
         "probe_cosine_by_position": probe_cosine_by_position(trained),

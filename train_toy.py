@@ -302,9 +302,8 @@ def train(cfg, method, base, rank, world):
         opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / (cfg.steps * cfg.minibatches))) if cfg.cosine_lr else 1.0)
     sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    jagg_frac = cfg.jagg_frac if method == "jagg" else 0.0
-    routing = dict(anchors=cfg.anchors, interior=cfg.interior, route=cfg.route, min_cosine=cfg.min_cosine,
-                   weights=cfg.weights, max_graph_rows=cfg.max_graph_rows or None)
+    opts = cfg.jagg_options(method)  # exact: every window exact (jagg_frac 0)
+    jagg_frac = opts.jagg_frac
     # The probe routes (counted as training) only where it decides something; else it is a diagnostic.
     probe_routes = probe_counts_as_training(method, cfg.route)
     # Each rank draws its own rollouts (groups stay on one rank, so advantages are local).
@@ -337,8 +336,8 @@ def train(cfg, method, base, rank, world):
             idx = perm[: cfg.probe_batch]
             sub = traj.subset(idx)
             row["probe/grad_cosine"] = mean_over_ranks(jagg.gradient_cosines(
-                make_velocity_fn(model, labels[idx]), model.parameters(), sub, adv[idx], loss_cfg, cfg.window,
-                ref_velocity_fn=ref_fn(idx), anchors=cfg.anchors, interior=cfg.interior, weights=cfg.weights))
+                make_velocity_fn(model, labels[idx]), model.parameters(), sub, adv[idx], loss_cfg, cfg.jagg_options(),
+                ref_velocity_fn=ref_fn(idx)))
             row["probe/velocity_score"] = [jagg.linearity_score(sub.v[a:b], sub.t[a:b])
                                            for a, b in jagg.segment_bounds(cfg.num_steps, cfg.window, cfg.anchors)]
             probe_avg = jagg.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
@@ -351,8 +350,8 @@ def train(cfg, method, base, rank, world):
         for idx in perm.chunk(cfg.minibatches):
             stats, routed = jagg.train_step(
                 make_velocity_fn(net, labels[idx]), model.parameters(), opt, traj.subset(idx), adv[idx], loss_cfg,
-                cfg.window, jagg_frac, cfg.max_grad_norm, ref_velocity_fn=ref_fn(idx), no_sync=no_sync,
-                probe_cosines=probe_avg, step=opt_steps + 1, **routing)
+                opts, ref_velocity_fn=ref_fn(idx), max_grad_norm=cfg.max_grad_norm, no_sync=no_sync,
+                probe_cosines=probe_avg, step=opt_steps + 1)
             step_stats.append(stats)
             routed_count = [c + r for c, r in zip(routed_count or [0] * len(routed), routed)]
             opt_steps += 1
@@ -396,7 +395,7 @@ def train(cfg, method, base, rank, world):
         # rollouts and optimizer steps (and the probe where it routes); not evaluation
         "train_seconds": train_seconds,
         "probe_seconds": probe_seconds,
-        "grad_steps": sum(r["train/grad_steps"] for r in rows),
+        "grad_steps": sum(r["train/grad_rows"] for r in rows),  # network rows with grad (the name summary.json had)
         "skipped_steps": sum(r["train/skipped_steps"] for r in rows),
         "window": cfg.window,
         "jagg_frac": jagg_frac,

@@ -35,11 +35,15 @@ def make_velocity_fn(model, c):
     converted here (e.g. SD3's transformer takes timestep = sigma * 1000)."""
     def velocity_fn(z, t):
         S, B = t.shape
-        x, s, cs = z.reshape(S * B, -1), t.reshape(S * B), c.repeat(S)  # the conditioning repeated over S
-        v_c = model(x, s, cs)  # [S*B, d]: the conditional branch carries the graph when training
+        x = z.reshape(S * B, *z.shape[2:])  # [S*B, *D]: keep the sample's own shape (an image's C, H, W)
+        # CONVENTION: rows are step-major (row s * B + b is sample b at step s), so the conditioning
+        # is repeated S times as a block: c.repeat(S) (embeddings [B, L, E]: .repeat(S, 1, 1)), never
+        # repeat_interleave, which would pair each state with another sample's prompt.
+        s, cs = t.reshape(S * B), c.repeat(S)  # [S*B], [S*B]
+        v_c = model(x, s, cs)  # [S*B, *D]: the conditional branch carries the graph when training
         with torch.no_grad():  # CFG's unconditional branch without graph (--cfg-grad cond in train_sd.py)
             v_u = model(x, s, torch.full_like(cs, PROMPTS))
-        return (v_u + CFG_SCALE * (v_c - v_u)).reshape(z.shape)  # [S, B, d]
+        return (v_u + CFG_SCALE * (v_c - v_u)).reshape(z.shape)  # [S, B, *D]
     return velocity_fn
 
 
@@ -56,6 +60,9 @@ def main(epochs=20, seed=0):
     sigmas = jagg.sigma_schedule(T, shift=3.0)  # [T + 1]
     # CONVENTION: the same noise_level for rollout and loss (train_step refuses a mismatch).
     cfg = jagg.LossConfig(noise_level=NOISE_LEVEL, clip_range=0.2, beta=0.04)
+    # One JaggOptions for the probe and training alike, so the probe measures the mode that trains:
+    # the 75 % of windows the probe found most faithful go to JAGG.
+    opts = jagg.JaggOptions(window=4, jagg_frac=0.75, route="probe")
     probe_avg, history = None, []
     for epoch in range(epochs):
         c = torch.arange(PROMPTS).repeat_interleave(GROUP)  # [B]: GROUP samples per prompt
@@ -67,13 +74,12 @@ def main(epochs=20, seed=0):
         if epoch % 5 == 0:  # the probe: JAGG's gradient against the exact one, per window, on 4 samples
             idx = perm[:4]
             cos = jagg.gradient_cosines(make_velocity_fn(model, c[idx]), model.parameters(), traj.subset(idx),
-                                        adv[idx], cfg, 4, make_velocity_fn(ref, c[idx]))
+                                        adv[idx], cfg, opts, make_velocity_fn(ref, c[idx]))
             probe_avg = jagg.probe_average(probe_avg, cos, decay=0.5)
         for idx in perm.split(MINIBATCH):  # minibatches: slice the trajectories AND their conditioning alike
             stats, routed = jagg.train_step(
-                make_velocity_fn(model, c[idx]), model.parameters(), opt, traj.subset(idx), adv[idx], cfg,
-                window=4, jagg_frac=0.75, ref_velocity_fn=make_velocity_fn(ref, c[idx]),
-                route="probe", probe_cosines=probe_avg)  # the 75 % of windows the probe found most faithful
+                make_velocity_fn(model, c[idx]), model.parameters(), opt, traj.subset(idx), adv[idx], cfg, opts,
+                ref_velocity_fn=make_velocity_fn(ref, c[idx]), probe_cosines=probe_avg)
         print(f"epoch {epoch:2d}  reward {history[-1]:+.3f}  routed to JAGG {routed}  kl {stats['kl']:.4f}")
     return history, routed
 

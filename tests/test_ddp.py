@@ -71,10 +71,10 @@ def train(model, ref, traj, adv, mode, no_sync=contextlib.nullcontext, steps=2):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     skipped = []
     for step in range(steps):  # the second step is off-policy: rollout interiors are then approximate
-        stats, _ = jagg.train_step(velocity_fn_of(model), list(model.parameters()), opt, traj, adv, cfg, W, frac,
+        opts = jagg.JaggOptions(W, frac, anchors=anchors, interior=interior, route="probe", max_graph_rows=rows)
+        stats, _ = jagg.train_step(velocity_fn_of(model), list(model.parameters()), opt, traj, adv, cfg, opts,
                                    max_grad_norm=1e9, ref_velocity_fn=velocity_fn_of(ref) if beta else None,
-                                   no_sync=no_sync, anchors=anchors, interior=interior, route="probe",
-                                   probe_cosines=PROBE[anchors], max_graph_rows=rows, step=step)
+                                   no_sync=no_sync, probe_cosines=PROBE[anchors], step=step)
         skipped.append(stats["skipped"])
     return skipped
 

@@ -25,10 +25,11 @@ def test_example_raises_its_reward_and_routes_by_the_probe(monkeypatch):
 
     def counting_probe(*args, **kwargs):
         calls["probe"] += 1
+        calls.setdefault("probe_opts", []).append(args[5])
         return probe(*args, **kwargs)
 
     def recording_train_step(*args, **kwargs):
-        calls["train_step"].append(kwargs)
+        calls["train_step"].append(dict(kwargs, opts=args[6]))
         return train_step(*args, **kwargs)
 
     monkeypatch.setattr(jagg, "gradient_cosines", counting_probe)
@@ -38,8 +39,10 @@ def test_example_raises_its_reward_and_routes_by_the_probe(monkeypatch):
     assert last > first + 0.1, history  # the template trains, not merely runs
     assert calls["probe"] == 3  # epochs 0, 5, 10
     # every optimizer step routed by the probe's averaged cosines, with the reference model and minibatches
-    assert all(k["route"] == "probe" and k["probe_cosines"] is not None and k["ref_velocity_fn"] is not None
+    assert all(k["opts"].route == "probe" and k["probe_cosines"] is not None and k["ref_velocity_fn"] is not None
                for k in calls["train_step"])
+    # The probe measures the mode that trains: the same options (interior, anchors, weights) for both.
+    assert all(o == k["opts"] for o in calls["probe_opts"] for k in calls["train_step"])
     assert len(calls["train_step"]) == 12 * 2  # 32 samples in minibatches of 16
     assert 0 < sum(routed) < len(routed)  # --jagg-frac 0.75: some windows JAGG, some exact
 
@@ -55,6 +58,31 @@ def test_example_velocity_follows_the_convention():
     assert v.shape == z.shape
     one = example.make_velocity_fn(model, c[1:2])(z[1:, 1:2], t[1:, 1:2])  # one sample, one step: the same prompt
     torch.testing.assert_close(v[1:, 1:2], one)
+
+
+def test_example_velocity_keeps_an_image_shaped_sample():
+    """A model on image latents [N, C, H, W] gets them in that shape, rows step-major: the velocity
+    of sample b at step s is the model's on z[s, b] with sample b's prompt."""
+    example = load_example()
+    torch.manual_seed(1)
+    seen = []
+
+    class ImageNet(torch.nn.Module):  # a conv net: a flattened [N, C*H*W] input would fail here
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 2, 3, padding=1)
+            self.embed = torch.nn.Embedding(example.PROMPTS + 1, 2)
+
+        def forward(self, x, sigma, c):  # x [N, C, H, W]
+            seen.append(tuple(x.shape))
+            return self.conv(x) * sigma[:, None, None, None] + self.embed(c)[:, :, None, None]
+
+    model, c = ImageNet(), torch.tensor([0, 3, 1])
+    z, t = torch.randn(2, 3, 2, 5, 5), torch.rand(2, 3)  # [S, B, C, H, W]
+    v = example.make_velocity_fn(model, c)(z, t)
+    assert v.shape == z.shape and seen[0] == (6, 2, 5, 5)
+    one = example.make_velocity_fn(model, c[2:3])(z[1:, 2:3], t[1:, 2:3])  # step 1, sample 2 alone
+    torch.testing.assert_close(v[1:, 2:3], one)
 
 
 if __name__ == "__main__":

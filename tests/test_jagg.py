@@ -214,10 +214,10 @@ def test_the_papers_function_equals_the_general_one_and_training_uses_it(monkeyp
         monkeypatch.setattr(jagg, name, lambda *a, _fn=fn, _name=name, **k: used.append(_name) or _fn(*a, **k))
     traj, adv = _toy_batch(model, T=8, B=4)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, 4, 1.0)
+    jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(4, 1.0))
     assert used == ["backward_jagg_window"] * 2
     used.clear()
-    jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, 4, 1.0, anchors="shared")
+    jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(4, 1.0, anchors="shared"))
     assert used == ["backward_jagg"]
 
 
@@ -322,6 +322,69 @@ def test_rollout_interiors_equal_forward_interiors_on_policy_then_follow_the_for
 
 
 
+def _off_policy_run(seed, lr, steps):
+    """A rollout, then `steps` exact AdamW steps on it (clip 0.2, the policy drifting from the
+    rollout's): yields (model, traj, adv, cfg, clipfrac) before each step, the first on-policy."""
+    torch.manual_seed(seed)
+    model = MLPFlow(h=32)
+    traj, adv = _toy_batch(model, T=10, B=32, seed=seed)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        stats, _ = jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(4, 0.0))
+        yield model, traj, adv, cfg, stats["clipfrac"]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+def test_rollout_interiors_stay_within_forward_interiors_error_off_policy():
+    """Several optimizer steps on one rollout, ratios past the clip: the rollout rule alone
+    (max_drift None, the code before the guard) errs up to several times more than forward
+    interiors; with the default guard the rollout mode stays within 5 % of forward's error."""
+    worst_guarded, worst_unguarded, clipped = 0.0, 0.0, 0.0
+    for seed in (0, 3):
+        for model, traj, adv, cfg, clipfrac in _off_policy_run(seed, lr=1e-2, steps=6):
+            clipped = max(clipped, clipfrac)
+            exact, _, _ = window_grad(model, traj, adv, cfg, 4, 0.0)
+            for anchors in ("window", "shared"):
+                err = {}
+                for name, options in (("forward", {}), ("guarded", {"interior": "rollout"}),
+                                      ("unguarded", {"interior": "rollout", "max_drift": None})):
+                    got, _, _ = window_grad(model, traj, adv, cfg, 4, 1.0, anchors=anchors, **options)
+                    err[name] = ((got - exact).norm() / exact.norm()).item()
+                worst_guarded = max(worst_guarded, err["guarded"] / err["forward"])
+                worst_unguarded = max(worst_unguarded, err["unguarded"] / err["forward"])
+    assert clipped > 0.1  # off-policy enough that the clip acts
+    assert worst_unguarded > 1.5  # the setting tells the two apart
+    assert worst_guarded < 1.05
+
+
+def test_the_drift_guard_is_free_on_policy_and_is_forward_interiors_where_it_acts():
+    """On-policy every anchor's drift is 0: no interior forward at all. Where every segment is
+    stale, the guarded gradient is the forward-interior one (an independent path through
+    backward_jagg), with the same rows; the bounded path agrees with the guard on."""
+    for i, (model, traj, adv, cfg, _) in enumerate(_off_policy_run(1, lr=1e-2, steps=4)):
+        if i == 0:  # on-policy
+            calls = []
+            jagg.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
+                                  jagg.JaggOptions(4, 1.0, anchors="shared", interior="rollout"))
+            assert rows_by_grad(calls)[:2] == (4, 0)
+    # four steps off the rollout now (the generator took its last step)
+    forward, s_f, _ = window_grad(model, traj, adv, cfg, 4, 1.0, anchors="shared")
+    calls.clear()
+    model.zero_grad(set_to_none=True)
+    stats, _ = jagg.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
+                                     jagg.JaggOptions(4, 1.0, anchors="shared", interior="rollout", max_drift=0.0))
+    guarded = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(guarded, forward, rtol=1e-10, atol=1e-12)
+    assert stats["rollout_refreshed"] == 3 and stats["anchor_drift"] > 0.5
+    assert rows_by_grad(calls)[:2] == (4, 6)  # the anchors with grad, the 6 interiors without
+    bounded, _, _ = window_grad(model, traj, adv, cfg, 4, 1.0, anchors="shared", interior="rollout", max_drift=0.0,
+                                max_graph_rows=2)
+    torch.testing.assert_close(bounded, forward, rtol=1e-10, atol=1e-12)
+
+
 # ------------------------------------------------------------------ the authors' early code: index weights
 
 
@@ -371,21 +434,21 @@ def test_index_weights_reproduce_the_authors_two_pass_scheme():
     assert (g_time - expected).norm() > 1e-3 * expected.norm()
     # With times linear in the index (no shift) the two weightings are the same.
     t_lin = torch.linspace(0.9, 0.5, 5)[:, None].expand(5, 6)  # [W, B]
-    torch.testing.assert_close(jagg.interpolation_weights(t_lin, "index"), jagg.interpolation_weights(t_lin))
+    torch.testing.assert_close(jagg.segment_weights(t_lin, "index"), jagg.interpolation_weights(t_lin))
 
     # Through window_gradients (so train_step) and the probe: every window by the authors' scheme.
     T, W = 10, 5
     model.zero_grad(set_to_none=True)
-    stats, routed = jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, W, 1.0, weights="index")
+    stats, routed = jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(W, 1.0, weights="index"))
     assert all(routed)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     windows = [authors_window_gradient(model, traj, adv, cfg, a, a + W) for a in range(0, T, W)]
     torch.testing.assert_close(got, sum(windows), rtol=1e-10, atol=1e-13)
-    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, W, weights="index")
+    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg.JaggOptions(W, weights="index"))
     for (a, b), c, gw in zip(jagg.window_bounds(T, W), cos, windows):
         _, exact = grads_of(model, jagg.backward_exact, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg))
         assert c == pytest.approx(cosine(gw, exact), abs=1e-10)
-    assert cos != pytest.approx(jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, W),
+    assert cos != pytest.approx(jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg.JaggOptions(W)),
                                 abs=1e-6)
 
 
@@ -417,10 +480,10 @@ def straight_trajectory(model, T=10, B=4, d=3, seed=0):
     return jagg.Trajectory(z=z, z_next=z_next, t=t, t_next=t_next, log_prob=log_prob, v=v)
 
 
-def window_grad(model, traj, adv, cfg, W, frac, ref=None, **routing):
+def window_grad(model, traj, adv, cfg, W, frac, ref=None, probe_cosines=None, **options):
     model.zero_grad(set_to_none=True)
-    stats, routed = jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, W, frac,
-                                          ref_velocity_fn=None if ref is None else as_velocity_fn(ref), **routing)
+    stats, routed = jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(W, frac, **options),
+                                          None if ref is None else as_velocity_fn(ref), probe_cosines=probe_cosines)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), stats, routed
 
 
@@ -435,7 +498,7 @@ def test_shared_anchors_are_exact_for_a_linear_model_on_a_straight_path(interior
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.1)
     g_exact, s_exact, _ = window_grad(model, traj, adv, cfg, 4, 0.0, ref=old)
     g_shared, s_shared, routed = window_grad(model, traj, adv, cfg, 4, 1.0, ref=old, anchors="shared", interior=interior)
-    assert routed == [True] * 3 and s_exact["grad_steps"] == 10 and s_shared["grad_steps"] == 4
+    assert routed == [True] * 3 and s_exact["grad_rows"] == 10 and s_shared["grad_rows"] == 4
     torch.testing.assert_close(g_shared, g_exact, rtol=1e-9, atol=1e-10)
     assert s_shared["loss"] == pytest.approx(s_exact["loss"], rel=1e-10)
     # On a nonlinear model the same call is an approximation.
@@ -459,7 +522,7 @@ def test_shared_anchors_route_segments_and_keep_the_others_exact():
     for interior in ("forward", "rollout"):
         g, stats, routed = window_grad(model, traj, adv, cfg, 4, 2 / 3, anchors="shared", interior=interior,
                                        route="probe", probe_cosines=[0.9, 0.1, 0.8])
-        assert routed == [True, False, True] and stats["grad_steps"] == 6
+        assert routed == [True, False, True] and stats["grad_rows"] == 6
         _, expected = grads_of(model, jagg.backward_jagg, traj.z, traj.t, jagg.make_step_loss(traj, adv, 0, 10, cfg),
                                anchors=[0, 3, 4, 5, 6, 9], v_rollout=traj.v if interior == "rollout" else None)
         torch.testing.assert_close(g, expected, rtol=1e-10, atol=1e-12)
@@ -479,8 +542,8 @@ def test_the_network_sees_only_the_anchor_rows(anchors, interior, policy_calls, 
     traj, adv = _toy_batch(model, T=10, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.1)
     calls, calls_ref = [], []
-    jagg.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg, 4, 1.0, as_velocity_fn(ref, calls_ref),
-                          anchors=anchors, interior=interior)
+    jagg.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg, jagg.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
+                          as_velocity_fn(ref, calls_ref))
     assert calls == policy_calls and calls_ref == ref_calls
 
 
@@ -490,10 +553,10 @@ def test_rows_with_grad_per_trajectory():
     model = MLPFlow()
     traj, adv = _toy_batch(model, T=10, B=4)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    rows = {(W, anchors): window_grad(model, traj, adv, cfg, W, 1.0, anchors=anchors)[1]["grad_steps"]
+    rows = {(W, anchors): window_grad(model, traj, adv, cfg, W, 1.0, anchors=anchors)[1]["grad_rows"]
             for W in (4, 8) for anchors in ("window", "shared")}
     assert rows == {(4, "window"): 6, (4, "shared"): 4, (8, "window"): 4, (8, "shared"): 3}
-    assert window_grad(model, traj, adv, cfg, 4, 0.0, anchors="shared")[1]["grad_steps"] == 10
+    assert window_grad(model, traj, adv, cfg, 4, 0.0, anchors="shared")[1]["grad_rows"] == 10
 
 
 def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
@@ -502,7 +565,7 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     traj, adv = _toy_batch(model, T=8, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats, _ = jagg.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, 4, 1.0, step=6)
+    stats, _ = jagg.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, jagg.JaggOptions(4, 1.0), step=6)
     assert stats["skipped"] is False  # a normal step first, so the optimizer has state to keep
 
     def nan_at_one_step(z, t):  # a velocity that is NaN at one sampling time, as a bf16 overflow would be
@@ -512,7 +575,7 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
     with pytest.warns(RuntimeWarning, match="optimizer step 7 skipped: non-finite"):
-        stats, _ = jagg.train_step(nan_at_one_step, model.parameters(), opt, traj, adv, cfg, 4, 1.0, step=7)
+        stats, _ = jagg.train_step(nan_at_one_step, model.parameters(), opt, traj, adv, cfg, jagg.JaggOptions(4, 1.0), step=7)
     assert stats["skipped"] is True and not math.isfinite(stats["loss"])
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     for p, saved in zip(model.parameters(), state):
@@ -551,7 +614,7 @@ def test_probe_routing_keeps_the_nonlinear_segment_exact(anchors, T, band):
     traj = straight_trajectory(model, T=T, B=4)
     adv = torch.tensor([1.0, -0.5, 0.3, -0.8])
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, 4, anchors=anchors)
+    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg.JaggOptions(4, anchors=anchors))
     assert cos[band] < 0.99 and all(c == pytest.approx(1.0, abs=1e-9) for i, c in enumerate(cos) if i != band)
 
     _, stats, by_velocity = window_grad(model, traj, adv, cfg, 4, 1 / 3, anchors=anchors, route="velocity")
@@ -596,6 +659,25 @@ def test_sde_log_prob_is_the_gaussian_density():
     torch.testing.assert_close(again, log_prob)
     _, far, _, _ = jagg.sde_step(v, z, sigma, sigma_next, 0.7, prev_sample=x + 10 * std)
     assert (far < log_prob).all()
+
+
+def test_a_bf16_network_on_fp32_latents_stores_what_it_scored():
+    """The state is stored as it was scored: with a bf16 velocity_fn on fp32 latents, every stored
+    z_next is fp32 and scoring it again with the same velocities gives the stored log-probability
+    exactly (a first ratio of 1), as Flow-GRPO stores fp32 latents."""
+    torch.manual_seed(11)
+    model = MLPFlow().to(torch.bfloat16)
+
+    def bf16_velocity_fn(z, t):  # a bf16 network on fp32 latents, returning bf16 as autocast would
+        S, B = t.shape
+        return model(z.reshape(S * B, -1).bfloat16(), t.reshape(S * B).bfloat16()).reshape(z.shape)
+
+    sigmas = jagg.sigma_schedule(6).float()
+    traj = jagg.rollout(bf16_velocity_fn, torch.randn(5, 3, dtype=torch.float32), sigmas, 0.7)
+    assert traj.z.dtype == traj.z_next.dtype == torch.float32
+    for k in range(6):
+        _, lp, _, _ = jagg.sde_step(traj.v[k], traj.z[k], traj.t[k], traj.t_next[k], 0.7, prev_sample=traj.z_next[k])
+        assert torch.equal(lp, traj.log_prob[k]), k
 
 
 def test_sde_first_step_at_sigma_one_is_finite():
@@ -724,13 +806,13 @@ def test_jagg_frac_zero_reproduces_exact_training(beta):
         model.load_state_dict(base.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         # W changes nothing for exact training: windows only group the steps.
-        stats, routed = jagg.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, W, frac,
+        stats, routed = jagg.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, jagg.JaggOptions(W, frac),
                                         ref_velocity_fn=as_velocity_fn(ref))
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), stats, routed))
     (p0, s0, r0), (p1, _, _), (p2, s2, r2) = results
     torch.testing.assert_close(p0, p1, rtol=1e-10, atol=1e-12)
     assert not any(r0) and all(r2) and s0["routed_frac"] == 0 and s2["routed_frac"] == 1
-    assert s0["grad_steps"] == 8 and s2["grad_steps"] == 4
+    assert s0["grad_rows"] == 8 and s2["grad_rows"] == 4
     assert (p2 - p0).norm() > 1e-8  # JAGG on a nonlinear model is a (slightly) different step
     assert (p0 - torch.cat([p.detach().flatten() for p in base.parameters()])).norm() > 1e-6
     assert s0["loss"] == pytest.approx(s2["loss"], rel=1e-10)  # same loss value, different gradient
@@ -741,10 +823,10 @@ def test_gradient_cosines_are_one_for_linear_flow_and_below_one_otherwise():
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     model = MLPFlow()
     traj, adv = _toy_batch(model)
-    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, window=4)
+    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg.JaggOptions(window=4))
     assert len(cos) == 2 and all(0.0 < c < 1.0 - 1e-9 for c in cos)
     assert all(p.grad is None for p in model.parameters())
-    cos2 = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, window=2)
+    cos2 = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg.JaggOptions(window=2))
     assert all(c == pytest.approx(1.0, abs=1e-9) for c in cos2)
 
 
@@ -771,7 +853,7 @@ def test_a_loss_at_another_noise_level_than_the_rollouts_is_refused():
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="drawn at noise_level 0.7 but the loss scores them at 1.0"):
         jagg.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv,
-                        jagg.LossConfig(noise_level=1.0, clip_range=0.2), 2, 1.0)
+                        jagg.LossConfig(noise_level=1.0, clip_range=0.2), jagg.JaggOptions(2, 1.0))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     other = jagg.Trajectory(**{f: getattr(traj, f) for f in jagg.Trajectory.TENSORS}, noise_level=1.0)
     with pytest.raises(ValueError, match="different noise levels"):
@@ -810,15 +892,17 @@ def test_bad_input_raises_clear_errors():
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="advantages must be"):
-        jagg.train_step(fn, model.parameters(), opt, traj, adv[:-1], cfg, 4, 1.0)
+        jagg.train_step(fn, model.parameters(), opt, traj, adv[:-1], cfg, jagg.JaggOptions(4, 1.0))
     with pytest.raises(ValueError, match="longer than the trajectory"):
-        jagg.train_step(fn, model.parameters(), opt, traj, adv, cfg, 16, 1.0)
+        jagg.train_step(fn, model.parameters(), opt, traj, adv, cfg, jagg.JaggOptions(16, 1.0))
     for kwargs, message in (({"anchors": "overlap"}, "anchors must be one of"),
                             ({"interior": "cache"}, "interior must be one of"),
                             ({"route": "random"}, "route must be one of"),
+                            ({"max_drift": -0.1}, "max_drift must be >= 0"),
                             ({"route": "probe", "probe_cosines": [0.9]}, "one value per segment")):
+        probe = {"probe_cosines": kwargs.pop("probe_cosines")} if "probe_cosines" in kwargs else {}
         with pytest.raises(ValueError, match=message):
-            jagg.train_step(fn, model.parameters(), opt, traj, adv, cfg, 4, 1.0, **kwargs)
+            jagg.train_step(fn, model.parameters(), opt, traj, adv, cfg, jagg.JaggOptions(4, 1.0, **kwargs), **probe)
     # Nothing was changed by the failed calls.
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
 
@@ -875,18 +959,18 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
     for max_rows in (None, bound):
         policy, reference = [], []
         model.zero_grad(set_to_none=True)
-        stats, routed = jagg.window_gradients(as_velocity_fn(model, policy), traj, adv, cfg, 4, 1.0,
-                                              ref_velocity_fn=as_velocity_fn(ref, reference), anchors=anchors,
-                                              interior=interior, max_graph_rows=max_rows)
+        opts = jagg.JaggOptions(4, 1.0, anchors=anchors, interior=interior, max_graph_rows=max_rows)
+        stats, routed = jagg.window_gradients(as_velocity_fn(model, policy), traj, adv, cfg, opts,
+                                              ref_velocity_fn=as_velocity_fn(ref, reference))
         results.append((torch.cat([p.grad.flatten() for p in model.parameters()]), stats, policy, reference))
     (g0, s0, p0, r0), (g1, s1, p1, r1) = results
     torch.testing.assert_close(g1, g0, rtol=1e-10, atol=1e-12)
-    assert s1["loss"] == pytest.approx(s0["loss"], rel=1e-12) and s1["grad_steps"] == s0["grad_steps"]
+    assert s1["loss"] == pytest.approx(s0["loss"], rel=1e-12) and s1["grad_rows"] == s0["grad_rows"]
     assert rows_by_grad(p1)[:2] == rows_by_grad(p0)[:2] and r1 == r0
     assert rows_by_grad(p1)[2] <= bound
     with pytest.raises(ValueError, match="max_graph_rows must be an integer >= [12].* or None \\(no bound\\), got 0"):
-        jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, 4, 1.0, ref_velocity_fn=as_velocity_fn(ref),
-                              anchors=anchors, interior=interior, max_graph_rows=0)
+        jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(4, 1.0, anchors=anchors, interior=interior,
+                              max_graph_rows=0), ref_velocity_fn=as_velocity_fn(ref))
 
 
 def test_saved_bytes_fall_with_the_bound():
@@ -901,8 +985,8 @@ def test_saved_bytes_fall_with_the_bound():
     def saved(anchors="window", interior="forward", rows=None, frac=1.0):
         def step():
             model.zero_grad(set_to_none=True)
-            jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, 4, frac, anchors=anchors, interior=interior,
-                                  max_graph_rows=rows)
+            jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(4, frac, anchors=anchors, interior=interior,
+                                  max_graph_rows=rows))
         return common.saved_bytes_peak(step)
 
     exact, paper = saved(frac=0.0), saved()

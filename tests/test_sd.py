@@ -59,7 +59,7 @@ def test_train_jagg_then_resume_and_exact(tiny_sd3, tmp_path):
     assert rows[1]["train/routed_frac"] == 1.0
     assert len(rows[1]["probe/grad_cosine"]) == 2
     # T = 4, W = 2: JAGG runs 2 steps with grad per window, 2 windows, 2 minibatches.
-    assert rows[1]["train/grad_steps"] == 2 * 2 * 2
+    assert rows[1]["train/grad_rows"] == 2 * 2 * 2
     for name in ("metrics.jsonl", "samples_0000.png", "samples_0001.png", "lora.safetensors", "config.json",
                  "checkpoint/weights.safetensors", "checkpoint/optimizer.pt", "checkpoint/state.json"):
         assert (out / name).exists(), name
@@ -76,7 +76,7 @@ def test_train_jagg_then_resume_and_exact(tiny_sd3, tmp_path):
     assert [json.loads(line)["epoch"] for line in open(out / "metrics.jsonl")] == [0, 1, 2]
 
     rows = train_sd.main(run_args(tiny_sd3, tmp_path / "exact", "--epochs", "1", "--method", "exact", "--beta", "0.1"))
-    assert rows[1]["train/routed_frac"] == 0.0 and rows[1]["train/grad_steps"] == 2 * 4
+    assert rows[1]["train/routed_frac"] == 0.0 and rows[1]["train/grad_rows"] == 2 * 4
     assert rows[1]["train/kl"] >= 0.0
 
     # Resuming with a setting the checkpoint's weights depend on is refused up front, naming both values.
@@ -101,7 +101,7 @@ def test_shared_anchors_rollout_interiors_and_probe_routing(tiny_sd3, tmp_path):
     assert row["probe/grad_cosine"][1] == pytest.approx(1.0, abs=1e-6) and row["probe/grad_cosine"][0] < 1.0
     assert row["routing/routed"] == [False, True]
     # Rows with grad per optimizer step: exact steps 0 and 1, anchors 2 and 3 of the interpolated segment; 2 steps.
-    assert row["train/grad_steps"] == 2 * 4
+    assert row["train/grad_rows"] == 2 * 4
     state = json.load(open(out / "checkpoint" / "state.json"))
     assert state["probe_average"] == row["probe/grad_cosine"] and state["config"]["anchors"] == "shared"
 

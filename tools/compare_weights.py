@@ -40,7 +40,8 @@ def main(argv=None):
     batches = toy_batches(args) if args.model_kind == "toy" else mini_batches(args)
     for fn, params, traj, adv, T in batches:
         for anchors, weights in sums:
-            cos = jagg.gradient_cosines(fn, params, traj, adv, loss_cfg, args.window, anchors=anchors, weights=weights)
+            cos = jagg.gradient_cosines(fn, params, traj, adv, loss_cfg,
+                                        jagg.JaggOptions(args.window, anchors=anchors, weights=weights))
             sums[anchors, weights] = cos if sums[anchors, weights] is None else [s + c for s, c in zip(sums[anchors, weights], cos)]
     result = {f"{a}/{w}": [s / args.batches for s in v] for (a, w), v in sums.items()}
     print(f"{args.model_kind}: probe cosine to the exact gradient per segment (T = {T}, W = {args.window}, "

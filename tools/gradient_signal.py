@@ -51,8 +51,8 @@ def batch_gradients(fn, params, traj, adv, loss_cfg, window, jagg_frac, **mode):
     JAGG on every window (jagg_frac 1)."""
     for p in params:
         p.grad = None
-    jagg.window_gradients(fn, traj, adv, loss_cfg, window, jagg_frac, **mode)
-    g = jagg._flat_grad(params)
+    jagg.window_gradients(fn, traj, adv, loss_cfg, jagg.JaggOptions(window, jagg_frac, **mode))
+    g = jagg.flat_grad(params)
     for p in params:
         p.grad = None
     return g
