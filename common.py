@@ -87,7 +87,7 @@ class JaggConfig:
                                  "(0 keeps windows with a negative cosine exact; -1: no floor)")
     max_drift: float = arg(jagg.JaggOptions.max_drift,
                            "--interior rollout: a segment whose anchors' velocities moved more than this (relative "
-                           "norm) since the rollout takes forward interiors instead (ours; jagg.py section 11); "
+                           "norm) since the rollout takes forward interiors instead (ours; jagg.py section 10); "
                            "-1: the rollout rule at any drift")
 
     def jagg_options(self, method="jagg"):

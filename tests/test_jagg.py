@@ -996,3 +996,18 @@ def test_saved_bytes_fall_with_the_bound():
     assert saved("shared", "forward", 1) == exact == saved("window", "forward", 1)
     assert common.mode_settings("jagg_shared_rollout_rows2") == ("shared", "rollout", 2)
     assert common.mode_settings("exact") == ("window", "forward", None)
+
+
+def test_python_jagg_py_runs_its_self_check():
+    """`python jagg.py` runs Part I on tiny models and prints what a learner should see: exact on a
+    linear velocity, 2 rows with grad per window instead of W, a cosine below 1 on an MLP."""
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "jagg.py"], capture_output=True, text=True, check=True, timeout=120,
+                         cwd=common.__file__.rsplit("/", 1)[0]).stdout
+    rel = float(re.search(r"\|JAGG - exact\| / \|exact\| = (\S+)", out).group(1))
+    rows = [int(n) for n in re.findall(r"ran (\d+) rows with grad", out)]
+    cos = float(re.search(r"small MLP: (\S+)", out).group(1))
+    assert rel < 1e-12 and rows == [8, 4] and 0.5 < cos < 1 - 1e-6, out
