@@ -35,8 +35,10 @@ def arg(default, help, choices=None):
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
-def parse_config(cls, argv=None, description=None):
-    """Build an argparse parser from the dataclass cls, parse argv, return cls(**args)."""
+def parse_config(cls, argv=None, description=None, presets=None):
+    """Build an argparse parser from the dataclass cls, parse argv, return cls(**args). presets:
+    {name: {field: value}}; --preset NAME (a field of cls) sets those defaults, and a flag given
+    on the command line still wins over its preset value."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -46,6 +48,9 @@ def parse_config(cls, argv=None, description=None):
         else:
             kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
             parser.add_argument(flag, type=kind, default=f.default, choices=choices, help=help_)
+    if presets:
+        known, _ = parser.parse_known_args(argv)
+        parser.set_defaults(**presets.get(known.preset, {}))
     return cls(**vars(parser.parse_args(argv)))
 
 
@@ -99,12 +104,22 @@ class JaggConfig:
                                 route=self.route, min_cosine=self.min_cosine)
 
 
+def trained_steps(cfg):
+    """How many of a rollout's --num-steps steps training takes, Flow-GRPO's int(T * timestep_fraction):
+    the first ones, in order (0.99 at T = 10: steps 0-8)."""
+    return int(cfg.num_steps * cfg.timestep_fraction)  # as Flow-GRPO computes it, float rounding included
+
+
 def jagg_flag_checks(cfg):
     """The checks of the JAGG flags that both training scripts make (cfg: either script's Config)."""
     return [
         (cfg.window >= 2, f"--window must be >= 2 (JAGG interpolates between 2 endpoints), got {cfg.window}"),
-        (cfg.window <= cfg.num_steps,
-         f"--window {cfg.window} is longer than the trajectory (--num-steps {cfg.num_steps}); use --window <= {cfg.num_steps}"),
+        (0 < cfg.timestep_fraction <= 1 and trained_steps(cfg) >= 1,
+         f"--timestep-fraction must be in (0, 1] and train at least one of the --num-steps {cfg.num_steps} steps, "
+         f"got {cfg.timestep_fraction}"),
+        (cfg.window <= max(trained_steps(cfg), 2),
+         f"--window {cfg.window} is longer than the {trained_steps(cfg)} trained steps (--num-steps {cfg.num_steps} x "
+         f"--timestep-fraction {cfg.timestep_fraction}); use --window <= {trained_steps(cfg)}"),
         (0.0 <= cfg.jagg_frac <= 1.0, f"--jagg-frac must be in [0, 1], got {cfg.jagg_frac}"),
         (cfg.probe_every >= 0, f"--probe-every must be >= 0, got {cfg.probe_every}"),
         (cfg.probe_batch >= 1, f"--probe-batch must be >= 1, got {cfg.probe_batch}"),
@@ -241,15 +256,21 @@ def probe_cosine_by_position(rows):
 
 
 def step_metrics(step_stats):
-    """One metrics row from the stats of a batch's optimizer steps (jagg.train_step's dicts):
-    averages of the per-step diagnostics, sums of the counts and times, grouped by prefix."""
+    """One metrics row from the stats of a batch's optimizer steps (jagg.train_step's dicts, or
+    jagg.accumulate_gradients' per micro-batch with optimizer_step's grad_norm and skipped on each
+    step's last): averages of the diagnostics, sums of the counts and times, grouped by prefix."""
+    if not step_stats:  # an epoch with nothing to train on (every advantage zero, Flow-GRPO drops them all)
+        return {"train/skipped_steps": 0, "train/grad_rows": 0, "time/backward_seconds": 0.0, "time/grad_seconds": 0.0,
+                **{f"train/{k}": float("nan") for k in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "grad_norm")}}
     row = {f"train/{k}": sum(s[k] for s in step_stats) / len(step_stats)
-           for k in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac", "grad_norm")}
+           for k in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac")}
+    steps = [s for s in step_stats if "grad_norm" in s]  # one per optimizer step
+    row["train/grad_norm"] = sum(s["grad_norm"] for s in steps) / max(len(steps), 1)
     row["train/grad_rows"] = sum(s["grad_rows"] for s in step_stats)
     for key in ("rollout_refreshed", "anchor_drift"):  # the drift guard of rollout interiors, when it ran
         if key in step_stats[0]:
             row[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)
-    row["train/skipped_steps"] = sum(s["skipped"] for s in step_stats)
+    row["train/skipped_steps"] = sum(s["skipped"] for s in steps)
     row["time/backward_seconds"] = sum(s["backward_seconds"] for s in step_stats)
     row["time/grad_seconds"] = sum(s["grad_seconds"] for s in step_stats)
     return row

@@ -945,38 +945,55 @@ def _agree_across_ranks(flag, device):
     return bool(t.item() > 0)
 
 
-def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, opts, *, ref_velocity_fn=None,
-               max_grad_norm=1.0, no_sync=contextlib.nullcontext, probe_cosines=None, step=None):
-    """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
-    advantages: [B]; cfg: LossConfig; opts: JaggOptions). The gradient is window_gradients';
-    under torch.distributed it is averaged over the ranks here (pass DDP's model.no_sync as
-    no_sync). A step whose loss or gradient norm is not finite is skipped: stats["skipped"] is
-    True and a warning names step, the caller's step number. Returns (stats, routed)."""
+def accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, *, ref_velocity_fn=None,
+                         no_sync=contextlib.nullcontext, probe_cosines=None):
+    """Add one batch's gradient (window_gradients') to the parameters' .grad, inside no_sync and
+    timed: one micro-batch of an optimizer step. Returns (stats, routed)."""
     _check(traj.noise_level is None or traj.noise_level == cfg.noise_level,
            f"the trajectories were drawn at noise_level {traj.noise_level} but the loss scores them at "
            f"{cfg.noise_level}: pass the same noise level to rollout and LossConfig")
     _check(advantages.shape == traj.log_prob.shape[1:],
            f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
-    params = list(params)
-    timings = {}
-    optimizer.zero_grad(set_to_none=True)
-    start = time.perf_counter()
+    timings, start = {}, time.perf_counter()
     with no_sync():
         stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn, timings,
                                          probe_cosines)
+    stats.update(grad_seconds=time.perf_counter() - start, backward_seconds=timings.get("backward", 0.0))
+    return stats, routed
+
+
+def optimizer_step(params, optimizer, losses, *, micro_batches=1, max_grad_norm=1.0, step=None):
+    """The optimizer step after accumulate_gradients on micro_batches batches (losses: theirs): the
+    gradient becomes their mean (Flow-GRPO's accumulation) and the mean over ranks, is clipped,
+    and the optimizer steps unless it or a loss is not finite; then the step is skipped on every
+    rank and a warning names step, the caller's step number. Returns {"grad_norm", "skipped"}."""
+    params = list(params)
+    if micro_batches > 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad /= micro_batches
     _average_gradients_over_ranks(params)
-    stats["grad_seconds"] = time.perf_counter() - start
-    stats["backward_seconds"] = timings.get("backward", 0.0)
-    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    finite = _agree_across_ranks(math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]), params[0].device)
-    stats["skipped"] = not finite
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    finite = _agree_across_ranks(all(math.isfinite(x) for x in losses) and math.isfinite(grad_norm), params[0].device)
     if finite:
         optimizer.step()
     else:
         optimizer.zero_grad(set_to_none=True)
-        warnings.warn(f"optimizer step {'?' if step is None else step} skipped: non-finite loss ({stats['loss']}) "
-                      f"or gradient norm ({stats['grad_norm']}); parameters and optimizer state left as they were",
+        warnings.warn(f"optimizer step {'?' if step is None else step} skipped: non-finite loss ({losses}) "
+                      f"or gradient norm ({grad_norm}); parameters and optimizer state left as they were",
                       RuntimeWarning, stacklevel=2)
+    return {"grad_norm": grad_norm, "skipped": not finite}
+
+
+def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, opts, *, ref_velocity_fn=None,
+               max_grad_norm=1.0, no_sync=contextlib.nullcontext, probe_cosines=None, step=None):
+    """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
+    advantages: [B]; cfg: LossConfig; opts: JaggOptions): accumulate_gradients, then
+    optimizer_step (pass DDP's model.no_sync as no_sync). Returns (stats, routed)."""
+    optimizer.zero_grad(set_to_none=True)
+    stats, routed = accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=ref_velocity_fn,
+                                         no_sync=no_sync, probe_cosines=probe_cosines)
+    stats.update(optimizer_step(params, optimizer, [stats["loss"]], max_grad_norm=max_grad_norm, step=step))
     return stats, routed
 
 

@@ -1,9 +1,8 @@
 """JAGG-GRPO on a real DiT checkpoint: Stable Diffusion 3 / 3.5 through diffusers.
 
     python train_sd.py --model stabilityai/stable-diffusion-3.5-medium --method jagg --window 4
-    python train_sd.py --model mini --reward darkness --method compare --full-finetune --lr 3e-4 --guidance-scale 2.5 \
-        --epochs 15 --prompts-per-epoch 4 --train-batch 8 --clip-range 0.2   # the small SD3 trained here, on a CPU
-                                                                             # (docs/mini_sd3.md, tools/mini_quality.sh)
+    python train_sd.py --preset mini --method compare   # the small SD3 trained here, on a CPU, in the setting
+                                                        # that learns (docs/mini_sd3.md, tools/mini_quality.sh)
     torchrun --nproc_per_node=8 train_sd.py --model PATH --method jagg
     python train_sd.py --benchmark --window 4 --random-init [--json]   # exact vs JAGG timing
 
@@ -47,10 +46,16 @@ import jagg
 from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
 from common import bench_modes, benchmark_trajectory, benchmark_window, chart, compare_summary, font, save_png, step_metrics
-from common import training_step_bars, writable_folder_check
+from common import trained_steps, training_step_bars, writable_folder_check
 from common import JaggConfig, probe_cosine_by_position, probe_counts_as_training, write_json, write_jsonl
 
-SHAPES_REWARDS = ("shapes", "shapes_cover", "cover")  # mini_sd3.py's rewards: its prompts only
+SHAPES_REWARDS = ("geneval", "shapes", "shapes_cover", "cover")  # mini_sd3.py's rewards: its prompts only
+# --preset mini: the mini SD3's documented setting on a CPU (docs/mini_sd3.md), the one its tables use.
+PRESETS = {"mini": dict(model="mini", reward="darkness", full_finetune=True, lr=3e-4, guidance_scale=2.5, beta=0.04,
+                        clip_range=0.2, prompts_per_epoch=4, group_size=8, rollout_batch=32, train_batch=8,
+                        steps_per_epoch=0, timestep_fraction=1.0, global_std=False, drop_zero_advantage=False,
+                        ema=False, gradient_checkpointing=False, window=4, epochs=15, eval_samples=48, eval_every=2,
+                        final_evals=3, save_every=15)}
 REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "darkness", "pickscore", *SHAPES_REWARDS]
 DEFAULT_PROMPTS = [
     "a photo of a cat sitting on a windowsill", "a red bicycle leaning against a brick wall",
@@ -66,7 +71,11 @@ class Config(JaggConfig):
                      "directory; mini: the small SD3 of mini_sd3.py, pretrained once and cached in runs/cache")
     prompts: str = arg("", "text file with one prompt a line; empty: a small built-in list (--model mini: its task's 48)")
     reward: str = arg("jpeg_compressibility", "reward function; darkness: 1 - mean luminance, a check that the loop "
-                                              "learns at all (any working GRPO loop raises it quickly); shapes: "
+                                              "learns at all (any working GRPO loop raises it quickly); geneval: "
+                                              "mini_sd3.py's GenEval-style score with partial credit (each object's "
+                                              "colour and its shape by overlap with a fitted template, counts as "
+                                              "1 - |N - N_ref| / N_ref, the relation by position; evaluations also "
+                                              "log the strict all-correct accuracy per kind); shapes: "
                                               "mini_sd3.py's GenEval-like checker (colours, "
                                               "shapes, counts, left/right) for --model mini's prompts; shapes_cover: its "
                                               "mean with how much of the image the asked colours cover; cover: that "
@@ -81,6 +90,11 @@ class Config(JaggConfig):
                               "run's but for the JAGG flags. Its last evaluation is redrawn from its saved weights "
                               "for samples.png")
     seed: int = arg(0, "random seed; ranks add their rank to the sampling seed")
+    preset: str = arg("", "start from a documented setting, any flag given still winning: mini = the mini SD3's "
+                          "setting that learns on a CPU (docs/mini_sd3.md: --model mini, full fine-tuning, lr 3e-4, "
+                          "CFG 2.5, clip 0.2, all 10 steps, per-group std, 4 optimizer steps of 8 samples per epoch, "
+                          "no EMA, darkness, 15 epochs); empty: Flow-GRPO's geneval_sd3 defaults below",
+                      choices=["", "mini"])
     # --- what to run (the JAGG flags are common.JaggConfig's)
     method: str = arg("jagg", "exact (Flow-GRPO), jagg, or compare (exact, then jagg, from the same model and seed, "
                               "into --out/exact and --out/jagg, with summary.json and pictures in --out)",
@@ -88,16 +102,27 @@ class Config(JaggConfig):
     # --- GRPO
     epochs: int = arg(100, "GRPO epochs (each: rollouts of --prompts-per-epoch prompts, then training)")
     num_steps: int = arg(10, "T, sampling steps of a rollout (Flow-GRPO trains with 10)")
+    timestep_fraction: float = arg(0.99, "train the first int(T x this) steps of each rollout, in order (Flow-GRPO's "
+                                         "timestep_fraction: 0.99 trains steps 0-8 of 10; the last, sigma ~0.009 -> 0, "
+                                         "gets no gradient); 1: every step")
     guidance_scale: float = arg(4.5, "classifier-free guidance scale (1: no guidance)")
     cfg_grad: str = arg("cond", "which CFG branches training back-propagates through: cond (the unconditional one "
                                 "without graph, as Flow-GRPO's current trainer: half the backward, a biased gradient) "
                                 "or both (Flow-GRPO's first release: the exact derivative of the guided velocity)", choices=["cond", "both"])
     noise_level: float = arg(0.7, "SDE noise level")
-    prompts_per_epoch: int = arg(2, "prompts sampled each epoch (the same on every rank)")
-    group_size: int = arg(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt")
+    prompts_per_epoch: int = arg(2, "prompts sampled each epoch (the same on every rank; Flow-GRPO's geneval_sd3: 48, "
+                                    "CPU-sized here)")
+    group_size: int = arg(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt (Flow-GRPO: "
+                             "24 over all ranks, CPU-sized here)")
     rollout_batch: int = arg(8, "samples per rollout forward pass")
-    train_batch: int = arg(4, "samples per optimizer step")
-    lr: float = arg(1e-4, "AdamW learning rate")
+    steps_per_epoch: int = arg(2, "optimizer steps per epoch, each the mean gradient of its share of the epoch's samples "
+                                  "in micro-batches of --train-batch (Flow-GRPO's gradient accumulation: 2); 0: one "
+                                  "optimizer step per micro-batch")
+    train_batch: int = arg(4, "samples per micro-batch (one forward and backward; Flow-GRPO: 9)")
+    drop_zero_advantage: bool = arg(True, "train only on samples with a nonzero advantage, topped up with dropped ones "
+                                          "to a multiple of the optimizer steps (Flow-GRPO's); --no-drop-zero-advantage: "
+                                          "every sample")
+    lr: float = arg(3e-4, "AdamW learning rate (Flow-GRPO's geneval_sd3)")
     lr_schedule: str = arg("constant", "constant (Flow-GRPO's) or cosine (decay to 0 over --epochs: the policy settles, "
                                        "so the final reward is a plateau, not the last update's jitter)",
                            choices=["constant", "cosine"])
@@ -105,7 +130,8 @@ class Config(JaggConfig):
     clip_range: float = arg(1e-4, "GRPO ratio clip range (Flow-GRPO uses 1e-4)")
     beta: float = arg(0.04, "KL weight to the reference model, Flow-GRPO's term and scale (0: no reference forward)")
     adv_clip: float = arg(5.0, "advantages are clipped to [-adv_clip, adv_clip]")
-    global_std: bool = arg(False, "standardise advantages by the std of all rewards instead of each group's")
+    global_std: bool = arg(True, "advantages: each prompt's mean subtracted, divided by the std of all the epoch's "
+                                 "rewards over all ranks (Flow-GRPO's global_std); --no-global-std: each group's std")
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
     lora_rank: int = arg(32, "LoRA rank on the transformer's attention projections")
     lora_alpha: int = arg(64, "LoRA alpha")
@@ -113,8 +139,9 @@ class Config(JaggConfig):
     gradient_checkpointing: bool = arg(True, "recompute activations in the backward pass to save memory")
     mixed_precision: str = arg("auto", "bf16 autocast (SDE math stays fp32), fp32, or auto (bf16 on GPU)",
                                choices=["auto", "bf16", "fp32"])
-    ema: bool = arg(False, "keep an EMA of the trained weights (used for evaluation and saved)")
-    ema_decay: float = arg(0.95, "EMA decay per optimizer step")
+    ema: bool = arg(True, "keep an EMA of the trained weights, used for evaluation and saved (Flow-GRPO's)")
+    ema_decay: float = arg(0.9, "EMA decay, warmed up as Flow-GRPO's: min((1 + s) / (10 + s), this) at optimizer step s")
+    ema_every: int = arg(8, "update the EMA every N optimizer steps (Flow-GRPO: 8)")
     eval_every: int = arg(10, "every N epochs, sample fixed prompts with fixed noise (EMA weights if kept): eval/reward and a grid")
     eval_samples: int = arg(8, "samples per evaluation: the prompts in order, cycled, each with its own fixed noise")
     final_evals: int = arg(1, "final reward in summary.json: the mean of the last N evaluations after training started")
@@ -469,6 +496,20 @@ def darkness(image):
     return 1 - sum(image.convert("L").getdata()) / (255 * image.width * image.height)
 
 
+def strict_accuracy(images, prompts):
+    """{"eval/strict": ..., "eval/strict_<kind>": ...}: the share of images mini_sd3.geneval_strict
+    counts all correct, overall and per kind of prompt (single, count, relation)."""
+    import mini_sd3
+
+    details = [mini_sd3.geneval_details(im, p) for im, p in zip(images, prompts)]
+    out = {"eval/strict": sum(d["strict"] for d in details) / len(details)}
+    for kind in ("single", "count", "relation"):
+        of_kind = [d["strict"] for d in details if d["kind"] == kind]
+        if of_kind:
+            out[f"eval/strict_{kind}"] = sum(of_kind) / len(of_kind)
+    return out
+
+
 def make_reward_fn(cfg, device):
     """reward_fn(images, prompts) -> tensor [B]."""
     if cfg.reward == "jpeg_compressibility":  # DDPO's: smaller files, simpler images
@@ -480,7 +521,8 @@ def make_reward_fn(cfg, device):
     if cfg.reward in SHAPES_REWARDS:  # GenEval in miniature: colours, shapes, counts, left/right
         import mini_sd3
 
-        fn = {"shapes": mini_sd3.score, "shapes_cover": mini_sd3.score_cover, "cover": mini_sd3.coverage}[cfg.reward]
+        fn = {"geneval": mini_sd3.geneval, "shapes": mini_sd3.score, "shapes_cover": mini_sd3.score_cover,
+              "cover": mini_sd3.coverage}[cfg.reward]
         return lambda images, prompts: torch.tensor([fn(im, p) for im, p in zip(images, prompts)])
     from transformers import AutoModel, AutoProcessor
 
@@ -639,6 +681,27 @@ def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16
     return images, reward_fn(images, prompts)
 
 
+def optimizer_steps(perm, adv, cfg, generator):
+    """The epoch's optimizer steps: [[micro-batch sample indices, ...] per step], every rank the same
+    number of steps (their all-reduces pair up). Flow-GRPO's: samples with a zero advantage are
+    dropped, then random dropped ones put back until the count divides into --steps-per-epoch
+    equal steps; each step's samples in micro-batches of at most --train-batch. With
+    --steps-per-epoch 0, one step per micro-batch of the epoch's perm order, as many as all
+    samples would fill (a step left without samples still joins the ranks' all-reduce)."""
+    n_steps = cfg.steps_per_epoch or math.ceil(len(perm) / cfg.train_batch)
+    keep = perm
+    if cfg.drop_zero_advantage:
+        nonzero = adv[perm] != 0
+        keep, dropped = perm[nonzero], perm[~nonzero]
+        short = -len(keep) % n_steps if cfg.steps_per_epoch else 0
+        back = dropped[torch.randperm(len(dropped), generator=generator)[:short]]
+        keep = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
+    if not cfg.steps_per_epoch:
+        micro = list(keep.split(cfg.train_batch))
+        return [[m] for m in micro] + [[] for _ in range(n_steps - len(micro))]
+    return [list(part.split(cfg.train_batch)) if len(part) else [] for part in keep.tensor_split(n_steps)]
+
+
 def train(cfg):
     rank, world = init_distributed()
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
@@ -670,17 +733,20 @@ def train(cfg):
     sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0)).to(device)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     opts = cfg.jagg_options(cfg.method)  # exact: every window exact (jagg_frac 0)
+    n_train = trained_steps(cfg)  # Flow-GRPO's int(T * timestep_fraction): the first steps, in order
     eval_prompts = evaluation_prompts(cfg, prompts_all)
     evaluated = {}  # epoch -> (images, rewards) of the evaluations: the first and the last are drawn
 
-    def evaluate(epoch):
+    def evaluate(epoch, row):
         """Fixed prompts and noise, the EMA weights if kept: a reward curve and a grid of samples."""
         with ema_weights(transformer, ema):
             images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn, use_bf16)
         evaluated[epoch] = (images, rewards.tolist())
         save_png(os.path.join(cfg.out, f"samples_{epoch:04d}.png"),
                  sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16]))
-        return rewards.mean().item()
+        row["eval/reward"] = rewards.mean().item()
+        if cfg.reward == "geneval":  # GenEval's strict accuracy beside the graded score, overall and per kind
+            row.update(strict_accuracy(images, eval_prompts))
 
     def lr_at(epoch):
         if cfg.lr_schedule == "cosine":  # by epoch, so a resumed run has the rate an uninterrupted one would
@@ -688,7 +754,8 @@ def train(cfg):
         return cfg.lr
 
     if rank == 0 and start_epoch == 0:
-        rows.append({"epoch": 0, "eval/reward": evaluate(0)})
+        rows.append({"epoch": 0})
+        evaluate(0, rows[-1])
     # The prompts of an epoch are the same on every rank (shared seed); the noise differs per rank,
     # so a prompt's group is spread over the ranks and advantages use the gathered rewards.
     # Generators are seeded per epoch, so a resumed run draws what an uninterrupted one would.
@@ -729,27 +796,39 @@ def train(cfg):
             idx_d = perm[: cfg.probe_batch].to(device)
             velocity_fn, ref_fn = fns(idx_d, transformer)
             row["probe/grad_cosine"] = mean_over_ranks(jagg.gradient_cosines(
-                velocity_fn, params, traj.subset(idx_d), adv[idx_d], loss_cfg, cfg.jagg_options(), ref_fn), device)
+                velocity_fn, params, traj.subset(idx_d).first_steps(n_train), adv[idx_d], loss_cfg, cfg.jagg_options(),
+                ref_fn), device)
             probe_avg = jagg.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
             row["time/probe_seconds"] = time.perf_counter() - start
 
-        # --- training: minibatches of train_batch samples, one optimizer step each
+        # --- training: the epoch's optimizer steps, each accumulating micro-batches of train_batch
+        # samples over the first n_train steps of their trajectories (Flow-GRPO's timestep_fraction)
         transformer.train()
-        step_stats = []
-        minibatches = perm.split(cfg.train_batch)
-        for i, idx in enumerate(minibatches):
-            idx_d = idx.to(device)
-            velocity_fn, ref_fn = fns(idx_d, net)
-            stats, routed = jagg.train_step(
-                velocity_fn, params, optimizer, traj.subset(idx_d), adv[idx_d], loss_cfg, opts, ref_velocity_fn=ref_fn,
-                max_grad_norm=cfg.max_grad_norm, no_sync=no_sync, probe_cosines=probe_avg,
-                step=(epoch - 1) * len(minibatches) + i + 1)
-            step_stats.append(stats)
-            if ema is not None and not stats["skipped"]:
+        step_stats, routed = [], None
+        steps = optimizer_steps(perm, adv.cpu(), cfg, prompt_gen)
+        row["train/samples"] = sum(len(idx) for micro in steps for idx in micro)
+        for i, micro in enumerate(steps):
+            step = (epoch - 1) * len(steps) + i + 1
+            optimizer.zero_grad(set_to_none=True)
+            micro_stats = []
+            for idx in micro:
+                idx_d = idx.to(device)
+                velocity_fn, ref_fn = fns(idx_d, net)
+                stats, routed = jagg.accumulate_gradients(
+                    velocity_fn, traj.subset(idx_d).first_steps(n_train), adv[idx_d], loss_cfg, opts,
+                    ref_velocity_fn=ref_fn, no_sync=no_sync, probe_cosines=probe_avg)
+                micro_stats.append(stats)
+            done = jagg.optimizer_step(params, optimizer, [s["loss"] for s in micro_stats], micro_batches=len(micro),
+                                       max_grad_norm=cfg.max_grad_norm, step=step)
+            if micro_stats:
+                micro_stats[-1].update(done)
+            step_stats += micro_stats
+            if ema is not None and not done["skipped"] and step % cfg.ema_every == 0:
+                decay = min(step / (9 + step), cfg.ema_decay)  # Flow-GRPO's min((1 + s) / (10 + s), 0.9), s = step - 1
                 with torch.no_grad():
                     for n, p in transformer.named_parameters():
                         if p.requires_grad:
-                            ema[n].mul_(cfg.ema_decay).add_(p.detach().to(ema[n].device), alpha=1 - cfg.ema_decay)
+                            ema[n].mul_(decay).add_(p.detach().to(ema[n].device), alpha=1 - decay)
         row.update(step_metrics(step_stats))
         row["time/train_seconds"] = time.perf_counter() - epoch_start  # rollouts, probe, training; not evaluation
         row["train/lr"] = lr_at(epoch)
@@ -761,7 +840,7 @@ def train(cfg):
                         **({"skipped": row["train/skipped_steps"]} if row["train/skipped_steps"] else {}))
         if rank == 0:
             if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
-                row["eval/reward"] = evaluate(epoch)
+                evaluate(epoch, row)
             write_jsonl(os.path.join(cfg.out, "metrics.jsonl"), rows)
             if epoch % cfg.save_every == 0 or epoch == cfg.epochs:
                 save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, dataclasses.asdict(cfg), probe_avg)
@@ -829,8 +908,9 @@ SD3_CONFIGS = {
 def benchmark(cfg):
     """One window's gradient on the conditional branch alone (the backward JAGG shrinks, as
     before), then one whole trajectory's training computation in every mode, as train() runs it:
-    --num-steps steps, classifier-free guidance with the no-graph unconditional branch, the KL
-    reference at --beta, and one rollout of the same batch. Interleaved, medians of repeats."""
+    the trained steps of --num-steps (--timestep-fraction, Flow-GRPO's 9 of 10 by default),
+    classifier-free guidance with the no-graph unconditional branch, the KL reference at --beta,
+    and one rollout of the same batch. Interleaved, medians of repeats."""
     from diffusers import SD3Transformer2DModel
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
@@ -871,7 +951,8 @@ def benchmark(cfg):
 
     def measure():
         t_window = benchmark_window(cond_only, params, traj.z[:W], traj.t[:W], window_loss, repeats=cfg.bench_repeats)
-        t_traj = benchmark_trajectory(velocity_fn, params, traj, adv, loss_cfg, W, ref_fn, repeats=cfg.bench_repeats,
+        t_traj = benchmark_trajectory(velocity_fn, params, traj.first_steps(trained_steps(cfg)), adv, loss_cfg, W, ref_fn,
+                                      repeats=cfg.bench_repeats,
                                            modes=bench_modes(cfg.max_graph_rows),
                                            rollout_fn=lambda: jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level))
         return t_window, t_traj
@@ -892,7 +973,7 @@ def benchmark(cfg):
         transformer.enable_gradient_checkpointing()
         t, t_traj = measure()
     result = {
-        "window": W, "params": sum(p.numel() for p in transformer.parameters()),
+        "window": W, "trained_steps": trained_steps(cfg), "params": sum(p.numel() for p in transformer.parameters()),
         "trained_params": sum(p.numel() for p in params), "train": cfg.bench_train,
         "lora_rank": cfg.lora_rank if cfg.bench_train == "lora" else None, "device": str(
             torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
@@ -983,7 +1064,7 @@ def compare(cfg):
 
 
 def main(argv=None):
-    cfg = parse_config(Config, argv, description=__doc__.split("\n")[0])
+    cfg = parse_config(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
     cfg.validate()
     if cfg.benchmark:
         return benchmark(cfg)

@@ -34,7 +34,8 @@ import jagg
 from common import COLORS, all_gather_cat, arg, bench_modes, benchmark_trajectory, benchmark_window, chart, fail_on, font
 from common import init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
-from common import report_trajectory, save_png, step_metrics, torch_save, training_step_bars, writable_folder_check
+from common import report_trajectory, save_png, step_metrics, torch_save, trained_steps, training_step_bars
+from common import writable_folder_check
 from common import JaggConfig, compare_summary, probe_cosine_by_position, probe_counts_as_training, write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
 
@@ -55,6 +56,8 @@ class Config(JaggConfig):
     # --- GRPO
     steps: int = arg(80, "GRPO steps (each: one batch of rollouts, --minibatches optimizer steps)")
     num_steps: int = arg(16, "T, sampling steps of a rollout")
+    timestep_fraction: float = arg(1.0, "train the first int(T x this) steps of each rollout (Flow-GRPO's "
+                                        "timestep_fraction; its SD3 configs use 0.99, train_sd.py's default)")
     shift: float = arg(3.0, "sigma schedule shift (SD3-style; >1 spends more steps at high noise)")
     noise_level: float = arg(0.7, "SDE noise level (Flow-GRPO's default 0.7)")
     group_size: int = arg(16, "G, samples per prompt in a group")
@@ -303,6 +306,7 @@ def train(cfg, method, base, rank, world):
     sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     opts = cfg.jagg_options(method)  # exact: every window exact (jagg_frac 0)
+    n_train = trained_steps(cfg)  # the first steps of each rollout, in order
     jagg_frac = opts.jagg_frac
     # The probe routes (counted as training) only where it decides something; else it is a diagnostic.
     probe_routes = probe_counts_as_training(method, cfg.route)
@@ -334,12 +338,12 @@ def train(cfg, method, base, rank, world):
         if cfg.probe_every and (it % cfg.probe_every == 0 or it == 1):
             t0 = time.perf_counter()
             idx = perm[: cfg.probe_batch]
-            sub = traj.subset(idx)
+            sub = traj.subset(idx).first_steps(n_train)
             row["probe/grad_cosine"] = mean_over_ranks(jagg.gradient_cosines(
                 make_velocity_fn(model, labels[idx]), model.parameters(), sub, adv[idx], loss_cfg, cfg.jagg_options(),
                 ref_velocity_fn=ref_fn(idx)))
             row["probe/velocity_score"] = [jagg.linearity_score(sub.v[a:b], sub.t[a:b])
-                                           for a, b in jagg.segment_bounds(cfg.num_steps, cfg.window, cfg.anchors)]
+                                           for a, b in jagg.segment_bounds(n_train, cfg.window, cfg.anchors)]
             probe_avg = jagg.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
             row["time/probe_seconds"] = time.perf_counter() - t0
             probe_seconds += row["time/probe_seconds"]
@@ -349,7 +353,7 @@ def train(cfg, method, base, rank, world):
         step_stats = []
         for idx in perm.chunk(cfg.minibatches):
             stats, routed = jagg.train_step(
-                make_velocity_fn(net, labels[idx]), model.parameters(), opt, traj.subset(idx), adv[idx], loss_cfg,
+                make_velocity_fn(net, labels[idx]), model.parameters(), opt, traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg,
                 opts, ref_velocity_fn=ref_fn(idx), max_grad_norm=cfg.max_grad_norm, no_sync=no_sync,
                 probe_cosines=probe_avg, step=opt_steps + 1)
             step_stats.append(stats)
@@ -435,7 +439,7 @@ def benchmark(cfg, base):
                                   repeats=cfg.bench_repeats)
         print(f"\n-- one window's gradient (W = {W})")
         results[W] = {"window": W, "exact": t["exact"], "jagg": t["jagg"], **report_benchmark(t, W, 1000, "ms")}
-        t = benchmark_trajectory(velocity_fn, base.parameters(), traj, adv, loss_cfg, W,
+        t = benchmark_trajectory(velocity_fn, base.parameters(), traj.first_steps(trained_steps(cfg)), adv, loss_cfg, W,
                                       make_velocity_fn(ref, labels) if cfg.beta > 0 else None,
                                       rollout_fn=lambda: jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level),
                                       modes=bench_modes(cfg.max_graph_rows), repeats=cfg.bench_repeats)
@@ -487,7 +491,7 @@ def main(argv=None):
     last = finals[methods[-1]]
     score_name = "averaged probe cosine" if methods[-1] == "jagg" and cfg.route == "probe" else "velocity score"
     save_png(os.path.join(cfg.out, "trajectories.png"), trajectories_picture(
-        last["final"][0], last["routed"], jagg.segment_bounds(cfg.num_steps, cfg.window, cfg.anchors),
+        last["final"][0], last["routed"], jagg.segment_bounds(trained_steps(cfg), cfg.window, cfg.anchors),
         last["route_scores"], score_name))
     written = ["summary.json", "metrics.jsonl", "samples.png", "reward_curves.png", "trajectories.png"]
     if cfg.probe_every:

@@ -385,6 +385,41 @@ def test_the_drift_guard_is_free_on_policy_and_is_forward_interiors_where_it_act
     torch.testing.assert_close(bounded, forward, rtol=1e-10, atol=1e-12)
 
 
+def test_trained_steps_only_flow_grpos_timestep_fraction():
+    """Training traj.first_steps(9) of T = 10 (Flow-GRPO's timestep_fraction 0.99): exact equals
+    autograd of the mean of the 9 steps' clipped losses written out here; no mode ever runs the
+    network at the untrained last step; rows: exact 9, the paper's windows 5, shared anchors 4."""
+    torch.manual_seed(23)
+    model = MLPFlow()
+    traj, adv = _toy_batch(model, T=10, B=6)
+    sub, cfg = traj.first_steps(9), jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    assert sub.z.shape[0] == 9 and torch.equal(sub.z_next[-1], traj.z[9])
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for k in range(9):  # the trusted reference: one graph, the loss by hand
+        v = as_velocity_fn(model)(traj.z[k : k + 1], traj.t[k : k + 1])[0]
+        _, log_prob, _, _ = jagg.sde_step(v, traj.z[k], traj.t[k], traj.t_next[k], 0.7, prev_sample=traj.z_next[k])
+        ratio = torch.exp(log_prob - traj.log_prob[k])
+        total = total + torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean() / 9
+    total.backward()
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()])
+    got, stats, _ = window_grad(model, sub, adv, cfg, 4, 0.0)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    for options, rows in (({}, 5), ({"anchors": "shared"}, 4), ({"anchors": "shared", "interior": "rollout"}, 4)):
+        seen = []
+
+        def recording(z, t):
+            seen.append(t)
+            return as_velocity_fn(model)(z, t)
+
+        model.zero_grad(set_to_none=True)
+        stats, _ = jagg.window_gradients(recording, sub, adv, cfg, jagg.JaggOptions(4, 1.0, **options))
+        assert stats["grad_rows"] == rows
+        assert not any((t_seen == traj.t[9, 0]).any() for t_seen in seen)  # sigma_9 -> 0: no network call
+    with pytest.raises(ValueError, match="no first 11 steps"):
+        traj.first_steps(11)
+
+
 # ------------------------------------------------------------------ the authors' early code: index weights
 
 

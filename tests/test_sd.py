@@ -42,11 +42,16 @@ def tiny_sd3(tiny_build):
     return tiny_build[0]
 
 
-def run_args(model, out, *extra):
+# Every step trained, one optimizer step per micro-batch, every sample, per-group std, no EMA: the
+# tests below check one feature at a time on that; test_flow_grpo_defaults checks Flow-GRPO's.
+PLAIN = ["--timestep-fraction", "1", "--steps-per-epoch", "0", "--no-drop-zero-advantage", "--no-global-std", "--no-ema"]
+
+
+def run_args(model, out, *extra, plain=True):
     return ["--model", model, "--out", str(out), "--resolution", "16", "--num-steps", "4", "--window", "2",
             "--prompts-per-epoch", "2", "--group-size", "2", "--rollout-batch", "4", "--train-batch", "2",
             "--lora-rank", "4", "--lora-alpha", "4", "--guidance-scale", "2.0", "--clip-range", "0.2",
-            "--lr", "1e-2", "--eval-every", "1", "--save-every", "1", "--device", "cpu", *extra]
+            "--lr", "1e-2", "--eval-every", "1", "--save-every", "1", "--device", "cpu", *(PLAIN if plain else []), *extra]
 
 
 def test_train_jagg_then_resume_and_exact(tiny_sd3, tmp_path):
@@ -140,7 +145,7 @@ def test_full_finetune_with_ema_prompt_file_and_pickscore(tiny_sd3, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cat\n\na blue dog\n")
     out = tmp_path / "full"
-    rows = train_sd.main(run_args(tiny_sd3, out, "--epochs", "1", "--full-finetune", "--ema", "--ema-decay", "0.5",
+    rows = train_sd.main(run_args(tiny_sd3, out, "--epochs", "1", "--full-finetune", "--ema", "--ema-decay", "0.5", "--ema-every", "1",
                                   "--prompts", str(prompts), "--reward", "pickscore", "--reward-model", str(clip_dir),
                                   "--beta", "0.1"))
     assert rows[1]["train/kl"] >= 0 and abs(rows[1]["rollout/reward_mean"]) > 0
@@ -149,6 +154,44 @@ def test_full_finetune_with_ema_prompt_file_and_pickscore(tiny_sd3, tmp_path):
     assert (out / "checkpoint" / "ema.safetensors").exists()
     trained = load_file(out / "checkpoint" / "weights.safetensors")
     assert any(not torch.equal(weights[k], trained[k]) for k in weights)  # EMA lags the trained weights
+
+
+def test_flow_grpo_defaults(tiny_sd3, tmp_path):
+    """Without flags, what Flow-GRPO's geneval_sd3 trains: the first int(T x 0.99) steps (3 of 4
+    here), 2 optimizer steps per epoch accumulating micro-batches, global std, an EMA."""
+    cfg = train_sd.Config()
+    assert (cfg.timestep_fraction, cfg.steps_per_epoch, cfg.global_std, cfg.drop_zero_advantage, cfg.ema, cfg.lr,
+            cfg.clip_range, cfg.beta, cfg.guidance_scale) == (0.99, 2, True, True, True, 3e-4, 1e-4, 0.04, 4.5)
+    out = tmp_path / "run"
+    rows = train_sd.main(run_args(tiny_sd3, out, "--epochs", "1", "--method", "exact", "--prompts-per-epoch", "4",
+                                  "--train-batch", "2", plain=False))
+    row = rows[1]
+    # 8 samples, none with a zero advantage (continuous rewards), in 2 steps of 2 micro-batches of 2;
+    # each micro-batch back-propagates its 3 trained steps: 4 x 3 rows.
+    assert row["train/samples"] == 8 and row["train/grad_rows"] == 4 * 3
+    assert (out / "checkpoint" / "ema.safetensors").exists()
+
+
+def test_optimizer_steps_drop_zero_advantages_as_flow_grpo():
+    """Zero-advantage samples are dropped, dropped ones put back until the count divides into the
+    steps; each step's samples in micro-batches of --train-batch; --steps-per-epoch 0: one step
+    per micro-batch, as many as all samples would fill."""
+    adv = torch.tensor([0.5, 0.0, -0.5, 0.0, 1.0, 0.0, 0.0, -1.0, 0.2, 0.0])
+    perm = torch.randperm(10, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    cfg = train_sd.Config(steps_per_epoch=2, train_batch=2)
+    steps = train_sd.optimizer_steps(perm, adv, cfg, g)
+    used = torch.cat([i for micro in steps for i in micro])
+    assert len(steps) == 2 and all(len(i) <= 2 for micro in steps for i in micro)
+    assert set(torch.nonzero(adv).flatten().tolist()) <= set(used.tolist())  # every informative sample trains
+    assert len(used) == 6 and len(set(used.tolist())) == 6  # 5 nonzero, topped up by one to divide into 2 steps
+    assert [sum(len(i) for i in micro) for micro in steps] == [3, 3]
+    keep_all = train_sd.optimizer_steps(perm, adv, dataclasses.replace(cfg, drop_zero_advantage=False), g)
+    assert sorted(torch.cat([i for m in keep_all for i in m]).tolist()) == list(range(10))
+    old = train_sd.optimizer_steps(perm, adv, dataclasses.replace(cfg, steps_per_epoch=0, drop_zero_advantage=False), g)
+    assert [m[0].tolist() for m in old] == [i.tolist() for i in perm.split(2)]  # one step per micro-batch, in order
+    sparse = train_sd.optimizer_steps(perm, adv, dataclasses.replace(cfg, steps_per_epoch=0), g)
+    assert len(sparse) == 5 and sum(len(m) for m in sparse) == 3  # 5 informative samples: 3 steps, 2 left empty
 
 
 @pytest.mark.parametrize("mode", [(), ("--window", "3", "--anchors", "shared", "--interior", "rollout",
@@ -275,7 +318,9 @@ def test_benchmark_json_has_the_keys(tmp_path):
     modes = {"exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"}
     for key in ("train_s", "train_speedup", "epoch_speedup", "backward_rows"):
         assert set(result[key]) == modes, key
-    assert result["backward_rows"] == {"exact": 10, "jagg": 6, "jagg_shared": 4, "jagg_rollout": 6, "jagg_shared_rollout": 4}
+    # Flow-GRPO's 9 trained steps of 10: windows 0-3, 4-7, 8 (2 + 2 + 1 rows), shared anchors 0, 3, 6, 8.
+    assert result["trained_steps"] == 9
+    assert result["backward_rows"] == {"exact": 9, "jagg": 5, "jagg_shared": 4, "jagg_rollout": 5, "jagg_shared_rollout": 4}
     for m in modes:
         assert result["epoch_speedup"][m] == pytest.approx(
             (result["rollout_s"] + result["train_s"]["exact"]) / (result["rollout_s"] + result["train_s"][m]))
@@ -291,12 +336,15 @@ def test_benchmark_on_a_saved_model(tiny_sd3, tmp_path, capsys):
                             "--bench-repeats", "1", "--device", "cpu", "--num-steps", "4", "--out", str(tmp_path)])
     assert result["config"] == tiny_sd3 and result["window"] == 3 and result["tokens"] == (64 // 8 // 2) ** 2 + 77
     assert "whole window-gradient speedup" in capsys.readouterr().out
-    assert result["num_steps"] == 4 and result["backward_rows"]["jagg_shared"] == 3  # anchors 0, 2, 3
+    # T = 4 at Flow-GRPO's timestep fraction 0.99: steps 0-2 trained; W = 3: one window, anchors 0 and 2.
+    assert result["num_steps"] == 4 and result["trained_steps"] == 3
+    assert result["backward_rows"] == {"exact": 3, "jagg": 2, "jagg_rollout": 2, "jagg_shared": 2, "jagg_shared_rollout": 2}
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--model", "/nonexistent/sd3"], "is not a directory"),
-    (["--window", "5"], "longer than the trajectory"),
+    (["--window", "5"], "longer than the 4 trained steps"),
+    (["--timestep-fraction", "0.2"], "train at least one of the --num-steps 4 steps"),
     (["--reward", "pickscore"], "needs --reward-model"),
     (["--prompts", "EMPTY"], "has no prompts"),
     (["--prompts", "/nonexistent/prompts.txt"], "does not exist"),
@@ -396,6 +444,15 @@ def test_mini_pipeline_loads_with_three_encoders_and_pretraining_lowers_the_loss
     cond, _ = train_sd.encode(pipe, ["a red circle", "two blue squares"], "cpu")
     t5_part = cond[0][:, mini_sd3.MAX_TOKENS:]  # [B, 16, E]: CLIP's 16 tokens come first
     assert t5_part.abs().sum() > 0 and not torch.allclose(t5_part[0], t5_part[1])
+
+
+def test_geneval_reward_trains_and_logs_strict_accuracy_per_kind(tiny_sd3, tmp_path):
+    rows = train_sd.main(run_args(tiny_sd3, tmp_path / "g", "--epochs", "1", "--method", "exact", "--reward", "geneval",
+                                  "--eval-samples", "48"))
+    for row in rows:  # the 48 prompts in order: 12 single, 12 count, 24 relation
+        assert 0 <= row["eval/strict"] <= 1 and {"eval/strict_single", "eval/strict_count", "eval/strict_relation"} <= set(row)
+        assert 0 <= row["eval/reward"] <= 1
+    assert rows[1]["train/grad_rows"] > 0
 
 
 def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, capsys):

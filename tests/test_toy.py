@@ -154,7 +154,7 @@ def test_benchmark_prints_ratios_and_writes_json(base_ckpt, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--window", "1"], "--window must be >= 2"),
-    (["--window", "17"], "longer than the trajectory"),
+    (["--window", "17"], "longer than the 16 trained steps"),
     (["--jagg-frac", "1.5"], r"--jagg-frac must be in \[0, 1\]"),
     (["--jagg-frac", "-0.5"], r"--jagg-frac must be in \[0, 1\]"),
     (["--base-ckpt", "/nonexistent/base.pt"], "does not exist"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # JAGG's quality on the mini SD3 (mini_sd3.py) on one GPU: tools/mini_quality.sh's table, with
-# the setting the sanity ladder of docs/mini_sd3.md found to learn (full fine-tuning at lr 3e-4,
-# CFG 2.5, Flow-GRPO's T = 10, noise level 0.7 and KL beta 0.04), with more samples and epochs
+# train_sd.py --preset mini, the setting the sanity ladder of docs/mini_sd3.md found to learn (full
+# fine-tuning at lr 3e-4, CFG 2.5, Flow-GRPO's T = 10, noise level 0.7 and KL beta 0.04), with more samples and epochs
 # than a CPU affords: 16 prompts x 8 samples per epoch in optimizer steps of 32, seeds 0-4 side
 # by side (the mini transformer leaves a large GPU mostly idle). Not yet run on a GPU.
 #
@@ -34,8 +34,7 @@ python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, befor
 every=$(( epochs >= 10 ? epochs / 10 : 1 ))
 run() {  # DIR FLAGS...: one train_sd.py compare or exact run
   local dir=$1; shift
-  python3 train_sd.py --model mini --reward "${REWARD:-cover}" --full-finetune --lr 3e-4 --guidance-scale 2.5 \
-    --beta 0.04 --train-batch 32 --clip-range 0.2 --no-gradient-checkpointing --mixed-precision fp32 \
+  python3 train_sd.py --preset mini --reward "${REWARD:-cover}" --train-batch 32 --mixed-precision fp32 \
     --prompts-per-epoch 16 --group-size 8 --rollout-batch 128 --epochs "$epochs" --eval-every "$every" \
     --eval-samples 192 --final-evals 3 \
     --probe-every "$every" --probe-batch 8 --save-every "$epochs" --window 4 --out "$dir" "$@" > "$dir.log" 2>&1

@@ -8,10 +8,11 @@
 #   tools/mini_quality.sh cover [OUT]      # 20 epochs a run: about 30 minutes on 2 cores
 #   python tools/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
 #
-# The setting is the one the sanity ladder in docs/mini_sd3.md found to learn: full fine-tuning at
-# lr 3e-4, CFG 2.5 (at Flow-GRPO's 4.5 the darkness rose +0.15 in 15 epochs, short of the ladder's
-# +0.2), Flow-GRPO's T = 10, noise level 0.7 and KL beta 0.04, 4 prompts x 8 samples per epoch in
-# optimizer steps of 8.
+# The setting is train_sd.py --preset mini, the one the sanity ladder in docs/mini_sd3.md found to
+# learn: full fine-tuning at lr 3e-4, CFG 2.5 (at Flow-GRPO's 4.5 the darkness rose +0.15 in 15
+# epochs, short of the ladder's +0.2), Flow-GRPO's T = 10, noise level 0.7 and KL beta 0.04, all 10
+# steps trained, 4 prompts x 8 samples per epoch in optimizer steps of 8 (docs/flow_grpo.md lists
+# where that departs from Flow-GRPO's own setting).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 reward=${1:?usage: tools/mini_quality.sh darkness|cover [OUT]}
@@ -26,10 +27,8 @@ python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, befor
 run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished before
   local dir=$1; shift
   [ -f "$dir/summary.json" ] && return 0
-  python3 train_sd.py --model mini --reward "$reward" --full-finetune --lr 3e-4 --guidance-scale 2.5 --beta 0.04 \
-    --train-batch 8 --clip-range 0.2 --prompts-per-epoch 4 --group-size 8 --rollout-batch 32 --window 4 \
-    --no-gradient-checkpointing --epochs "$epochs" $evals --final-evals 3 --save-every "$epochs" --out "$dir" "$@" \
-    > "$dir.log" 2>&1
+  python3 train_sd.py --preset mini --reward "$reward" --epochs "$epochs" $evals --save-every "$epochs" \
+    --out "$dir" "$@" > "$dir.log" 2>&1
   tail -n 1 "$dir.log"
 }
 job() {  # KIND SEED: exact, or a JAGG mode with --exact-from the seed's exact run
