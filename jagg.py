@@ -9,7 +9,8 @@ Exact GRPO on a diffusion model back-propagates through the transformer at every
 because every step's loss depends on that step's velocity. JAGG splits the T steps into windows
 of W steps, assumes the parameter-Jacobian of the velocity moves linearly in t across a window,
 and so collapses the W per-step backward passes into ONE backward over the window's two
-endpoints, run as a double batch [z_a; z_b]: full backward passes per window W -> 2 rows.
+endpoints, run as a double batch [z_a; z_b]: per window, W backward passes over one step's B
+samples each become ONE backward pass over 2B (two steps' rows).
 
 Part I (sections 1-8) is the paper and all a reader needs: Flow-GRPO's SDE step, rollout,
 advantages and loss, the exact backward, the paper's JAGG on one window in one short function
@@ -39,7 +40,8 @@ Notation (code name -> symbol)
     v_old      v_k(theta_old), the rollout's velocities (Trajectory.v)
 
 Letters in shape comments: T steps, W window steps, S any number of steps, B samples,
-M anchors, *D the shape of one sample (C, H, W for images; 2 for the toy), P parameters.
+M anchors, *D the shape of one sample (channels, height, width for images; 2 for the toy), P parameters.
+A "row" is one step's B samples through the network: exact runs T rows with grad, JAGG 2 a window.
 
 The whole contract with a model is one function:
     velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D]
@@ -54,6 +56,7 @@ Run it:
 """
 
 import contextlib
+import copy
 import math
 import time
 import warnings
@@ -102,7 +105,7 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     """
     # Why fp32: log-probabilities of near-identical policies are subtracted and exponentiated
     # in the GRPO ratio; bf16 rounding alone would move the ratio by more than the clip range.
-    dtype = torch.promote_types(v.dtype, torch.float32)  # fp32, or fp64 if given fp64
+    dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)  # fp32, or fp64 if given fp64
     v, z = v.to(dtype), z.to(dtype)
     shape = (-1,) + (1,) * (z.ndim - 1)
     sigma = sigma.to(dtype).reshape(shape)  # [B, 1, ...]
@@ -144,7 +147,7 @@ class Trajectory:
     t_next: torch.Tensor  # sigma_{k+1} of each step            [T, B]
     log_prob: torch.Tensor  # log p_old(z_{k+1} | z_k)           [T, B]
     v: torch.Tensor  # v_k under the sampling policy             [T, B, *D]
-    noise_level: float = None  # the SDE's noise level that drew it (train_step checks the loss uses the same)
+    noise_level: float = None  # the SDE's noise level that drew it (the training step checks the loss uses the same)
 
     TENSORS = ("z", "z_next", "t", "t_next", "log_prob", "v")
 
@@ -155,7 +158,7 @@ class Trajectory:
 
     def first_steps(self, n):
         """The trajectories' first n steps (Flow-GRPO trains int(T * timestep_fraction) = 9 of
-        T = 10: the last step, sigma ~0.009 -> 0, barely changes the image and is not trained).
+        T = 10: the last step, to sigma 0 from SD3's smallest sigma, barely changes the image).
         Every tensor is sliced on dim 0 (T), so the result's .sample is z_n: reward the full one."""
         _check(1 <= n <= self.z.shape[0], f"a trajectory of {self.z.shape[0]} steps has no first {n} steps to train")
         return Trajectory(**{name: getattr(self, name)[:n] for name in self.TENSORS}, noise_level=self.noise_level)
@@ -268,12 +271,14 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
 
 
 def make_step_loss(traj, advantages, a, b, cfg, v_ref=None, log=None):
-    """step_loss(k, v_k) for the window a..b-1 of traj, each step weighted 1/T so that a whole
+    """step_loss(k, v_k) for the steps a..b-1 of traj (b exclusive, as window_bounds gives it;
+    k = 0 is step a), each step weighted 1/T so that a whole
     trajectory's loss is the mean over its steps. v_ref: [b - a, B, *D] reference velocities
     (needed when cfg.beta > 0). Each call appends its stats dict to the list log."""
     T = traj.z.shape[0]
 
     def step_loss(k, v_k):
+        _check(0 <= k < b - a, f"step {k} is outside the window's {b - a} steps")
         i = a + k
         _, log_prob, mean, std = sde_step(v_k, traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
                                           prev_sample=traj.z_next[i])
@@ -292,12 +297,14 @@ def make_step_loss(traj, advantages, a, b, cfg, v_ref=None, log=None):
 
 
 # === 5. Exact per-step backward: the baseline (what Flow-GRPO does) ===
-# Every backward_* function takes S consecutive steps (the paper: a window of W): z [S, B, *D],
+# The backward functions (here, section 6, and Part II's general one) take S consecutive steps
+# (the paper: a window of W): z [S, B, *D],
 # t [S, B], and step_loss(k, v_k) -> scalar, the loss of the k-th of those steps given its
 # velocity [B, *D]. They accumulate parameter gradients like loss.backward() and return the
 # summed loss. timings, if given, is a dict that receives seconds under "fwd_graph",
 # "fwd_nograd" and "backward" (and the training step's "fwd_ref" for the KL reference),
-# synchronised on CUDA so that the numbers mean something.
+# synchronised on CUDA so that the numbers mean something ("fwd_graph" also counts the per-step
+# losses and their g_k, which run with the graph alive).
 
 
 @contextlib.contextmanager
@@ -312,6 +319,15 @@ def _timed(timings, key, device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+
+def check_batch(traj, advantages, cfg):
+    """A batch's trajectories, advantages and loss agree (before any work)."""
+    _check(traj.noise_level is None or traj.noise_level == cfg.noise_level,
+           f"the trajectories were drawn at noise_level {traj.noise_level} but the loss scores them at "
+           f"{cfg.noise_level}: pass the same noise level to rollout and LossConfig")
+    _check(advantages.shape == traj.log_prob.shape[1:],
+           f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
 
 
 def _check_window(z, t):
@@ -344,7 +360,7 @@ def backward_exact(velocity_fn, z, t, step_loss, timings=None):
 # The sum then collapses by linearity into two vector-Jacobian products,
 #     grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k,
 # which one backward of  sum(v_a * G_a) + sum(v_b * G_b)  through ONE forward on the double
-# batch [z_a; z_b] computes. Full backward passes per window: W -> 2 rows, in one pass.
+# batch [z_a; z_b] computes. Per window: W backward passes of one row each -> ONE of 2 rows.
 #
 # When it is exact: if J(z, t) is affine in (z, t) along the window (e.g. v_theta linear in
 # (z, t), whatever its dependence on theta) and the states lie on the straight segment
@@ -366,14 +382,14 @@ def backward_jagg_window(velocity_fn, z, t, step_loss, timings=None):
     _check_window(z, t)
     W = z.shape[0]
     _check(W >= 2, f"JAGG needs a window of at least 2 steps, got W = {W}")
-    acc = torch.promote_types(z.dtype, torch.float32)  # G_a, G_b in fp32 at least, whatever the network's precision
-    alpha = interpolation_weights(t.to(acc))  # [W, B]: 0 at a, 1 at b
+    acc_dtype = torch.promote_types(z.dtype, torch.float32)  # G_a, G_b in fp32 at least, whatever the network's precision
+    alpha = interpolation_weights(t.to(acc_dtype))  # [W, B]: 0 at a, 1 at b
     alpha = alpha.reshape(alpha.shape + (1,) * (z.ndim - 2))  # [W, B, 1..]
 
     # The interior velocities are needed only for g_k = dL_k/dv_k, never back-propagated through
     # the network, so they need no graph: all W - 2 of them in one forward that stores no activations.
     with _timed(timings, "fwd_nograd", z.device), torch.no_grad():
-        v_mid = velocity_fn(z[1:-1], t[1:-1]) if W > 2 else z[1:-1]  # [W-2, B, *D] (empty when W = 2)
+        v_mid = velocity_fn(z[1:-1], t[1:-1]) if W > 2 else z[:0]  # [W-2, B, *D]; W = 2: none, an empty [0, B, *D]
 
     with _timed(timings, "fwd_graph", z.device):
         # The endpoints: one forward with graph on the double batch [z_a; z_b].
@@ -381,15 +397,15 @@ def backward_jagg_window(velocity_fn, z, t, step_loss, timings=None):
         v = torch.cat([v_ab[:1].detach(), v_mid.to(v_ab.dtype), v_ab[1:].detach()])  # [W, B, *D], no graph
 
         # G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k, with g_k from the loss alone.
-        G_a = torch.zeros(v.shape[1:], dtype=acc, device=z.device)  # [B, *D]
-        G_b = torch.zeros(v.shape[1:], dtype=acc, device=z.device)  # [B, *D]
+        G_a = torch.zeros(v.shape[1:], dtype=acc_dtype, device=z.device)  # [B, *D]
+        G_b = torch.zeros(v.shape[1:], dtype=acc_dtype, device=z.device)  # [B, *D]
         total = 0.0
         for k in range(W):
             v_k = v[k].detach().requires_grad_(True)  # [B, *D], a leaf: differentiate the loss, not the network
             loss = step_loss(k, v_k)
             (g_k,) = torch.autograd.grad(loss, v_k)  # [B, *D]
-            G_a += (1 - alpha[k]) * g_k.to(acc)
-            G_b += alpha[k] * g_k.to(acc)
+            G_a += (1 - alpha[k]) * g_k.to(acc_dtype)
+            G_b += alpha[k] * g_k.to(acc_dtype)
             total += loss.item()
 
     # One backward: d/dtheta [sum(v_a * G_a) + sum(v_b * G_b)] = G_a^T J_a + G_b^T J_b.
@@ -427,7 +443,7 @@ def window_bounds(num_steps, window):
     """Split T steps into windows of W steps: [(a, b_exclusive), ...]; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates between two endpoints), got {window}")
     _check(window <= num_steps,
-           f"window ({window}) is longer than the trajectory ({num_steps} steps): use --window <= {num_steps}")
+           f"window ({window}) is longer than the trajectory ({num_steps} steps): use a window <= {num_steps}")
     return [(a, min(a + window, num_steps)) for a in range(0, num_steps, window)]
 
 
@@ -449,8 +465,12 @@ def route_windows(scores, lengths, jagg_frac, floor=None):
 # === 8. One training step over a batch of trajectories ===
 # A batch's gradient, window by window: the windows routing gives to JAGG run
 # backward_jagg_window (section 6), the others backward_exact (section 5). With the KL term, the
-# frozen reference model's velocities are needed at every step too; they need no graph.
-# The caller then clips the gradient and steps the optimizer (train_step does, section 13).
+# frozen reference model's velocities are needed at every step too; they need no graph. One
+# optimizer step is then what it is in any PyTorch loop (the self-check at the end runs it):
+#     optimizer.zero_grad(); paper_gradients(...); clip_grad_norm_(params, 1.0); optimizer.step()
+# on each minibatch of the rollout (traj.subset(idx), the same idx for the conditioning), the
+# first step on-policy (ratio 1), the next ones off-policy, their ratio clipped. Part III's
+# train_step does the same with every option, many ranks and non-finite steps.
 
 
 @dataclass
@@ -459,7 +479,7 @@ class JaggOptions:
     option beyond the paper (Part II) whose default is the paper's behaviour."""
 
     window: int = 4  # W, sampling steps per window
-    jagg_frac: float = 1.0  # the fraction of windows (the most linear ones) trained by JAGG; the rest exact
+    jagg_frac: float = 1.0  # the share of windows of >= 2 steps (the most linear, rounded) JAGG takes; the rest exact
     # --- beyond the paper (Part II, OURS)
     anchors: str = "window"  # "window": the paper's disjoint windows; "shared": windows share end steps (section 9)
     interior: str = "forward"  # "forward": the paper's no-graph forwards; "rollout": the rollout's velocities (10)
@@ -480,7 +500,10 @@ def paper_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=No
     into the parameters' .grad, window by window, routed between exact and the paper's JAGG.
     traj: T steps of B samples; advantages: [B]; cfg: LossConfig; opts: JaggOptions (the paper's
     fields). Returns (stats, routed): routed[i] is True when window i went to JAGG."""
-    _check(opts.is_paper(), f"paper_gradients computes the paper's JAGG only; {opts} asks for more: use train_step")
+    _check(opts.is_paper(), f"paper_gradients computes the paper's JAGG only (anchors 'window', interior 'forward', "
+                            f"weights 'time', route 'velocity'); {opts} asks for more: window_gradients and "
+                            f"train_step take every option")
+    check_batch(traj, advantages, cfg)
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
     T = traj.z.shape[0]
     bounds = window_bounds(T, opts.window)  # [(a, b_exclusive), ...]
@@ -949,11 +972,7 @@ def accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, *, ref_veloci
                          no_sync=contextlib.nullcontext, probe_cosines=None):
     """Add one batch's gradient (window_gradients') to the parameters' .grad, inside no_sync and
     timed: one micro-batch of an optimizer step. Returns (stats, routed)."""
-    _check(traj.noise_level is None or traj.noise_level == cfg.noise_level,
-           f"the trajectories were drawn at noise_level {traj.noise_level} but the loss scores them at "
-           f"{cfg.noise_level}: pass the same noise level to rollout and LossConfig")
-    _check(advantages.shape == traj.log_prob.shape[1:],
-           f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
+    check_batch(traj, advantages, cfg)
     timings, start = {}, time.perf_counter()
     with no_sync():
         stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn, timings,
@@ -1003,15 +1022,16 @@ def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, opts, *, r
 
 
 def _self_check():
-    """What a learner should see; tests/test_jagg.py checks the rest against autograd and torch.func."""
+    """What a learner should see, each line checked (tests/test_jagg.py checks the rest against
+    autograd of the summed loss and torch.func's Jacobians)."""
     torch.set_default_dtype(torch.float64)  # exactness shows as ~1e-16, not fp32's ~1e-7
     torch.manual_seed(0)
-    T, W, B, D = 8, 4, 16, 3
-    rows = []  # (steps, grad enabled) of every network call
+    T, W, B, D = 10, 4, 16, 3  # windows of 4, 4 and 2 steps
+    calls = []  # (rows, grad enabled) of every network call
 
-    def velocity_fn_of(net):  # velocity_fn(z [S, B, D], t [S, B]) -> [S, B, D], recording its rows
+    def velocity_fn_of(net):  # velocity_fn(z [S, B, D], t [S, B]) -> [S, B, D], recording its calls
         def velocity_fn(z, t):
-            rows.append((z.shape[0], torch.is_grad_enabled()))
+            calls.append((z.shape[0], torch.is_grad_enabled()))
             return net(torch.cat([z, t[..., None]], dim=-1))
         return velocity_fn
 
@@ -1023,27 +1043,45 @@ def _self_check():
     # 1. v linear in (z, t), nonlinear in theta (two layers multiplied), on a straight window: J is
     #    affine along it, so JAGG's gradient is exact (section 6).
     linear = torch.nn.Sequential(torch.nn.Linear(D + 1, D + 1), torch.nn.Linear(D + 1, D))
-    t = sigma_schedule(W - 1)[:, None].expand(W, B)  # [W, B]
+    t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B]
     alpha = interpolation_weights(t)[..., None]  # [W, B, 1]
     z = (1 - alpha) * torch.randn(B, D) + alpha * torch.randn(B, D)  # [W, B, D]
     w = torch.randn(W, B, D)
     step_loss = lambda k, v_k: (w[k] * v_k).sum() + (v_k**2).sum()  # noqa: E731
     exact, approx = (grad(linear, f, z, t, step_loss) for f in (backward_exact, backward_jagg_window))
-    print(f"1. v linear in (z, t), one straight window of W = {W}: |JAGG - exact| / |exact| = "
-          f"{((approx - exact).norm() / exact.norm()).item():.1e} (equal up to rounding)")
+    rel = ((approx - exact).norm() / exact.norm()).item()
+    assert rel < 1e-12, rel
+    print(f"1. v linear in (z, t), one straight window of W = {W}: |JAGG - exact| / |exact| = {rel:.1e}: equal")
 
-    # 2. A small nonlinear network on its own rollouts: one batch's GRPO gradient, exact and by JAGG.
+    # 2. A small nonlinear network on its own rollouts, GRPO's loss with the KL to a frozen copy:
+    #    one batch's gradient, exact and by JAGG, and what each ran.
     net = torch.nn.Sequential(torch.nn.Linear(D + 1, 32), torch.nn.Tanh(), torch.nn.Linear(32, D))
+    ref = velocity_fn_of(copy.deepcopy(net).requires_grad_(False))
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4)  # [B]: groups of 4
-    cfg, grads = LossConfig(noise_level=0.7, clip_range=0.2), {}
-    for name, frac in (("exact", 0.0), ("JAGG", 1.0)):
-        rows.clear()
-        grads[name] = grad(net, paper_gradients, traj, advantages, cfg, JaggOptions(W, frac))
-        print(f"2. {name:5s} (T = {T}, W = {W}): the network ran {sum(s for s, g in rows if g)} rows with grad "
-              f"(each a backward) and {sum(s for s, g in rows if not g)} without")
+    cfg, grads = LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04), {}
+    for name, frac, passes in (("exact", 0.0, T), ("JAGG", 1.0, 3)):
+        calls.clear()
+        grads[name] = grad(net, paper_gradients, traj, advantages, cfg, JaggOptions(W, frac), ref)
+        with_grad = [n for n, g in calls if g]
+        assert len(with_grad) == passes  # one forward with graph (and so one backward pass) each
+        print(f"2. {name:5s} (T = {T}, W = {W}): {len(with_grad)} backward passes over {sum(with_grad)} rows "
+              f"(rows: one step's {B} samples), {sum(n for n, g in calls if not g)} rows forward without graph "
+              f"(the KL reference's included)")
     cos = torch.nn.functional.cosine_similarity(grads["exact"], grads["JAGG"], dim=0).item()
+    assert 0.9 < cos < 1 - 1e-9, cos
     print(f"   cosine of JAGG's gradient to the exact one on a small MLP: {cos:.4f} (1 only where J is affine)")
+
+    # 3. The training step: the batch's gradient, clipped, and the optimizer's step (section 8).
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for step in range(1, 4):  # the first step on-policy (ratio 1, clipfrac 0), the next ones off it
+        optimizer.zero_grad(set_to_none=True)
+        stats, routed = paper_gradients(velocity_fn_of(net), traj, advantages, cfg, JaggOptions(W, 1.0), ref)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+        print(f"3. optimizer step {step}: loss {stats['loss']:+.5f}, clipfrac {stats['clipfrac']:.3f}, "
+              f"approx_kl {stats['approx_kl']:.2e}, kl {stats['kl']:.2e}, windows to JAGG {routed}")
+    print("ok")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ SHAPES_REWARDS = ("geneval", "shapes", "shapes_cover", "cover")  # mini_sd3.py's
 # --preset mini: the mini SD3's documented setting on a CPU (docs/mini_sd3.md), the one its tables use.
 PRESETS = {"mini": dict(model="mini", reward="darkness", full_finetune=True, lr=3e-4, guidance_scale=2.5, beta=0.04,
                         clip_range=0.2, prompts_per_epoch=4, group_size=8, rollout_batch=32, train_batch=8,
-                        steps_per_epoch=0, timestep_fraction=1.0, global_std=False, drop_zero_advantage=False,
+                        steps_per_epoch=0, timestep_fraction=1.0, sigma_schedule="linear", global_std=False,
+                        drop_zero_advantage=False,
                         ema=False, gradient_checkpointing=False, window=4, epochs=15, eval_samples=48, eval_every=2,
                         final_evals=3, save_every=15)}
 REWARDS = ["jpeg_compressibility", "jpeg_incompressibility", "darkness", "pickscore", *SHAPES_REWARDS]
@@ -103,8 +104,12 @@ class Config(JaggConfig):
     epochs: int = arg(100, "GRPO epochs (each: rollouts of --prompts-per-epoch prompts, then training)")
     num_steps: int = arg(10, "T, sampling steps of a rollout (Flow-GRPO trains with 10)")
     timestep_fraction: float = arg(0.99, "train the first int(T x this) steps of each rollout, in order (Flow-GRPO's "
-                                         "timestep_fraction: 0.99 trains steps 0-8 of 10; the last, sigma ~0.009 -> 0, "
-                                         "gets no gradient); 1: every step")
+                                         "timestep_fraction: 0.99 trains steps 0-8 of 10; the last, sigma 0.009 -> 0 "
+                                         "in SD3's schedule, gets no gradient); 1: every step")
+    sigma_schedule: str = arg("scheduler", "the sampling steps' sigmas: scheduler (SD3's FlowMatchEulerDiscreteScheduler, "
+                                           "as Flow-GRPO samples: 1, 0.960, ..., 0.278, 0.009, 0 at T = 10) or linear "
+                                           "(jagg.sigma_schedule: the shifted linspace 1, ..., 0.25, 0)",
+                              choices=["scheduler", "linear"])
     guidance_scale: float = arg(4.5, "classifier-free guidance scale (1: no guidance)")
     cfg_grad: str = arg("cond", "which CFG branches training back-propagates through: cond (the unconditional one "
                                 "without graph, as Flow-GRPO's current trainer: half the backward, a biased gradient) "
@@ -681,6 +686,18 @@ def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16
     return images, reward_fn(images, prompts)
 
 
+def sampling_sigmas(cfg, shift):
+    """The T + 1 sigmas of a rollout [T + 1], 1 to 0: SD3's scheduler's (what Flow-GRPO samples
+    with; its last step is a small one, 0.009 -> 0 at T = 10) or jagg.sigma_schedule's linspace."""
+    if cfg.sigma_schedule == "linear":
+        return jagg.sigma_schedule(cfg.num_steps, shift)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(cfg.num_steps)
+    return scheduler.sigmas.float()  # [T+1], the last 0
+
+
 def optimizer_steps(perm, adv, cfg, generator):
     """The epoch's optimizer steps: [[micro-batch sample indices, ...] per step], every rank the same
     number of steps (their all-reduces pair up). Flow-GRPO's: samples with a zero advantage are
@@ -730,7 +747,7 @@ def train(cfg):
         print("config: " + json.dumps(dataclasses.asdict(cfg)))
         print(f"trainable parameters: {sum(p.numel() for p in params):,}; device {device}; bf16 {use_bf16}; world {world}")
 
-    sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0)).to(device)  # [T+1]
+    sigmas = sampling_sigmas(cfg, pipe.scheduler.config.get("shift", 3.0)).to(device)  # [T+1]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     opts = cfg.jagg_options(cfg.method)  # exact: every window exact (jagg_frac 0)
     n_train = trained_steps(cfg)  # Flow-GRPO's int(T * timestep_fraction): the first steps, in order
@@ -942,7 +959,7 @@ def benchmark(cfg):
     # The KL reference: the transformer itself (window_gradients calls it without grad), which costs
     # what the adapter-disabled LoRA model or a frozen copy costs.
     ref_fn = velocity_fn if cfg.beta > 0 else None
-    sigmas = jagg.sigma_schedule(T, 3.0).to(device)  # [T+1]
+    sigmas = sampling_sigmas(cfg, 3.0).to(device)  # [T+1]
     noise = torch.randn(B, tc.in_channels, h, h, device=device)  # [B, C, h, w]
     traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level)
     adv = torch.randn(B, device=device)  # [B]
@@ -1016,7 +1033,7 @@ def reuse_exact(cfg, base):
     device, use_bf16 = pick_device(ex_cfg)
     pipe, transformer = load_pipeline(ex_cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
     load_weights(transformer, load_file(weights_path(cfg.exact_from, ex_cfg.full_finetune)))
-    sigmas = jagg.sigma_schedule(ex_cfg.num_steps, pipe.scheduler.config.get("shift", 3.0)).to(device)
+    sigmas = sampling_sigmas(ex_cfg, pipe.scheduler.config.get("shift", 3.0)).to(device)
     images, rewards = draw_evaluation(pipe, transformer, evaluation_prompts(ex_cfg, default_prompts(ex_cfg)), ex_cfg,
                                       sigmas, make_reward_fn(ex_cfg, device), use_bf16)
     last_epoch, last_reward = summary["eval_curve"][-1]

@@ -1035,14 +1035,17 @@ def test_saved_bytes_fall_with_the_bound():
 
 def test_python_jagg_py_runs_its_self_check():
     """`python jagg.py` runs Part I on tiny models and prints what a learner should see: exact on a
-    linear velocity, 2 rows with grad per window instead of W, a cosine below 1 on an MLP."""
+    linear velocity, one backward pass of 2 rows per window instead of W of one, a cosine below 1
+    on an MLP, and three optimizer steps whose first is on-policy."""
     import re
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "jagg.py"], capture_output=True, text=True, check=True, timeout=120,
                          cwd=common.__file__.rsplit("/", 1)[0]).stdout
-    rel = float(re.search(r"\|JAGG - exact\| / \|exact\| = (\S+)", out).group(1))
-    rows = [int(n) for n in re.findall(r"ran (\d+) rows with grad", out)]
+    rel = float(re.search(r"\|JAGG - exact\| / \|exact\| = ([0-9.e+-]+)", out).group(1))
+    passes = [(int(p), int(r)) for p, r in re.findall(r"(\d+) backward passes over (\d+) rows", out)]
     cos = float(re.search(r"small MLP: (\S+)", out).group(1))
-    assert rel < 1e-12 and rows == [8, 4] and 0.5 < cos < 1 - 1e-6, out
+    clipfrac = [float(c) for c in re.findall(r"clipfrac (\S+),", out)]
+    assert rel < 1e-12 and passes == [(10, 10), (3, 6)] and 0.5 < cos < 1 - 1e-6, out
+    assert clipfrac[0] == 0 and len(clipfrac) == 3 and out.strip().endswith("ok"), out

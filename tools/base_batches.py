@@ -37,7 +37,7 @@ def draw_groups(pipe, transformer, cfg, prompts_all, n_prompts, group, generator
 
     ids = torch.randint(len(prompts_all), (n_prompts,), generator=generator).repeat_interleave(group)  # [B]
     prompts = [prompts_all[i] for i in ids.tolist()]
-    sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0))
+    sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler.config.get("shift", 3.0))
     traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16=False)
     return ids, prompts, traj, cond, uncond, images
 

@@ -105,7 +105,7 @@ def pathwise_darkness_gradient(pipe, transformer, params, cfg, prompts, g):
     estimate of the same gradient GRPO's score-function estimate targets, with far less noise."""
     cond, uncond = train_sd.encode(pipe, prompts, "cpu")
     fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, uncond_grad=True)
-    sigmas = jagg.sigma_schedule(cfg.num_steps, pipe.scheduler.config.get("shift", 3.0))
+    sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler.config.get("shift", 3.0))
     C, h = pipe.transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
     z = torch.randn(len(prompts), C, h, h, generator=g)  # [B, C, h, w]
     for k in range(cfg.num_steps):
