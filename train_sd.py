@@ -218,7 +218,8 @@ class Config(JaggConfig):
         return True, ""
 
     # Flags that change JAGG's run but not exact GRPO's: --exact-from may differ in these alone.
-    JAGG_ONLY_FLAGS = ("method", "out", "resume", "exact_from", *(f.name for f in dataclasses.fields(JaggConfig)))
+    JAGG_ONLY_FLAGS = ("method", "out", "resume", "exact_from", "preset",  # preset: only a way to set the others
+                       *(f.name for f in dataclasses.fields(JaggConfig)))
 
     def exact_from_checks(self):
         """--exact-from: a finished exact run whose settings are this run's but for JAGG_ONLY_FLAGS."""
@@ -1010,7 +1011,8 @@ def benchmark(cfg):
               f"medians of {cfg.bench_repeats} interleaved repeats")
         print(f"\n-- one window's gradient, conditional branch only (W = {W})")
         result.update(report_benchmark(t, W))
-        print(f"\n-- one training step: a whole trajectory (T = {T}, CFG {cfg.guidance_scale}, beta {cfg.beta}, W = {W})")
+        print(f"\n-- one training step: a whole trajectory (T = {T}, the first {trained_steps(cfg)} trained, "
+              f"CFG {cfg.guidance_scale}, beta {cfg.beta}, W = {W})")
         result.update(report_trajectory(t_traj, W))
     write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
     save_png(os.path.join(cfg.out, "benchmark.png"), training_step_bars(
