@@ -245,6 +245,185 @@ def score_cover(image, prompt):
     return 0.5 * score(image, prompt) + 0.5 * coverage(image, prompt)
 
 
+# --- geneval: Flow-GRPO's GenEval reward in miniature, shapes scored by template overlap ------
+#
+# `score` decides a shape by a steep threshold on how much of its bounding box the colour fills:
+# a square whose corners GRPO's noisy steps round off, or a lumpy triangle, falls between two
+# fills and scores near 0 (0.00-0.09 on a run's samples, docs/mini_sd3.md), and training fell
+# under it. GenEval asks a detector, which is tolerant of soft edges; the stand-in here is
+# overlap: each region of an asked colour is matched against the asked shape's template, fitted
+# to the region's centroid and size, and credited by their IoU. A rounded or blurred square
+# still overlaps a square at 0.92-0.97, while a disc overlaps its best square at 0.81-0.87 and
+# a triangle its best disc or square at 0.70-0.78 (rendered ground truth at 32 px), so the
+# shapes are still told apart. geneval scores as Flow-GRPO's GenEval reward: partial credit per
+# object, 1 - |N - N_ref| / N_ref for counts; geneval_strict is GenEval's all-correct accuracy.
+
+SHAPE_AREA = {"circle": math.pi / 4, "square": 1.0, "triangle": 0.5}  # a shape's area over its side squared
+GENEVAL_SIDE = (5.0, 18.0)  # px at 32 px: the plausible sides a template is fitted at (the renderer draws 8-14)
+FIT_SCALES = (0.86, 0.93, 1.0, 1.07, 1.14)  # sides tried, times the side the region's area implies
+FIT_OFFSETS = (-0.5, 0.0, 0.5)  # px at 32 px, on each axis, around the region's centroid
+# Shape credit, per asked shape: 0 at the first IoU, 1 from the second, linear between. The zero is
+# about what the asked shape's template reaches on the nearest other shape (a square's best disc:
+# 0.84-0.94, small squares being pixelated discs; a disc's best square: 0.81-0.87; a disc's or a
+# square's best triangle: 0.68-0.78), full credit about ground truth's when blurred (10th percentile:
+# disc 0.97, square 0.96, triangle 0.92; 0.98-1.0 sharp).
+IOU_CREDIT = {"circle": (0.85, 0.97), "square": (0.82, 0.95), "triangle": (0.75, 0.93)}
+STRICT_IOU, STRICT_MARGIN = 0.88, 0.02  # strict: IoU at least 0.88 and 0.02 above every other shape's
+STRICT_AREA = 20  # pixels at 32 px: strict presence (an 8 px triangle, the smallest drawn, has 28-32)
+RELATION_GAP, RELATION_WIDTH = 3.0, 1.5  # px at 32 px: score's sigmoid on the centroid gap
+MAX_REGIONS = 6  # regions of one colour fitted, largest first (the rest only counted)
+
+
+def mask_regions(mask):
+    """Connected regions (4-neighbours) of a boolean [H, W] mask, largest first: dicts with area,
+    centroid (cx, cy, in pixel indices), bounding box (x0, y0, x1, y1, inclusive) and the region's
+    own boolean mask. The same regions as `components`, found without a Python loop over pixels
+    (a flat fill of 1024 pixels takes `components` about 6 ms): every pixel takes the smallest
+    pixel index among its neighbours' labels and then its label's label (pointer jumping), until
+    nothing changes; each label is then the smallest index in its region."""
+    H, W = mask.shape
+    n = H * W
+    p = np.full((H + 2, W + 2), n)  # labels with a border of background (n) around them
+    lab = p[1:-1, 1:-1]
+    lab[mask] = np.flatnonzero(mask)
+    flat = np.full(n + 1, n)  # flat[i]: pixel i's label; flat[n] = n for the background
+    while True:
+        new = np.minimum(np.minimum(np.minimum(lab, p[:-2, 1:-1]), np.minimum(p[2:, 1:-1], p[1:-1, :-2])), p[1:-1, 2:])
+        flat[:n] = np.where(mask, new, n).ravel()
+        for _ in range(4):
+            flat = flat[flat]
+        new = flat[:n].reshape(H, W)
+        if np.array_equal(new, lab):
+            break
+        lab[...] = new
+    ys, xs = np.nonzero(mask)
+    ids, inv, area = np.unique(lab[ys, xs], return_inverse=True, return_counts=True)
+    cx, cy = np.bincount(inv, xs) / area, np.bincount(inv, ys) / area
+    found = []
+    for k in np.argsort(-area, kind="stable"):
+        own = inv == k
+        found.append({"area": int(area[k]), "cx": float(cx[k]), "cy": float(cy[k]), "mask": lab == ids[k],
+                      "box": (int(xs[own].min()), int(ys[own].min()), int(xs[own].max()), int(ys[own].max()))})
+    return found
+
+
+def fit_shapes(region):
+    """{shape: IoU} of the region's mask with each shape's template at its best fit: the template
+    (a disc, an axis-aligned square, an upright triangle, as the renderer draws them) is centred
+    on the region's centroid (a triangle's centroid is a third of its height above its base), its
+    side taken from the region's area and tried at FIT_SCALES times that and FIT_OFFSETS around the
+    centroid, the best IoU kept. A template pixel is one whose centre falls inside the shape.
+
+    The side is capped to GENEVAL_SIDE: a flat fill or one big disc of an asked colour cannot be
+    matched by a template of plausible object size, and scores low (a 28 px disc overlaps an 18 px
+    disc at 0.41)."""
+    mask = region["mask"]
+    H, W = mask.shape
+    u = W / 32
+    gx, gy = region["cx"] + 0.5, region["cy"] + 0.5  # pixel (i, j) covers [j, j + 1] x [i, i + 1]
+    sides = {shape: np.clip(math.sqrt(region["area"] / k) * np.array(FIT_SCALES), GENEVAL_SIDE[0] * u, GENEVAL_SIDE[1] * u)
+             for shape, k in SHAPE_AREA.items()}
+    reach = int(2 / 3 * max(s.max() for s in sides.values()) + max(FIT_OFFSETS) * u) + 2  # a triangle's apex is 2/3 of its side away
+    y0, y1, x0, x1 = max(0, int(gy) - reach), min(H, int(gy) + reach + 1), max(0, int(gx) - reach), min(W, int(gx) + reach + 1)
+    inside = mask[y0:y1, x0:x1].ravel().astype(np.float32)  # [P]: every pixel a fitted template can reach
+    ys, xs = np.mgrid[y0:y1, x0:x1]
+    off = np.array(FIT_OFFSETS) * u
+    X = ((xs.ravel() + 0.5 - gx)[None, None, None, :] - off[None, :, None, None]).astype(np.float32)  # [1, Ox, 1, P]
+    Y = ((ys.ravel() + 0.5 - gy)[None, None, None, :] - off[None, None, :, None]).astype(np.float32)  # [1, 1, Oy, P]
+    ious = {}
+    for shape, side in sides.items():
+        s = side.astype(np.float32)[:, None, None, None]  # [S, 1, 1, 1]
+        if shape == "circle":
+            t = X**2 + Y**2 <= (s / 2) ** 2
+        elif shape == "square":
+            t = (np.abs(X) <= s / 2) & (np.abs(Y) <= s / 2)
+        else:  # depth below the apex, which is 2/3 of the side above the centroid
+            depth = Y + 2 * s / 3
+            t = (depth >= 0) & (depth <= s) & (np.abs(X) <= depth / 2)
+        t = t.reshape(-1, inside.size).astype(np.float32)  # [candidates, P]
+        inter = t @ inside
+        ious[shape] = float((inter / (t.sum(-1) + region["area"] - inter)).max())
+    return ious
+
+
+def _geneval_objects(labels, color, shape):
+    """The regions of one colour at least MIN_AREA large (scaled with the image), each with its
+    graded quality (present by area x shape credit by IoU) and whether it passes the strict check
+    (at least STRICT_AREA large, IoU at least STRICT_IOU and STRICT_MARGIN above every other shape's), best
+    quality first; and how many there are (the count)."""
+    u2 = (labels.shape[1] / 32) ** 2
+    found = [r for r in mask_regions(labels == list(COLORS).index(color)) if r["area"] >= MIN_AREA * u2]
+    scored = []
+    for r in found[:MAX_REGIONS]:
+        ious = fit_shapes(r)
+        present = min(1.0, max(0.0, (r["area"] - MIN_AREA * u2) / ((FULL_AREA - MIN_AREA) * u2)))
+        zero, full = IOU_CREDIT[shape]
+        credit = min(1.0, max(0.0, (ious[shape] - zero) / (full - zero)))
+        other = max(v for s, v in ious.items() if s != shape)
+        ok = r["area"] >= STRICT_AREA * u2 and ious[shape] >= STRICT_IOU and ious[shape] >= other + STRICT_MARGIN
+        scored.append({"quality": present * credit, "strict": ok, "cx": r["cx"], "iou": ious, "area": r["area"]})
+    return sorted(scored, key=lambda o: -o["quality"]), len(found)
+
+
+def geneval_details(image, prompt):
+    """GenEval's reward as Flow-GRPO trains on it, from pixels alone: {'score': graded in [0, 1],
+    'strict': 0 or 1, 'kind': 'single' | 'count' | 'relation'}, so that a trainer can log the
+    graded reward and GenEval's all-correct accuracy per task.
+
+    Each asked object is the region of its colour that scores best: quality = present (by area,
+    0 at MIN_AREA, 1 at FULL_AREA) x shape credit (the IoU of its best-fitting template of the
+    asked shape, graded between the IOU_CREDIT of that shape; see fit_shapes). Then, per kind:
+        single:   the object's quality
+        count:    (1 - |N - 2| / 2, floored at 0) x the mean quality of the two best regions, with
+                  N the number of regions of the colour at least MIN_AREA large: Flow-GRPO's
+                  partial credit for counting, 1 - |N - N_ref| / N_ref
+        relation: the two objects' mean quality x sigmoid((gap - 3 px) / 1.5 px), the gap between
+                  their centroids in the asked direction (as `score`); half of the mean if one
+                  object is missing, as the relation cannot be checked
+    strict is GenEval's correct/incorrect: every object present (STRICT_AREA) with the asked shape by a
+    clear margin (IoU at least STRICT_IOU, STRICT_MARGIN above every other shape's), exactly two
+    regions for a count, and the gap beyond RELATION_GAP (where the sigmoid passes 1/2)."""
+    spec = parse(prompt)
+    labels = colour_labels(image)
+    if spec.kind == "single":
+        (color, shape), = spec.objects
+        found, _ = _geneval_objects(labels, color, shape)
+        best = found[0] if found else None
+        return {"score": best["quality"] if best else 0.0, "strict": int(bool(best and any(o["strict"] for o in found))),
+                "kind": "single"}
+    if spec.kind == "count":
+        (color, shape), _ = spec.objects
+        found, n = _geneval_objects(labels, color, shape)
+        want = len(spec.objects)
+        quality = sum(o["quality"] for o in found[:want]) / want
+        strict = n == want and sum(o["strict"] for o in found) == want
+        return {"score": max(0.0, 1 - abs(n - want) / want) * quality, "strict": int(strict), "kind": "count"}
+    (ca, sa), (cb, sb) = spec.objects
+    a, b = _geneval_objects(labels, ca, sa)[0], _geneval_objects(labels, cb, sb)[0]
+    a, b = (a[0] if a else None), (b[0] if b else None)
+    objects = 0.5 * ((a["quality"] if a else 0.0) + (b["quality"] if b else 0.0))
+    if a is None or b is None:
+        return {"score": 0.5 * objects, "strict": 0, "kind": "relation"}
+    gap = (b["cx"] - a["cx"]) if spec.kind == "left of" else (a["cx"] - b["cx"])  # > 0 when right
+    gap *= 32 / labels.shape[1]  # in pixels at 32 px
+    strict = a["strict"] and b["strict"] and gap > RELATION_GAP
+    return {"score": objects / (1 + math.exp(-(gap - RELATION_GAP) / RELATION_WIDTH)), "strict": int(strict),
+            "kind": "relation"}
+
+
+def geneval(image, prompt):
+    """The graded GenEval reward in [0, 1] (geneval_details' score): the reward to train on.
+    Ground truth scores about 1, also blurred or with rounded corners (a small VAE decodes soft
+    images); a wrong colour, order, count or shape, a flat fill or one big blob scores low."""
+    return geneval_details(image, prompt)["score"]
+
+
+def geneval_strict(image, prompt):
+    """GenEval's strict accuracy, 0 or 1 (geneval_details' strict): every object present with the
+    right shape by a clear margin, the exact count, the relation satisfied."""
+    return geneval_details(image, prompt)["strict"]
+
+
 # =====================================================================================
 # 3. The pipeline: SD3.5's parts at a small size
 # =====================================================================================
