@@ -938,6 +938,9 @@ def probe_average(average, cosines, decay):
 # Why skip: a non-finite loss or gradient (bf16 rollouts of real models do give NaN
 # log-probabilities) would poison the weights and the optimizer's moments for good; every rank
 # skips the step alike, leaving both untouched, and says so.
+# Gradient accumulation (Flow-GRPO's 2 optimizer steps per epoch over several micro-batches):
+# accumulate_gradients per micro-batch, then one optimizer_step, which averages over both the
+# micro-batches and the ranks; train_step is the two for a single batch.
 
 
 def _distributed():

@@ -69,7 +69,7 @@ class MiniTask:
 
         self.train_sd, self.draw_groups = train_sd, draw_groups
         cfg = train_sd.Config(**{**train_sd.PRESETS["mini"], "device": "cpu", "seed": args.seed,
-                                 "rollout_batch": args.batch})
+                                 "rollout_batch": args.batch, "model": args.model, "resolution": args.resolution})
         torch.manual_seed(args.seed)
         self.pipe, self.model = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
         self.cfg = dataclasses.replace(cfg, resolution=train_sd.default_resolution(self.pipe, cfg))
@@ -264,6 +264,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32, help="samples per batch (mini: a multiple of the group, 8)")
     parser.add_argument("--inner-steps", type=int, default=4,
                         help="optimizer steps per rollout (the mini setting: 4; Flow-GRPO: 2)")
+    parser.add_argument("--model", default="mini", help="mini: a saved mini pipeline folder, or mini (the cached one)")
+    parser.add_argument("--resolution", type=int, default=0, help="mini: image size (0: the model's own)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         help="the JAGG modes to measure against exact (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's training and the rollouts")
