@@ -91,9 +91,9 @@ class JaggConfig:
     min_cosine: float = arg(0.0, "--route probe never lets JAGG take a window whose averaged cosine is below this "
                                  "(0 keeps windows with a negative cosine exact; -1: no floor)")
     max_drift: float = arg(jagg.JaggOptions.max_drift,
-                           "--interior rollout: a segment whose anchors' velocities moved more than this (relative "
-                           "norm) since the rollout takes forward interiors instead (ours; jagg.py section 10); "
-                           "-1: the rollout rule at any drift")
+                           "--interior rollout: a segment with an anchor whose ratio has moved since the rollout "
+                           "by more than this share of the clip range, max |ratio - 1| / clip, takes forward "
+                           "interiors instead (ours; jagg.py section 10); -1: the rollout rule at any drift")
 
     def jagg_options(self, method="jagg"):
         """The jagg.JaggOptions these flags ask for; method "exact" trains every window exactly."""
