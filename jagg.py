@@ -899,6 +899,9 @@ def gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_veloc
     check_options(opts)
     params, cosines = list(params), []
     for a, b in segment_bounds(traj.z.shape[0], opts.window, opts.anchors):
+        if b - a < 2:  # one step: always exact
+            cosines.append(1.0)
+            continue
         z, t = traj.z[a:b], traj.t[a:b]  # [S, B, *D], [S, B]
         options = {"v_rollout": traj.v[a:b] if opts.interior == "rollout" else None, "weights": opts.weights}
         jagg_kwargs = dict(options, drift_fn=lambda k, v_k, a=a: ratio_drift(traj, cfg, a + k, v_k),
@@ -908,10 +911,9 @@ def gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_veloc
             for p in params:
                 p.grad = None
             v_ref = reference_velocities(ref_velocity_fn, z, t, **ref_options) if cfg.beta > 0 else None
-            if b - a >= 2 or backward is backward_exact:  # one step: exact, cosine 1
-                backward(velocity_fn, z, t, make_step_loss(traj, advantages, a, b, cfg, v_ref), **kwargs)
+            backward(velocity_fn, z, t, make_step_loss(traj, advantages, a, b, cfg, v_ref), **kwargs)
             grads.append(flat_grad(params))  # [P]
-        cosines.append(1.0 if b - a < 2 else torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item())
+        cosines.append(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item())
     for p in params:
         p.grad = None
     return cosines
