@@ -678,11 +678,11 @@ def evaluation_prompts(cfg, prompts_all):
     return [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]
 
 
-def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16):
-    """The evaluation: the prompts (evaluation_prompts), each with its own noise fixed by --seed.
-    Returns (images, rewards [N])."""
+def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16, noise_seed=None):
+    """The evaluation: the prompts (evaluation_prompts), each with its own noise fixed by --seed
+    (or by noise_seed: tools/eval_noise.py's independent draws). Returns (images, rewards [N])."""
     transformer.eval()
-    g = torch.Generator(device=sigmas.device).manual_seed(cfg.seed + 12345)
+    g = torch.Generator(device=sigmas.device).manual_seed(cfg.seed + 12345 if noise_seed is None else noise_seed)
     _, _, _, images = sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16)
     return images, reward_fn(images, prompts)
 
@@ -1023,21 +1023,29 @@ def benchmark(cfg):
     return result
 
 
+def load_run(folder, trained=True):
+    """A finished single run (exact or jagg): (summary, its Config, (pipe, transformer, sigmas,
+    use_bf16)) with its saved final weights loaded, or the base model's with trained=False."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "summary.json")) as f:
+        summary = json.load(f)
+    run_cfg = Config(**{k: v for k, v in summary["config"].items() if k in Config.__dataclass_fields__})
+    device, use_bf16 = pick_device(run_cfg)
+    pipe, transformer = load_pipeline(run_cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
+    if trained:
+        load_weights(transformer, load_file(weights_path(folder, run_cfg.full_finetune)))
+    sigmas = sampling_sigmas(run_cfg, pipe.scheduler.config.get("shift", 3.0)).to(device)
+    return summary, run_cfg, (pipe, transformer, sigmas, use_bf16)
+
+
 def reuse_exact(cfg, base):
     """--exact-from: (None, summary, evaluated) of the finished exact run, as train() returns them.
     evaluated holds the base model's evaluation (base: JAGG's, drawn from the same model with
     the same noise) and the final one, redrawn from the run's saved weights."""
-    from safetensors.torch import load_file
-
-    with open(os.path.join(cfg.exact_from, "summary.json")) as f:
-        summary = json.load(f)
-    ex_cfg = Config(**{k: v for k, v in summary["config"].items() if k in Config.__dataclass_fields__})
-    device, use_bf16 = pick_device(ex_cfg)
-    pipe, transformer = load_pipeline(ex_cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
-    load_weights(transformer, load_file(weights_path(cfg.exact_from, ex_cfg.full_finetune)))
-    sigmas = sampling_sigmas(ex_cfg, pipe.scheduler.config.get("shift", 3.0)).to(device)
+    summary, ex_cfg, (pipe, transformer, sigmas, use_bf16) = load_run(cfg.exact_from)
     images, rewards = draw_evaluation(pipe, transformer, evaluation_prompts(ex_cfg, default_prompts(ex_cfg)), ex_cfg,
-                                      sigmas, make_reward_fn(ex_cfg, device), use_bf16)
+                                      sigmas, make_reward_fn(ex_cfg, sigmas.device), use_bf16)
     last_epoch, last_reward = summary["eval_curve"][-1]
     if abs(rewards.mean().item() - last_reward) > 1e-4:
         print(f"note: the redrawn final evaluation of {cfg.exact_from} scores {rewards.mean().item():.4f}, the run "

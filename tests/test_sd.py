@@ -6,6 +6,7 @@ checker against rendered ground truth."""
 import dataclasses
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -494,6 +495,24 @@ def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, c
     assert paper["mode"] == "jagg" and not (again / "exact").exists()
     assert paper["exact"] == ex and paper["reward_gain"]["exact"] == comparison["reward_gain"]["exact"]
     assert (again / "samples.png").exists() and (again / "jagg" / "summary.json").exists()
+
+    # tools/eval_noise.py on the same runs: each draw its own noise, the base model first, the
+    # fixed-noise evaluations the runs recorded beside them, the draws written out.
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+    import eval_noise
+
+    with pytest.raises(SystemExit):  # a folder without a finished run: refused before any work
+        eval_noise.main([str(tmp_path / "nothing"), "--draws", "2"])
+    base, exact = eval_noise.main([str(out / "exact"), "--draws", "2", "--out", str(tmp_path / "noise.json")])
+    assert base["model"] == "base" and base["fixed_noise_eval"] == ex["eval_curve"][0][1]
+    assert exact["fixed_noise_eval"] == ex["eval_curve"][-1][1]
+    assert len(exact["draws"]) == 2 and json.load(open(tmp_path / "noise.json"))["models"][1]["draws"] == exact["draws"]
+    _, run_cfg, (pipe, transformer, sigmas, bf16) = train_sd.load_run(str(out / "exact"))
+    prompts = train_sd.evaluation_prompts(run_cfg, train_sd.default_prompts(run_cfg))
+    draws = [train_sd.draw_evaluation(pipe, transformer, prompts, run_cfg, sigmas, lambda ims, ps: torch.zeros(len(ims)),
+                                      bf16, noise_seed)[0] for noise_seed in (None, eval_noise.NOISE_SEED, eval_noise.NOISE_SEED + 1)]
+    pixels = [torch.tensor([list(im.getdata()) for im in images], dtype=torch.float32) for images in draws]
+    assert not torch.equal(pixels[1], pixels[2]) and not torch.equal(pixels[0], pixels[1])  # independent noise per draw
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -2,11 +2,13 @@
 # JAGG's quality on the mini SD3 (mini_sd3.py) on one GPU: tools/mini_quality.sh's table, with
 # train_sd.py --preset mini, the setting the sanity ladder of docs/mini_sd3.md found to learn (full
 # fine-tuning at lr 3e-4, CFG 2.5, Flow-GRPO's T = 10, noise level 0.7 and KL beta 0.04), with more samples and epochs
-# than a CPU affords: 16 prompts x 8 samples per epoch in optimizer steps of 32, seeds 0-4 side
+# than a CPU affords: 16 prompts x 8 samples per epoch in optimizer steps of 32, the seeds side
 # by side (the mini transformer leaves a large GPU mostly idle). Not yet run on a GPU.
 #
 #   tools/gpu_mini_quality.sh [OUT] [EPOCHS] [more train_sd.py flags]   # default runs/gpu_mini, 40
-#   REWARD=shapes tools/gpu_mini_quality.sh ...                          # the reward (default cover)
+#   REWARD=darkness tools/gpu_mini_quality.sh ...                        # the reward (default geneval)
+#   SEEDS="0 1 2 3 4" JOBS=10 tools/gpu_mini_quality.sh ...              # the seeds (default 0-19: the
+#                                                                        # CPU tables' spread asks for 15-90), runs at a time
 #   PHASE=exact tools/gpu_mini_quality.sh ...; PHASE=jagg tools/gpu_mini_quality.sh ...   # in two calls
 #   tools/gpu_mini_quality.sh /tmp/q 1 --device cpu --eval-samples 8 --prompts-per-epoch 2 --group-size 4 \
 #     --rollout-batch 8 --train-batch 8 --probe-batch 2                  # the same script, tested on a CPU
@@ -20,6 +22,8 @@ cd "$(dirname "$0")/.."
 out=${1:-runs/gpu_mini}
 epochs=${2:-40}
 phase=${PHASE:-all}  # exact, jagg (the exact runs must exist) or all
+seeds=${SEEDS:-$(seq -s ' ' 0 19)}
+jobs_max=${JOBS:-10}  # runs at a time on the GPU
 case "$phase" in all|exact|jagg) ;; *) echo "error: PHASE must be all, exact or jagg, got '$phase'"; exit 1;; esac
 shift 2 || shift $# || true
 if ! python3 -c "import diffusers, peft" 2>/dev/null; then
@@ -34,25 +38,27 @@ python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, befor
 every=$(( epochs >= 10 ? epochs / 10 : 1 ))
 run() {  # DIR FLAGS...: one train_sd.py compare or exact run
   local dir=$1; shift
-  python3 train_sd.py --preset mini --reward "${REWARD:-cover}" --train-batch 32 --mixed-precision fp32 \
+  python3 train_sd.py --preset mini --reward "${REWARD:-geneval}" --train-batch 32 --mixed-precision fp32 \
     --prompts-per-epoch 16 --group-size 8 --rollout-batch 128 --epochs "$epochs" --eval-every "$every" \
     --eval-samples 192 --final-evals 3 \
     --probe-every "$every" --probe-batch 8 --save-every "$epochs" --window 4 --out "$dir" "$@" > "$dir.log" 2>&1
   tail -n 2 "$dir.log"
 }
+slot() { while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done; }  # wait for a free slot
 mkdir -p "$out"
 if [ "$phase" != jagg ]; then
-  for seed in 0 1 2 3 4; do
-    mkdir -p "$out/paper_seed$seed"
+  for seed in $seeds; do
+    mkdir -p "$out/paper_seed$seed"; slot
     run "$out/paper_seed$seed/exact" --method exact --seed "$seed" "$@" &
   done
   wait
 fi
 [ "$phase" = exact ] && exit 0
-for seed in 0 1 2 3 4; do
-  run "$out/paper_seed$seed" --method compare --exact-from "$out/paper_seed$seed/exact" --seed "$seed" "$@" &
-  run "$out/shared_seed$seed" --method compare --exact-from "$out/paper_seed$seed/exact" --seed "$seed" \
+for seed in $seeds; do
+  slot; run "$out/paper_seed$seed" --method compare --exact-from "$out/paper_seed$seed/exact" --seed "$seed" "$@" &
+  slot; run "$out/shared_seed$seed" --method compare --exact-from "$out/paper_seed$seed/exact" --seed "$seed" \
     --anchors shared --interior rollout "$@" &
 done
 wait
-python3 tools/summarize.py compare "$out"/paper_seed[0-9] "$out"/shared_seed[0-9]
+python3 tools/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \
+  $(for s in $seeds; do echo "$out/shared_seed$s"; done)

@@ -20,8 +20,10 @@ out=${2:-runs/mini_$reward}
 case "$reward" in
   darkness) epochs=15 evals="--eval-samples 48 --eval-every 2" ;;
   cover) epochs=20 evals="--eval-samples 96 --eval-every 2" ;;
-  *) echo "error: the reward must be darkness or cover, got '$reward'"; exit 1 ;;
+  geneval) epochs=15 evals="--eval-samples 96 --eval-every 2" ;;
+  *) echo "error: the reward must be darkness, cover or geneval, got '$reward'"; exit 1 ;;
 esac
+seeds=${SEEDS:-0 1 2 3 4}  # SEEDS="0 1 ... 19" tools/mini_quality.sh ...: more seeds, a narrower interval
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
 run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished before
@@ -44,7 +46,7 @@ export -f run job
 export reward out epochs evals
 mkdir -p "$out"
 # two runs at a time: every seed's exact run first, then the JAGG runs that start from them
-printf 'exact %s\n' 0 1 2 3 4 | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
-printf '%s\n' "paper 0" "shared 0" "paper 1" "shared 1" "paper 2" "shared 2" "paper 3" "shared 3" "paper 4" "shared 4" \
-  | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
-python3 tools/summarize.py compare "$out"/paper_seed[0-9] "$out"/shared_seed[0-9]
+for s in $seeds; do echo "exact $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
+for s in $seeds; do echo "paper $s"; echo "shared $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
+python3 tools/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \
+  $(for s in $seeds; do echo "$out/shared_seed$s"; done)

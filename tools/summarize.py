@@ -56,9 +56,9 @@ def compare(runs):
               f"| {s['backward_speedup']:.2f}x | {s['train_speedup']:.2f}x | {cosines(s['jagg']['probe_cosine_by_position'])} |"
               + (f" {noise(s['exact'])} |" if "eval_curve" in s["exact"] else ""))
     print()
-    print("| mode | seeds | gain kept, mean (95 % interval) | gain kept, worst | ratio of mean gains "
-          "| JAGG's gain - exact's, mean (95 % interval) |")
-    print("|---|---|---|---|---|---|")
+    print("| mode | seeds | gain kept, mean (95 % interval) | gain kept, worst | ratio of mean gains (95 % interval) "
+          "| JAGG's gain - exact's, mean (95 % interval) | seeds for ±10 points: mean, ratio |")
+    print("|---|---|---|---|---|---|---|")
     for mode, ratios in kept.items():
         ratios = [r for r in ratios if r is not None]
         runs_of = [load(run) for run in runs if load(run)["mode"] == mode]
@@ -66,22 +66,58 @@ def compare(runs):
         if ratios:
             mean, half = mean_interval(ratios)
             diff, dhalf = mean_interval([j - e for e, j in gains])
+            ratio, rhalf, rsd = ratio_interval(gains)
             print(f"| {mode} | {len(ratios)} | {100 * mean:.1f} % ({100 * (mean - half):.0f}-{100 * (mean + half):.0f} %) "
-                  f"| {100 * min(ratios):.1f} % | {100 * sum(j for _, j in gains) / sum(e for e, _ in gains):.1f} % "
-                  f"| {diff:+.3f} ({diff - dhalf:+.3f} to {diff + dhalf:+.3f}) |")
+                  f"| {100 * min(ratios):.1f} % | {100 * ratio:.1f} % ({100 * (ratio - rhalf):.0f}-{100 * (ratio + rhalf):.0f} %) "
+                  f"| {diff:+.3f} ({diff - dhalf:+.3f} to {diff + dhalf:+.3f}) "
+                  f"| {seeds_for(sd_of(ratios), 0.10)}, {seeds_for(rsd, 0.10)} |")
+
+
+def sd_of(xs):
+    """The sample standard deviation (0 for one number)."""
+    if len(xs) < 2:
+        return 0.0
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def ratio_interval(gains):
+    """(R, half-width of its 95 % interval, per-seed sd) of the ratio of mean gains R = mean(JAGG's) /
+    mean(exact's) over seeds [(exact, jagg), ...], by the ratio estimator's linearisation: R's
+    error is that of mean(jagg - R exact) / mean(exact). Unlike the mean of per-seed ratios, a seed
+    whose exact gain happens to be small does not blow it up."""
+    n = len(gains)
+    ratio = sum(j for _, j in gains) / sum(e for e, _ in gains)
+    mean_exact = sum(e for e, _ in gains) / n
+    sd = sd_of([(j - ratio * e) / mean_exact for e, j in gains])
+    return ratio, (t95(n - 1) * sd / math.sqrt(n) if n > 1 else 0.0), sd
+
+
+def seeds_for(sd, half):
+    """The fewest seeds whose 95 % t interval is at most ±half at a per-seed spread sd (as measured)."""
+    if sd == 0:
+        return "-"
+    n = 2
+    while t95(n - 1) * sd / math.sqrt(n) > half and n < 10_000:
+        n += 1
+    return str(n)
 
 
 # Student's t, two-sided 95 %, by degrees of freedom (the seeds of a table are few)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
+       25: 2.060, 30: 2.042}
+
+
+def t95(df):
+    """Student's t, two-sided 95 %, at df degrees of freedom (the table's nearest lower entry; 1.96 past 30)."""
+    return T95[max(k for k in T95 if k <= df)] if df <= 30 else 1.96
 
 
 def mean_interval(xs):
     """(mean, half-width of its 95 % t interval) of a few numbers (0 for one)."""
     n, mean = len(xs), sum(xs) / len(xs)
-    if n < 2:
-        return mean, 0.0
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-    return mean, T95.get(n - 1, 1.96) * sd / math.sqrt(n)
+    return mean, (t95(n - 1) * sd_of(xs) / math.sqrt(n) if n > 1 else 0.0)
 
 
 def routing(runs, exact):

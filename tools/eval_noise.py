@@ -1,0 +1,83 @@
+"""The evaluation's own sampling error: each model's evaluation redrawn with independent noise.
+
+    python tools/eval_noise.py runs/mini_geneval/paper_seed0/exact runs/mini_geneval/paper_seed0/jagg ... --draws 4
+    python tools/eval_noise.py runs/mini_geneval/paper_seed*/exact --draws 4 --out runs/eval_noise.json
+
+A train_sd.py run evaluates with one fixed noise draw per sample (--seed's), the same at every
+epoch, so the spread of its last evaluations is the model's drift between epochs, not the error
+of the evaluation. This tool loads each finished run's final weights (and the base model, from the
+first run's settings) and draws the run's evaluation --draws more times, each with its own noise
+seed: the same prompts, sampler and reward. The standard deviation of those means is the
+sampling error of one evaluation of --eval-samples samples, the number to set beside a gain and
+beside the spread between seeds. Writes every draw to --out (JSON) and prints a table.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import write_json  # noqa: E402
+
+NOISE_SEED = 7_000_000  # draw k uses NOISE_SEED + k: far from train_sd.py's seed + 12345 for any usual --seed
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", help="finished single train_sd.py runs (a folder with summary.json and the "
+                                                "saved weights: a compare's DIR/exact or DIR/jagg)")
+    parser.add_argument("--draws", type=int, default=4, help="independent noise draws per model (>= 2)")
+    parser.add_argument("--no-base", action="store_true", help="skip the base model (the first run's settings, untrained)")
+    parser.add_argument("--out", default="", help="also write the draws to this JSON file")
+    args = parser.parse_args(argv)
+    if args.draws < 2:
+        parser.error(f"--draws must be at least 2 for a standard deviation, got {args.draws}")
+    for run in args.runs:
+        if not os.path.isfile(os.path.join(run, "summary.json")):
+            parser.error(f"{run!r} holds no finished run (no summary.json); give a compare's DIR/exact or DIR/jagg")
+        if not any(os.path.isfile(os.path.join(run, f)) for f in ("transformer.safetensors", "lora.safetensors")):
+            parser.error(f"{run!r} has no saved weights (transformer.safetensors or lora.safetensors)")
+
+    import train_sd
+
+    models = ([("base", args.runs[0], False)] if not args.no_base else []) + [(run, run, True) for run in args.runs]
+    results = []
+    bar = tqdm(total=len(models) * args.draws, desc="evaluations", dynamic_ncols=True)
+    for name, folder, trained in models:
+        summary, cfg, (pipe, transformer, sigmas, use_bf16) = train_sd.load_run(folder, trained=trained)
+        prompts = train_sd.evaluation_prompts(cfg, train_sd.default_prompts(cfg))
+        reward_fn = train_sd.make_reward_fn(cfg, sigmas.device)
+        means, strict = [], []
+        for k in range(args.draws):
+            images, rewards = train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
+                                                       noise_seed=NOISE_SEED + k)
+            means.append(rewards.mean().item())
+            if cfg.reward == "geneval":
+                strict.append(train_sd.strict_accuracy(images, prompts)["eval/strict"])
+            bar.update()
+        fixed = summary["eval_curve"][0 if not trained else -1][1]
+        results.append({"model": name, "reward": cfg.reward, "eval_samples": cfg.eval_samples, "draws": means,
+                        "mean": statistics.mean(means), "sd": statistics.stdev(means),
+                        "fixed_noise_eval": fixed, **({"strict_draws": strict} if strict else {})})
+    bar.close()
+    print(f"| model | evaluation, fixed noise | mean of {args.draws} independent draws | sd of one evaluation "
+          f"(sampling error) |")
+    print("|---|---|---|---|")
+    for r in results:
+        print(f"| {r['model']} | {r['fixed_noise_eval']:.3f} | {r['mean']:.3f} | {r['sd']:.4f} |")
+    sds = [r["sd"] for r in results]
+    rms = (sum(s * s for s in sds) / len(sds)) ** 0.5
+    print(f"\nroot-mean-square sampling error of one evaluation of {results[0]['eval_samples']} samples: {rms:.4f}; "
+          f"of a gain (two independent evaluations): {rms * 2 ** 0.5:.4f}")
+    if args.out:
+        write_json(args.out, {"draws": args.draws, "noise_seed": NOISE_SEED, "rms_sd": rms, "models": results})
+        print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
