@@ -6,6 +6,8 @@
 #
 #   tools/mini_quality.sh darkness [OUT]   # 15 epochs a run: about 20 minutes on 2 cores
 #   tools/mini_quality.sh cover [OUT]      # 20 epochs a run: about 30 minutes on 2 cores
+#   tools/mini_quality.sh geneval [OUT]    # 15 epochs; exact GRPO lowers it so far (docs/mini_sd3.md)
+#   SEEDS="$(seq -s ' ' 0 19)" tools/mini_quality.sh darkness   # 20 seeds: summarize prints how many ±10 points need
 #   python tools/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
 #
 # The setting is train_sd.py --preset mini, the one the sanity ladder in docs/mini_sd3.md found to
