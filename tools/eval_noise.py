@@ -13,6 +13,7 @@ beside the spread between seeds. Writes every draw to --out (JSON) and prints a 
 """
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -36,13 +37,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.draws < 2:
         parser.error(f"--draws must be at least 2 for a standard deviation, got {args.draws}")
+    import train_sd
+
     for run in args.runs:
         if not os.path.isfile(os.path.join(run, "summary.json")):
             parser.error(f"{run!r} holds no finished run (no summary.json); give a compare's DIR/exact or DIR/jagg")
-        if not any(os.path.isfile(os.path.join(run, f)) for f in ("transformer.safetensors", "lora.safetensors")):
-            parser.error(f"{run!r} has no saved weights (transformer.safetensors or lora.safetensors)")
-
-    import train_sd
+        with open(os.path.join(run, "summary.json")) as f:
+            weights = train_sd.weights_path(run, json.load(f)["config"]["full_finetune"])
+        if not os.path.isfile(weights):
+            parser.error(f"{run!r} has no saved weights ({weights})")
 
     models = ([("base", args.runs[0], False)] if not args.no_base else []) + [(run, run, True) for run in args.runs]
     results = []

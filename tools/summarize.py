@@ -34,8 +34,7 @@ def noise(run):
     last = [v for _, v in run["eval_curve"][-n:]]
     if len(last) < 2:
         return "-"
-    mean = sum(last) / len(last)
-    sd = (sum((v - mean) ** 2 for v in last) / (len(last) - 1)) ** 0.5
+    sd = sd_of(last)
     return f"{sd:.3f} ({run['reward_gain'] / sd:.1f}x)" if sd > 0 else "0"
 
 
@@ -227,8 +226,7 @@ def curves(paths, last, png=""):
     for path, s in zip(paths, runs):
         curve = s["eval_curve"]
         tail = [v for _, v in curve[-last:]]
-        mean = sum(tail) / len(tail)
-        sd = (sum((v - mean) ** 2 for v in tail) / max(1, len(tail) - 1)) ** 0.5
+        mean, sd = sum(tail) / len(tail), sd_of(tail)
         epoch, top = max(curve[1:] or curve, key=lambda c: c[1])
         flags = " ".join(f"--{k.replace('_', '-')} {s['config'][k]}" for k in differ) or "-"
         print(f"| {os.path.basename(os.path.normpath(path))} | {s['mode']} | {flags} | {curve[0][1]:.3f} | {top:.3f} ({epoch}) "
