@@ -255,7 +255,9 @@ def score_cover(image, prompt):
 # to the region's centroid and size, and credited by their IoU. A rounded or blurred square
 # still overlaps a square at 0.92-0.97, while a disc overlaps its best square at 0.81-0.87 and
 # a triangle its best disc or square at 0.70-0.78 (rendered ground truth at 32 px), so the
-# shapes are still told apart. geneval scores as Flow-GRPO's GenEval reward: partial credit per
+# shapes are still told apart. Objects are found before their colour is asked (object_regions),
+# as GenEval's detector finds an object and then classifies its colour: a shaded object is one
+# object. geneval scores as Flow-GRPO's GenEval reward: partial credit per
 # object, 1 - |N - N_ref| / N_ref for counts; geneval_strict is GenEval's all-correct accuracy.
 
 SHAPE_AREA = {"circle": math.pi / 4, "square": 1.0, "triangle": 0.5}  # a shape's area over its side squared
@@ -346,13 +348,32 @@ def fit_shapes(region):
     return ious
 
 
-def _geneval_objects(labels, color, shape):
-    """The regions of one colour at least MIN_AREA large (scaled with the image), each with its
+def object_regions(image):
+    """The image's objects as a detector would find them, before asking what colour they are: the
+    connected regions of foreground (pixels with a colour label, or far from the background), each
+    with its colour, the plurality of its pixels' colour_labels (None if none is labelled). A shaded
+    object (a yellow disc whose centre the VAE tints orange, labelled red pixel by pixel) stays one
+    region of its main colour, as a detector's box stays one object whatever its shading; labelling
+    pixels first and taking regions per colour cut such an object into a ring and a blob.
+    Objects that touch merge into one region, as ground truth never draws them."""
+    labels = colour_labels(image)
+    x = np.asarray(image.convert("RGB"), dtype=np.float32)
+    foreground = (labels >= 0) | (np.linalg.norm(x - np.array(BACKGROUND, np.float32), axis=-1) > 100)  # [H, W]
+    names = list(COLORS)
+    regions = mask_regions(foreground)
+    for r in regions:
+        votes = np.bincount(labels[r["mask"]] + 1, minlength=len(names) + 1)[1:]  # [C]: pixels of each colour
+        r["color"] = names[int(votes.argmax())] if votes.any() else None
+    return regions
+
+
+def _geneval_objects(regions, color, shape, width):
+    """The regions of one colour at least MIN_AREA large (scaled with the image width), each with its
     graded quality (present by area x shape credit by IoU) and whether it passes the strict check
     (at least STRICT_AREA large, IoU at least STRICT_IOU and STRICT_MARGIN above every other shape's), best
     quality first; and how many there are (the count)."""
-    u2 = (labels.shape[1] / 32) ** 2
-    found = [r for r in mask_regions(labels == list(COLORS).index(color)) if r["area"] >= MIN_AREA * u2]
+    u2 = (width / 32) ** 2
+    found = [r for r in regions if r["color"] == color and r["area"] >= MIN_AREA * u2]
     scored = []
     for r in found[:MAX_REGIONS]:
         ious = fit_shapes(r)
@@ -384,28 +405,28 @@ def geneval_details(image, prompt):
     clear margin (IoU at least STRICT_IOU, STRICT_MARGIN above every other shape's), exactly two
     regions for a count, and the gap beyond RELATION_GAP (where the sigmoid passes 1/2)."""
     spec = parse(prompt)
-    labels = colour_labels(image)
+    regions, width = object_regions(image), image.size[0]
     if spec.kind == "single":
         (color, shape), = spec.objects
-        found, _ = _geneval_objects(labels, color, shape)
+        found, _ = _geneval_objects(regions, color, shape, width)
         best = found[0] if found else None
         return {"score": best["quality"] if best else 0.0, "strict": int(bool(best and any(o["strict"] for o in found))),
                 "kind": "single"}
     if spec.kind == "count":
         (color, shape), _ = spec.objects
-        found, n = _geneval_objects(labels, color, shape)
+        found, n = _geneval_objects(regions, color, shape, width)
         want = len(spec.objects)
         quality = sum(o["quality"] for o in found[:want]) / want
         strict = n == want and sum(o["strict"] for o in found) == want
         return {"score": max(0.0, 1 - abs(n - want) / want) * quality, "strict": int(strict), "kind": "count"}
     (ca, sa), (cb, sb) = spec.objects
-    a, b = _geneval_objects(labels, ca, sa)[0], _geneval_objects(labels, cb, sb)[0]
+    a, b = _geneval_objects(regions, ca, sa, width)[0], _geneval_objects(regions, cb, sb, width)[0]
     a, b = (a[0] if a else None), (b[0] if b else None)
     objects = 0.5 * ((a["quality"] if a else 0.0) + (b["quality"] if b else 0.0))
     if a is None or b is None:
         return {"score": 0.5 * objects, "strict": 0, "kind": "relation"}
     gap = (b["cx"] - a["cx"]) if spec.kind == "left of" else (a["cx"] - b["cx"])  # > 0 when right
-    gap *= 32 / labels.shape[1]  # in pixels at 32 px
+    gap *= 32 / width  # in pixels at 32 px
     strict = a["strict"] and b["strict"] and gap > RELATION_GAP
     return {"score": objects / (1 + math.exp(-(gap - RELATION_GAP) / RELATION_WIDTH)), "strict": int(strict),
             "kind": "relation"}

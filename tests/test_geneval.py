@@ -61,6 +61,16 @@ def rounded_shape(d, shape, cx, cy, size, color, frac=0.4):
         d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=color)
 
 
+def shaded_shape(draw_shape, d, shape, cx, cy, size, color, rng=random.Random(5), mix=0.55):
+    """draw_shape (the renderer's) with its centre tinted 55 % toward another colour of the palette (a yellow disc
+    with an orange centre, as the mini VAE decodes some): pixel by pixel the centre is nearer the
+    other colour, the object as a whole is still of its own."""
+    draw_shape(d, shape, cx, cy, size, color)
+    tint = rng.choice([c for c in mini_sd3.COLORS.values() if c != color])
+    tint = tuple(int(round((1 - mix) * a + mix * b)) for a, b in zip(color, tint))
+    draw_shape(d, shape, cx, cy + (0.08 * size if shape == "triangle" else 0), 0.5 * size, tint)
+
+
 def other(values, value, rng, avoid=()):
     return rng.choice([v for v in values if v != value and v not in avoid])
 
@@ -120,6 +130,14 @@ def results():
                 image = mini_sd3.render(prompt, rng)
                 add(kind, "rounded", image, prompt)
                 add(kind, "rounded+blurred", image.filter(ImageFilter.GaussianBlur(0.7)), prompt)
+    draw_shape = mini_sd3._draw_shape
+    with pytest.MonkeyPatch.context() as mp:  # the renderer's shapes with a centre of another shade
+        mp.setattr(mini_sd3, "_draw_shape", lambda *a: shaded_shape(draw_shape, *a))
+        for kind in KINDS:
+            for prompt in rng.choices(PROMPTS[kind], k=N):
+                image = mini_sd3.render(prompt, rng)
+                add(kind, "shaded", image, prompt)
+                add(kind, "shaded+blurred", image.filter(ImageFilter.GaussianBlur(0.7)), prompt)
     return out
 
 
@@ -135,10 +153,19 @@ def test_ground_truth_scores_high_and_is_strictly_correct(results, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("case", ["blurred", "rounded", "rounded+blurred"])
+@pytest.mark.parametrize("case", ["blurred", "rounded", "rounded+blurred", "shaded+blurred"])
 def test_soft_ground_truth_still_scores_well(results, kind, case):
     """A small VAE decodes soft images: blurred (Gaussian, 0.7 px) or rounded corners keep most credit."""
     assert mean(results, kind, case) > 0.6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_shaded_object_is_one_object_of_its_own_colour(results, kind):
+    """A centre tinted toward another colour (pixel by pixel nearer it) leaves the object whole: it
+    scores as the truth does. Labelling colours pixel by pixel before finding regions scored such
+    images 0.10-0.13 (a ring of the asked colour around a blob of another)."""
+    assert mean(results, kind, "shaded") > mean(results, kind, "truth") - 0.05
+    assert mean(results, kind, "shaded", which=1) > 0.9
 
 
 MISTAKES = [(k, c) for k in KINDS for c in ("shape", "colour", "flat", "disc", "empty")]
