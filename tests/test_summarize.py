@@ -50,3 +50,32 @@ def test_seeds_for_is_the_fewest_seeds_that_reach_the_half_width(sd):
     assert summarize.t95(n - 1) * sd / math.sqrt(n) <= 0.10
     assert summarize.t95(n - 2) * sd / math.sqrt(n - 1) > 0.10
     assert summarize.seeds_for(0.0, 0.10) == "-"
+
+
+def test_gain_along_run_is_the_mean_evaluation_after_the_start_minus_the_start():
+    run = {"initial_reward": 0.5, "eval_curve": [[0, 0.5], [2, 0.6], [4, 0.7], [6, 0.8]]}
+    assert summarize.gain_along_run(run) == pytest.approx(0.2)
+    assert summarize.gain_along_run({"initial_reward": 0.5}) is None
+    assert summarize.gain_along_run({"initial_reward": 0.5, "eval_curve": [[0, 0.5]]}) is None
+
+
+def test_compare_prints_the_gain_along_the_run_kept(tmp_path, capsys):
+    """Two seeds of one mode where JAGG's curve is exact's at 80 % of its rise: along the run
+    kept 80.0 % with no spread, in the mode's last column."""
+    import json
+    folders = []
+    for seed, rise in ((0, 0.2), (1, 0.3)):
+        curve = lambda k: [[e, 0.5 + k * rise * e / 6] for e in (0, 2, 4, 6)]  # noqa: E731
+        run = lambda k: {"eval_curve": curve(k), "initial_reward": 0.5, "reward_gain": k * rise,  # noqa: E731
+                         "probe_cosine_by_position": None, "final_evals_used": 1}
+        s = {"config": {"seed": seed}, "mode": "jagg", "initial_reward": 0.5, "reward_gain_ratio": 0.8,
+             "final_reward": {"exact": 0.5 + rise, "jagg": 0.5 + 0.8 * rise},
+             "reward_gain": {"exact": rise, "jagg": 0.8 * rise}, "backward_speedup": 2.0, "train_speedup": 1.5,
+             "exact": run(1.0), "jagg": run(0.8)}
+        folder = tmp_path / f"seed{seed}"
+        folder.mkdir()
+        (folder / "summary.json").write_text(json.dumps(s))
+        folders.append(str(folder))
+    summarize.compare(folders)
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| jagg | 2 |")][0]
+    assert row.rstrip(" |").split("|")[-1].strip().startswith("80.0 % (80-80 %), "), row

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # JAGG's quality on the mini SD3 (mini_sd3.py) on one GPU: tools/mini_quality.sh's table, with
-# train_sd.py --preset mini, the setting the sanity ladder of docs/mini_sd3.md found to learn (full
-# fine-tuning at lr 3e-4, CFG 2.5, Flow-GRPO's T = 10, noise level 0.7 and KL beta 0.04), with more samples and epochs
-# than a CPU affords: 16 prompts x 8 samples per epoch in optimizer steps of 32, the seeds side
-# by side (the mini transformer leaves a large GPU mostly idle). Not yet run on a GPU.
+# train_sd.py --preset mini (lr 3e-4, CFG 2.5, Flow-GRPO's T = 10, noise level 0.7 and KL beta
+# 0.04) and, for geneval, the LoRA and global std that let exact GRPO raise it on the CPU
+# (docs/mini_sd3.md; full fine-tuning lowers it), with more samples and epochs than a CPU
+# affords: 16 prompts x 8 samples per epoch in optimizer steps of 32, the seeds side by side (the
+# mini transformer leaves a large GPU mostly idle). Not yet run on a GPU.
 #
 #   tools/gpu_mini_quality.sh [OUT] [EPOCHS] [more train_sd.py flags]   # default runs/gpu_mini, 40
 #   REWARD=darkness tools/gpu_mini_quality.sh ...                        # the reward (default geneval)
@@ -36,9 +37,12 @@ python3 -c "import torch, diffusers; print('torch', torch.__version__, '| diffus
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
 every=$(( epochs >= 10 ? epochs / 10 : 1 ))
+reward=${REWARD:-geneval}
+setting=()  # geneval: the setting of tools/mini_quality.sh geneval, the one exact GRPO raises it at
+[ "$reward" = geneval ] && setting=(--no-full-finetune --global-std)
 run() {  # DIR FLAGS...: one train_sd.py compare or exact run
   local dir=$1; shift
-  python3 train_sd.py --preset mini --reward "${REWARD:-geneval}" --train-batch 32 --mixed-precision fp32 \
+  python3 train_sd.py --preset mini --reward "$reward" "${setting[@]}" --train-batch 32 --mixed-precision fp32 \
     --prompts-per-epoch 16 --group-size 8 --rollout-batch 128 --epochs "$epochs" --eval-every "$every" \
     --eval-samples 192 --final-evals 3 \
     --probe-every "$every" --probe-batch 8 --save-every "$epochs" --window 4 --out "$dir" "$@" > "$dir.log" 2>&1
