@@ -79,3 +79,28 @@ def test_compare_prints_the_gain_along_the_run_kept(tmp_path, capsys):
     summarize.compare(folders)
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| jagg | 2 |")][0]
     assert row.rstrip(" |").split("|")[-1].strip().startswith("80.0 % (80-80 %), "), row
+
+
+def test_gains_prints_the_mean_gain_its_interval_and_the_spread_of_the_starts(tmp_path, capsys):
+    """Three seeds' runs gaining 0.1, 0.2, 0.3 from starts 0.5, 0.6, 0.7: the mean gain 0.2 with the
+    t interval of (0.1, 0.2, 0.3), 3 seeds above 0, strict accuracy's gain from metrics.jsonl, and
+    the starts' sd (0.1) as one evaluation's sampling error."""
+    import json
+    folders = []
+    for seed, (start, gain) in enumerate(((0.5, 0.1), (0.6, 0.2), (0.7, 0.3))):
+        folder = tmp_path / f"seed{seed}"
+        folder.mkdir()
+        run = {"config": {"seed": seed, "eval_samples": 96}, "initial_reward": start, "final_reward": start + gain,
+               "reward_gain": gain, "final_evals_used": 1, "eval_curve": [[0, start], [2, start + gain]]}
+        (folder / "summary.json").write_text(json.dumps(run))
+        (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+            {"epoch": 0, "eval/strict": 0.25}, {"epoch": 1, "rollout/reward_mean": 0.5},
+            {"epoch": 2, "eval/strict": 0.25 + gain / 2}]) + "\n")
+        folders.append(str(folder))
+    summarize.gains(folders)
+    out = capsys.readouterr().out
+    half = summarize.t95(2) * 0.1 / 3 ** 0.5
+    assert f"| gain | 3 | +0.200 ({0.2 - half:+.3f} to {0.2 + half:+.3f}) | 3 |" in out
+    assert "| strict accuracy's gain | 3 | +0.100 (" in out
+    assert "| 1 | 0.600 → 0.800 | +0.200 | +0.200 | 0.250 → 0.350 |" in out
+    assert "independent noise, 96 samples): 0.100" in out

@@ -8,6 +8,8 @@
 #   tools/mini_quality.sh cover [OUT]      # 20 epochs a run: about 30 minutes on 2 cores
 #   tools/mini_quality.sh geneval [OUT]    # 12 epochs, LoRA, global std, 8 prompts an epoch: about 15 minutes a seed
 #   SEEDS="$(seq -s ' ' 0 19)" tools/mini_quality.sh darkness   # 20 seeds: summarize prints how many ±10 points need
+#   SEEDS="$(seq -s ' ' 0 23)" EPOCHS=2 EVAL_SAMPLES=192 tools/mini_quality.sh geneval runs/geneval_2ep
+#                      # the short-run table: 2 epochs from the base, both evaluations with the same noise
 #   python tools/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
 #
 # The setting is train_sd.py --preset mini, the one the sanity ladder in docs/mini_sd3.md found to
@@ -27,6 +29,9 @@ case "$reward" in
   geneval) epochs=12 evals="--eval-samples 96 --eval-every 2 --no-full-finetune --global-std --prompts-per-epoch 8 --train-batch 16" ;;
   *) echo "error: the reward must be darkness, cover or geneval, got '$reward'"; exit 1 ;;
 esac
+epochs=${EPOCHS:-$epochs}  # EPOCHS=2: short runs, whose gain kept is not blurred by a whole run's divergence
+[ -n "${EVAL_SAMPLES:-}" ] && evals="$evals --eval-samples $EVAL_SAMPLES"  # the later flag wins
+case "$epochs" in ''|*[!0-9]*|0) echo "error: EPOCHS must be a whole number of epochs above 0, got '$epochs'"; exit 1 ;; esac
 seeds=${SEEDS:-0 1 2 3 4}  # SEEDS="0 1 ... 19" tools/mini_quality.sh ...: more seeds, a narrower interval
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it

@@ -6,6 +6,7 @@
     python tools/summarize.py toybench runs/toy_bench/benchmark.json       # train_toy.py --benchmark
     python tools/summarize.py settings runs/bench_full runs/bench_lora ...  # train_sd.py benchmarks side by side
     python tools/summarize.py curves runs/a runs/b ... [--last 3] [--png F] # single runs: their evaluation curves
+    python tools/summarize.py gains runs/mini_geneval/paper_seed*/exact     # one method over seeds: does it raise the reward
 """
 
 import argparse
@@ -264,11 +265,60 @@ def curves(paths, last, png=""):
         print(f"\nwrote {png}")
 
 
+def strict_curve(path):
+    """GenEval's strict accuracy at each evaluation of a train_sd.py run ([(epoch, value)], empty
+    for other rewards), from its metrics.jsonl."""
+    metrics = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        return []
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(r["epoch"], r["eval/strict"]) for r in rows if "eval/strict" in r]
+
+
+def gains(paths):
+    """Single train_sd.py runs of one setting over seeds (e.g. every seed's exact run): per seed the
+    reward at the start and at the end (the final reward, the mean of its last evaluations), the
+    gain along the run, and GenEval's strict accuracy where logged; then the mean gain with its
+    95 % interval and how many seeds rose. Each seed evaluates the same base model with its own
+    noise, so the spread of the start values is one evaluation's sampling error."""
+    runs = [load(path) for path in paths]
+    print("| seed | reward: start → end | gain | gain along the run | strict accuracy: start → end |")
+    print("|---|---|---|---|---|")
+    for path, s in zip(paths, runs):
+        strict = strict_curve(path)
+        n = s.get("final_evals_used", 1)
+        along_run = gain_along_run(s)
+        strict_text = (f"{strict[0][1]:.3f} → {sum(v for _, v in strict[-n:]) / len(strict[-n:]):.3f}"
+                       if len(strict) > 1 else "-")
+        print(f"| {s['config']['seed']} | {s['initial_reward']:.3f} → {s['final_reward']:.3f} | {s['reward_gain']:+.3f} "
+              f"| {'-' if along_run is None else f'{along_run:+.3f}'} | {strict_text} |")
+    print()
+    rows = [("gain", [s["reward_gain"] for s in runs])]
+    if all(gain_along_run(s) is not None for s in runs):
+        rows.append(("gain along the run", [gain_along_run(s) for s in runs]))
+    stricts = [strict_curve(path) for path in paths]
+    if all(len(c) > 1 for c in stricts):
+        n = [s.get("final_evals_used", 1) for s in runs]
+        rows.append(("strict accuracy's gain", [sum(v for _, v in c[-k:]) / len(c[-k:]) - c[0][1]
+                                                for c, k in zip(stricts, n)]))
+    print("| statistic | seeds | mean (95 % interval) | seeds above 0 |")
+    print("|---|---|---|---|")
+    for name, xs in rows:
+        mean, half = mean_interval(xs)
+        print(f"| {name} | {len(xs)} | {mean:+.3f} ({mean - half:+.3f} to {mean + half:+.3f}) | {sum(x > 0 for x in xs)} |")
+    starts = [s["initial_reward"] for s in runs]
+    samples = runs[0]["config"].get("eval_samples", "?")
+    print(f"\none evaluation's sampling error (the spread of the {len(starts)} seeds' start values, the same model "
+          f"under independent noise, {samples} samples): {sd_of(starts):.3f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window", "curves"],
+    parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window", "curves", "gains"],
                         help="which table: compare runs, routing runs, SD benchmark (training step, settings side by "
-                             "side, or window level), toy benchmark, single runs' evaluation curves")
+                             "side, or window level), toy benchmark, single runs' evaluation curves, one "
+                             "method's gain over seeds")
     parser.add_argument("paths", nargs="+", help="run folders (summary.json inside) or benchmark.json files")
     parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
     parser.add_argument("--last", type=int, default=3, help="curves: how many final evaluations to average")
@@ -286,6 +336,8 @@ def main():
         toybench(args.paths)
     elif args.table == "curves":
         curves(args.paths, args.last, args.png)
+    elif args.table == "gains":
+        gains(args.paths)
     else:
         window_level(args.paths)
 
