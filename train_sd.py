@@ -102,7 +102,7 @@ class Config(JaggConfig):
                           "no EMA, darkness, 15 epochs); mini-geneval = mini with --reward geneval and what exact GRPO "
                           "needed to raise it (LoRA, global std, 8 prompts an epoch in steps of 16, 12 epochs, 96 "
                           "evaluation samples); empty: Flow-GRPO's geneval_sd3 defaults below",
-                      choices=["", "mini", "mini-geneval"])
+                      choices=["", *PRESETS])
     # --- what to run (the JAGG flags are common.JaggConfig's)
     method: str = arg("jagg", "exact (Flow-GRPO), jagg, or compare (exact, then jagg, from the same model and seed, "
                               "into --out/exact and --out/jagg, with summary.json and pictures in --out)",

@@ -283,25 +283,22 @@ def gains(paths):
     95 % interval and how many seeds rose. Each seed evaluates the same base model with its own
     noise, so the spread of the start values is one evaluation's sampling error."""
     runs = [load(path) for path in paths]
+    along = [gain_along_run(s) for s in runs]
+    strict = []  # (start, end) of each run's strict accuracy, the end as its final reward's evaluations; None if unlogged
+    for path, s in zip(paths, runs):
+        curve, n = strict_curve(path), s.get("final_evals_used", 1)
+        strict.append((curve[0][1], sum(v for _, v in curve[-n:]) / len(curve[-n:])) if len(curve) > 1 else None)
     print("| seed | reward: start → end | gain | gain along the run | strict accuracy: start → end |")
     print("|---|---|---|---|---|")
-    for path, s in zip(paths, runs):
-        strict = strict_curve(path)
-        n = s.get("final_evals_used", 1)
-        along_run = gain_along_run(s)
-        strict_text = (f"{strict[0][1]:.3f} → {sum(v for _, v in strict[-n:]) / len(strict[-n:]):.3f}"
-                       if len(strict) > 1 else "-")
+    for s, a, st in zip(runs, along, strict):
         print(f"| {s['config']['seed']} | {s['initial_reward']:.3f} → {s['final_reward']:.3f} | {s['reward_gain']:+.3f} "
-              f"| {'-' if along_run is None else f'{along_run:+.3f}'} | {strict_text} |")
+              f"| {'-' if a is None else f'{a:+.3f}'} | {'-' if st is None else f'{st[0]:.3f} → {st[1]:.3f}'} |")
     print()
     rows = [("gain", [s["reward_gain"] for s in runs])]
-    if all(gain_along_run(s) is not None for s in runs):
-        rows.append(("gain along the run", [gain_along_run(s) for s in runs]))
-    stricts = [strict_curve(path) for path in paths]
-    if all(len(c) > 1 for c in stricts):
-        n = [s.get("final_evals_used", 1) for s in runs]
-        rows.append(("strict accuracy's gain", [sum(v for _, v in c[-k:]) / len(c[-k:]) - c[0][1]
-                                                for c, k in zip(stricts, n)]))
+    if None not in along:
+        rows.append(("gain along the run", along))
+    if None not in strict:
+        rows.append(("strict accuracy's gain", [end - start for start, end in strict]))
     print("| statistic | seeds | mean (95 % interval) | seeds above 0 |")
     print("|---|---|---|---|")
     for name, xs in rows:
