@@ -38,11 +38,11 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
 every=$(( epochs >= 10 ? epochs / 10 : 1 ))
 reward=${REWARD:-geneval}
-setting=()  # geneval: the setting of tools/mini_quality.sh geneval, the one exact GRPO raises it at
-[ "$reward" = geneval ] && setting=(--no-full-finetune --global-std)
+preset=mini  # geneval: --preset mini-geneval, the setting exact GRPO raises it at (its LoRA and global std)
+[ "$reward" = geneval ] && preset=mini-geneval
 run() {  # DIR FLAGS...: one train_sd.py compare or exact run
   local dir=$1; shift
-  python3 train_sd.py --preset mini --reward "$reward" "${setting[@]}" --train-batch 32 --mixed-precision fp32 \
+  python3 train_sd.py --preset "$preset" --reward "$reward" --train-batch 32 --mixed-precision fp32 \
     --prompts-per-epoch 16 --group-size 8 --rollout-batch 128 --epochs "$epochs" --eval-every "$every" \
     --eval-samples 192 --final-evals 3 \
     --probe-every "$every" --probe-batch 8 --save-every "$epochs" --window 4 --out "$dir" "$@" > "$dir.log" 2>&1

@@ -16,17 +16,18 @@
 # learn: full fine-tuning at lr 3e-4, CFG 2.5 (at Flow-GRPO's 4.5 the darkness rose +0.15 in 15
 # epochs, short of the ladder's +0.2), Flow-GRPO's T = 10, noise level 0.7 and KL beta 0.04, all 10
 # steps trained, 4 prompts x 8 samples per epoch in optimizer steps of 8 (docs/flow_grpo.md lists
-# where that departs from Flow-GRPO's own setting). geneval adds what exact GRPO needed to raise
-# it: Flow-GRPO's LoRA (rank 32, alpha 64) and global std, and 8 prompts x 8 samples an epoch in
-# optimizer steps of 16; with full fine-tuning it falls (docs/mini_sd3.md).
+# where that departs from Flow-GRPO's own setting). geneval runs --preset mini-geneval, which adds
+# what exact GRPO needed to raise it: Flow-GRPO's LoRA (rank 32, alpha 64) and global std, and 8
+# prompts x 8 samples an epoch in optimizer steps of 16; with full fine-tuning it falls (docs/mini_sd3.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 reward=${1:?usage: tools/mini_quality.sh darkness|cover|geneval [OUT]}
 out=${2:-runs/mini_$reward}
+preset=mini  # train_sd.py's --preset for the reward
 case "$reward" in
   darkness) epochs=15 evals="--eval-samples 48 --eval-every 2" ;;
   cover) epochs=20 evals="--eval-samples 96 --eval-every 2" ;;
-  geneval) epochs=12 evals="--eval-samples 96 --eval-every 2 --no-full-finetune --global-std --prompts-per-epoch 8 --train-batch 16" ;;
+  geneval) epochs=12 evals="--eval-samples 96 --eval-every 2" preset=mini-geneval ;;
   *) echo "error: the reward must be darkness, cover or geneval, got '$reward'"; exit 1 ;;
 esac
 epochs=${EPOCHS:-$epochs}  # EPOCHS=2: short runs, whose gain kept is not blurred by a whole run's divergence
@@ -38,7 +39,7 @@ python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, befor
 run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished before
   local dir=$1; shift
   [ -f "$dir/summary.json" ] && return 0
-  python3 train_sd.py --preset mini --reward "$reward" --epochs "$epochs" $evals --save-every "$epochs" \
+  python3 train_sd.py --preset "$preset" --reward "$reward" --epochs "$epochs" $evals --save-every "$epochs" \
     --out "$dir" "$@" > "$dir.log" 2>&1
   tail -n 1 "$dir.log"
 }
@@ -52,7 +53,7 @@ job() {  # KIND SEED: exact, or a JAGG mode with --exact-from the seed's exact r
   esac
 }
 export -f run job
-export reward out epochs evals
+export reward out epochs evals preset
 mkdir -p "$out"
 # two runs at a time: every seed's exact run first, then the JAGG runs that start from them
 for s in $seeds; do echo "exact $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
