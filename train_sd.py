@@ -90,7 +90,8 @@ class Config(JaggConfig):
     resolution: int = arg(0, "image size in pixels; 0: 512 (Flow-GRPO's) for SD3/SD3.5 and the benchmark, the size "
                              "a --model mini was trained at")
     out: str = arg("runs/sd", "output folder: metrics.jsonl, sample grids, weights, checkpoint")
-    resume: str = arg("", "continue from the checkpoint in this output folder")
+    resume: str = arg("", "continue from the checkpoint in this output folder (--method compare with --exact-from: "
+                          "a compare's folder, whose jagg/ run continues, e.g. to train a finished table longer)")
     exact_from: str = arg("", "--method compare: take exact GRPO from this finished run (a compare's DIR/exact, or a "
                               "--method exact run) instead of training it again; its settings must match this "
                               "run's but for the JAGG flags. Its last evaluation is redrawn from its saved weights "
@@ -191,8 +192,12 @@ class Config(JaggConfig):
                 (not self.prompts or os.path.isfile(self.prompts), f"--prompts file {self.prompts!r} does not exist"),
                 (not self.prompts or not os.path.isfile(self.prompts) or bool(read_prompts(self.prompts)),
                  f"--prompts file {self.prompts!r} has no prompts (one a line; blank lines are skipped)"),
-                (not self.resume or os.path.isfile(os.path.join(self.resume, "checkpoint", "state.json")),
-                 f"--resume {self.resume!r} holds no checkpoint (expected {self.resume}/checkpoint/state.json)"),
+                (not (self.method == "compare" and self.resume and not self.exact_from),
+                 "--method compare trains both methods from the start; --resume a compare with --exact-from "
+                 "(only its jagg/ run is trained), or one of its runs with --method exact|jagg --out DIR/exact|jagg "
+                 "--resume DIR/exact|jagg"),
+                (not self.resume or os.path.isfile(os.path.join(self.resume_folder(), "checkpoint", "state.json")),
+                 f"--resume {self.resume!r} holds no checkpoint (expected {self.resume_folder()}/checkpoint/state.json)"),
                 _model_exists(self.model),
                 (self.eval_samples >= 1, f"--eval-samples must be >= 1, got {self.eval_samples}"),
                 (self.final_evals >= 1, f"--final-evals must be >= 1, got {self.final_evals}"),
@@ -200,9 +205,6 @@ class Config(JaggConfig):
                 (not self.exact_from or self.method == "compare",
                  f"--exact-from is for --method compare (got --method {self.method})"),
                 *self.exact_from_checks(),
-                (not (self.method == "compare" and self.resume),
-                 "--method compare trains both methods from the start; --resume one of its runs with "
-                 "--method exact|jagg --out DIR/exact|jagg --resume DIR/exact|jagg"),
                 self.shapes_prompt_check(),
             ]
         fail_on(checks)
@@ -257,13 +259,17 @@ class Config(JaggConfig):
     # The settings a checkpoint's weights depend on: resuming with others cannot load them.
     CHECKPOINT_FLAGS = ("full_finetune", "lora_rank", "lora_alpha")
 
+    def resume_folder(self):
+        """The run --resume continues: the folder itself, or a compare's jagg/ (exact GRPO is --exact-from's)."""
+        return os.path.join(self.resume, "jagg") if self.method == "compare" else self.resume
+
     def resume_checks(self):
         """Compare the run to the checkpoint's saved config, flag by flag."""
-        state = os.path.join(self.resume, "checkpoint", "state.json")
+        state = os.path.join(self.resume_folder(), "checkpoint", "state.json")
         with open(state) as f:
             saved = json.load(f).get("config")
-        if saved is None and os.path.isfile(os.path.join(self.resume, "config.json")):  # older checkpoints
-            with open(os.path.join(self.resume, "config.json")) as f:
+        if saved is None and os.path.isfile(os.path.join(self.resume_folder(), "config.json")):  # older checkpoints
+            with open(os.path.join(self.resume_folder(), "config.json")) as f:
                 saved = json.load(f)
         def flag(key, value):
             name = key.replace("_", "-")
@@ -1049,10 +1055,17 @@ def load_run(folder, trained=True):
 def reuse_exact(cfg, base):
     """--exact-from: (None, summary, evaluated) of the finished exact run, as train() returns them.
     evaluated holds the base model's evaluation (base: JAGG's, drawn from the same model with
-    the same noise) and the final one, redrawn from the run's saved weights."""
-    summary, ex_cfg, (pipe, transformer, sigmas, use_bf16) = load_run(cfg.exact_from)
-    images, rewards = draw_evaluation(pipe, transformer, evaluation_prompts(ex_cfg, default_prompts(ex_cfg)), ex_cfg,
-                                      sigmas, make_reward_fn(ex_cfg, sigmas.device), use_bf16)
+    the same noise; None: a resumed JAGG run drew none, so it is drawn here) and the final one,
+    redrawn from the run's saved weights."""
+    from safetensors.torch import load_file
+
+    summary, ex_cfg, (pipe, transformer, sigmas, use_bf16) = load_run(cfg.exact_from, trained=False)
+    prompts, reward_fn = evaluation_prompts(ex_cfg, default_prompts(ex_cfg)), make_reward_fn(ex_cfg, sigmas.device)
+    if base is None:
+        images, rewards = draw_evaluation(pipe, transformer, prompts, ex_cfg, sigmas, reward_fn, use_bf16)
+        base = (images, rewards.tolist())
+    load_weights(transformer, load_file(weights_path(cfg.exact_from, ex_cfg.full_finetune)))
+    images, rewards = draw_evaluation(pipe, transformer, prompts, ex_cfg, sigmas, reward_fn, use_bf16)
     last_epoch, last_reward = summary["eval_curve"][-1]
     if abs(rewards.mean().item() - last_reward) > 1e-4:
         print(f"note: the redrawn final evaluation of {cfg.exact_from} scores {rewards.mean().item():.4f}, the run "
@@ -1066,11 +1079,12 @@ def compare(cfg):
     comparison keys, the reward curves and the samples before and after, side by side."""
     runs = {}
     for method in ("jagg",) if cfg.exact_from else ("exact", "jagg"):
-        runs[method] = train(dataclasses.replace(cfg, method=method, out=os.path.join(cfg.out, method)))
+        runs[method] = train(dataclasses.replace(cfg, method=method, out=os.path.join(cfg.out, method),
+                                                 resume=cfg.resume and os.path.join(cfg.resume, method)))
     if not _is_main():
         return None
     if cfg.exact_from:  # exact GRPO from a finished run: its summary, its base and final samples redrawn
-        runs["exact"] = reuse_exact(cfg, base=runs["jagg"][2][0])
+        runs["exact"] = reuse_exact(cfg, base=runs["jagg"][2].get(0))  # a resumed run drew no epoch 0
     ex, jg = runs["exact"][1], runs["jagg"][1]
     comparison = compare_summary(ex, jg, dataclasses.asdict(cfg))
     write_json(os.path.join(cfg.out, "summary.json"), comparison)

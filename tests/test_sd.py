@@ -512,6 +512,22 @@ def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, c
     assert paper["exact"] == ex and paper["reward_gain"]["exact"] == comparison["reward_gain"]["exact"]
     assert (again / "samples.png").exists() and (again / "jagg" / "summary.json").exists()
 
+    # --resume a compare with --exact-from (how a finished table is trained longer): JAGG stopped
+    # after epoch 1, then continued to 2, is the uninterrupted JAGG above; the base is redrawn.
+    resumed = tmp_path / "cmp_resumed"
+    train_sd.main(run_args(tiny_sd3, resumed / "jagg", "--epochs", "1", "--method", "jagg", "--eval-samples", "6",
+                           "--final-evals", "2", "--lr-schedule", "cosine", "--reward", "shapes"))
+    with pytest.raises(SystemExit, match=r"holds no checkpoint \(expected .*cmp_paper.jagg.jagg/checkpoint"):
+        train_sd.main([*args, "--resume", str(again / "jagg")])  # the compare's folder, not its jagg/
+    capsys.readouterr()
+    cont = train_sd.main([*args[:3], str(resumed), *args[4:], "--resume", str(resumed)])
+    assert "note:" not in capsys.readouterr().out
+    assert cont["exact"] == ex and [e for e, _ in cont["jagg"]["eval_curve"]] == [0, 1, 2]
+    for (_, a), (_, b) in zip(cont["jagg"]["eval_curve"], paper["jagg"]["eval_curve"]):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert cont["reward_gain"]["jagg"] == pytest.approx(paper["reward_gain"]["jagg"], rel=1e-4, abs=1e-6)
+    assert (resumed / "samples.png").exists()
+
     # tools/eval_noise.py on the same runs: each draw its own noise, the base model first, the
     # fixed-noise evaluations the runs recorded beside them, the draws written out.
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))

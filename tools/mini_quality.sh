@@ -2,7 +2,8 @@
 # JAGG's quality on the mini SD3 (mini_sd3.py), on a CPU: the table in docs/mini_sd3.md.
 # Seeds 0-4; per seed exact GRPO once, then the paper's JAGG and shared anchors + rollout
 # interiors from the same model and seed with --exact-from it; two runs at a time, one thread each.
-# A run that has finished before is not run again, so an interrupted table resumes.
+# A run that has finished before is not run again, so an interrupted table resumes; one that
+# finished at fewer epochs continues from its checkpoint, so a table can be trained longer.
 #
 #   tools/mini_quality.sh darkness [OUT]   # 15 epochs a run: about 20 minutes on 2 cores
 #   tools/mini_quality.sh cover [OUT]      # 20 epochs a run: about 30 minutes on 2 cores
@@ -10,6 +11,8 @@
 #   SEEDS="$(seq -s ' ' 0 19)" tools/mini_quality.sh darkness   # 20 seeds: summarize prints how many ±10 points need
 #   SEEDS="$(seq -s ' ' 0 23)" EPOCHS=2 EVAL_SAMPLES=192 tools/mini_quality.sh geneval runs/geneval_2ep
 #                      # the short-run table: 2 epochs from the base, both evaluations with the same noise
+#   cp -r runs/mini_geneval runs/mini_geneval_24 && EPOCHS=24 tools/mini_quality.sh geneval runs/mini_geneval_24
+#                      # the 12-epoch table trained on to 24 epochs (the same runs as 24 epochs from the start)
 #   python tools/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
 #
 # The setting is train_sd.py --preset mini, the one the sanity ladder in docs/mini_sd3.md found to
@@ -36,11 +39,16 @@ case "$epochs" in ''|*[!0-9]*|0) echo "error: EPOCHS must be a whole number of e
 seeds=${SEEDS:-0 1 2 3 4}  # SEEDS="0 1 ... 19" tools/mini_quality.sh ...: more seeds, a narrower interval
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
-run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished before
+run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished before, continued where it stopped short
   local dir=$1; shift
-  [ -f "$dir/summary.json" ] && return 0
+  local done resume=()
+  done=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["config"]["epochs"])' "$dir/summary.json" \
+         2>/dev/null || echo 0)
+  [ "$done" -ge "$epochs" ] && { [ "$done" -gt "$epochs" ] && echo "note: $dir has $done epochs, kept"; return 0; }
+  # a shorter finished run's checkpoint (a compare's is in jagg/: --resume continues that one)
+  [ -f "$dir/checkpoint/state.json" ] || [ -f "$dir/jagg/checkpoint/state.json" ] && resume=(--resume "$dir")
   python3 train_sd.py --preset "$preset" --reward "$reward" --epochs "$epochs" $evals --save-every "$epochs" \
-    --out "$dir" "$@" > "$dir.log" 2>&1
+    --out "$dir" "${resume[@]}" "$@" >> "$dir.log" 2>&1
   tail -n 1 "$dir.log"
 }
 job() {  # KIND SEED: exact, or a JAGG mode with --exact-from the seed's exact run
