@@ -536,7 +536,8 @@ def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, c
     with pytest.raises(SystemExit):  # a folder without a finished run: refused before any work
         eval_noise.main([str(tmp_path / "nothing"), "--draws", "2"])
     base, exact = eval_noise.main([str(out / "exact"), "--draws", "2", "--out", str(tmp_path / "noise.json")])
-    assert base["model"] == "base" and base["fixed_noise_eval"] == ex["eval_curve"][0][1]
+    assert base["model"] == base["mode"] == "base" and base["fixed_noise_eval"] == ex["eval_curve"][0][1]
+    assert exact["mode"] == "exact" and exact["seed"] == ex["config"]["seed"]  # what summarize.py paired pairs by
     assert exact["fixed_noise_eval"] == ex["eval_curve"][-1][1]
     assert len(exact["draws"]) == 2 and json.load(open(tmp_path / "noise.json"))["models"][1]["draws"] == exact["draws"]
     _, run_cfg, (pipe, transformer, sigmas, bf16) = train_sd.load_run(str(out / "exact"))

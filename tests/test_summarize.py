@@ -104,3 +104,37 @@ def test_gains_prints_the_mean_gain_its_interval_and_the_spread_of_the_starts(tm
     assert "| strict accuracy's gain | 3 | +0.100 (" in out
     assert "| 1 | 0.600 → 0.800 | +0.200 | +0.200 | 0.250 → 0.350 |" in out
     assert "independent noise, 96 samples): 0.100" in out
+
+
+def test_paired_splits_the_spread_of_jagg_minus_exact_into_the_evaluations_and_the_runs(tmp_path, capsys):
+    """Four seeds, two draws a model: JAGG - exact is t_s + 0.01 and t_s - 0.01 over a seed's two
+    draws (t_s = ±0.02), so one draw's paired error is 0.01·√2, the spread of the seeds' means is
+    sd(t) and the runs' own is what sd(t)² keeps after 0.01·√2 squared over 2 draws; exact and JAGG
+    gain 0.1 on average over the base's 0.5, a ratio of 100 %."""
+    import json
+    t = [0.02, -0.02, 0.02, -0.02]
+    paths = []
+    for seed, ts in enumerate(t):
+        models = [{"model": "base", "mode": "base", "draws": [0.49, 0.51]}] if seed == 0 else []
+        models += [{"model": f"s{seed}/exact", "mode": "exact", "draws": [0.6, 0.6]},
+                   {"model": f"s{seed}/jagg", "mode": "jagg", "draws": [0.6 + ts + 0.01, 0.6 + ts - 0.01]}]
+        paths.append(tmp_path / f"seed{seed}.json")
+        paths[-1].write_text(json.dumps({"models": models}))
+    summarize.paired([str(p) for p in paths])
+    out = capsys.readouterr().out
+    spread = summarize.sd_of(t)
+    own = (spread ** 2 - (0.01 * 2 ** 0.5) ** 2 / 2) ** 0.5
+    half = summarize.t95(3) * spread / 2
+    assert "base model: 0.500 (mean of 2 draws)" in out
+    assert (f"| jagg | 4 | 2 | +0.000 ({-half:+.3f} to {half:+.3f}) | {0.01 * 2 ** 0.5:.4f} | {spread:.4f} "
+            f"| {own:.4f} | 100.0 % (") in out
+
+    # No base model's draws, or a JAGG run drawn more often than its exact twin: refused, named.
+    (tmp_path / "nobase.json").write_text(json.dumps({"models": json.loads(paths[1].read_text())["models"]}))
+    with pytest.raises(SystemExit, match="no file holds the base model's draws"):
+        summarize.paired([str(tmp_path / "nobase.json")])
+    models = json.loads(paths[0].read_text())["models"]
+    models[2]["draws"].append(0.6)
+    (tmp_path / "uneven.json").write_text(json.dumps({"models": models}))
+    with pytest.raises(SystemExit, match="has 3 draws, the exact run 2"):
+        summarize.paired([str(tmp_path / "uneven.json")])

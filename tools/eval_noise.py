@@ -2,6 +2,8 @@
 
     python tools/eval_noise.py runs/mini_geneval/paper_seed0/exact runs/mini_geneval/paper_seed0/jagg ... --draws 4
     python tools/eval_noise.py runs/mini_geneval/paper_seed*/exact --draws 4 --out runs/eval_noise.json
+    python tools/eval_noise.py OUT/paper_seed0/exact OUT/paper_seed0/jagg OUT/shared_seed0/jagg --out seed0.json
+        # then tools/summarize.py paired seed*.json: how much of JAGG - exact's spread is the evaluation's
 
 A train_sd.py run evaluates with one fixed noise draw per sample (--seed's), the same at every
 epoch, so the spread of its last evaluations is the model's drift between epochs, not the error
@@ -63,7 +65,8 @@ def main(argv=None):
                 strict.append(train_sd.strict_accuracy(images, prompts)["eval/strict"])
             bar.update()
         fixed = summary["eval_curve"][0 if not trained else -1][1]
-        results.append({"model": name, "reward": cfg.reward, "eval_samples": cfg.eval_samples, "draws": means,
+        results.append({"model": name, "mode": summary["mode"] if trained else "base", "seed": cfg.seed,
+                        "reward": cfg.reward, "eval_samples": cfg.eval_samples, "draws": means,
                         "mean": statistics.mean(means), "sd": statistics.stdev(means),
                         "fixed_noise_eval": fixed, **({"strict_draws": strict} if strict else {})})
     bar.close()

@@ -13,6 +13,9 @@
 #                      # the short-run table: 2 epochs from the base, both evaluations with the same noise
 #   cp -r runs/mini_geneval runs/mini_geneval_24 && EPOCHS=24 tools/mini_quality.sh geneval runs/mini_geneval_24
 #                      # the 12-epoch table trained on to 24 epochs (the same runs as 24 epochs from the start)
+#   DRAWS=4 tools/mini_quality.sh geneval OUT   # then each seed's final models redrawn 4 times with fresh noise
+#                      # (tools/eval_noise.py): summarize.py paired splits JAGG - exact's spread into the
+#                      # evaluation's and the runs' own
 #   python tools/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
 #
 # The setting is train_sd.py --preset mini, the one the sanity ladder in docs/mini_sd3.md found to
@@ -36,6 +39,8 @@ esac
 epochs=${EPOCHS:-$epochs}  # EPOCHS=2: short runs, whose gain kept is not blurred by a whole run's divergence
 [ -n "${EVAL_SAMPLES:-}" ] && evals="$evals --eval-samples $EVAL_SAMPLES"  # the later flag wins
 case "$epochs" in ''|*[!0-9]*|0) echo "error: EPOCHS must be a whole number of epochs above 0, got '$epochs'"; exit 1 ;; esac
+draws=${DRAWS:-0}  # DRAWS=4: the final models' evaluations redrawn with independent noise, paired across modes
+case "$draws" in ''|*[!0-9]*|1) echo "error: DRAWS must be 0 (none) or a whole number of draws of at least 2, got '$draws'"; exit 1 ;; esac
 seeds=${SEEDS:-0 1 2 3 4}  # SEEDS="0 1 ... 19" tools/mini_quality.sh ...: more seeds, a narrower interval
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
@@ -60,11 +65,23 @@ job() {  # KIND SEED: exact, or a JAGG mode with --exact-from the seed's exact r
     shared) run "$out/shared_seed$s" "${jagg_flags[@]}" --anchors shared --interior rollout ;;
   esac
 }
-export -f run job
-export reward out epochs evals preset
+noise() {  # SEED: its exact and JAGG final models, each drawn $draws times with the same fresh noise (the base model: the first seed's file)
+  local s=$1 file="$out/noise_seed$1.json"
+  [ -f "$file" ] && return 0
+  python3 tools/eval_noise.py "$out/paper_seed$s/exact" "$out/paper_seed$s/jagg" "$out/shared_seed$s/jagg" \
+    --draws "$draws" $([ "$s" = "$first" ] || echo --no-base) --out "$file" > "$out/noise_seed$s.log" 2>&1
+  tail -n 1 "$out/noise_seed$s.log"
+}
+export -f run job noise
+first=${seeds%% *}
+export reward out epochs evals preset draws first
 mkdir -p "$out"
 # two runs at a time: every seed's exact run first, then the JAGG runs that start from them
 for s in $seeds; do echo "exact $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
 for s in $seeds; do echo "paper $s"; echo "shared $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
 python3 tools/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \
   $(for s in $seeds; do echo "$out/shared_seed$s"; done)
+if [ "$draws" -gt 0 ]; then
+  for s in $seeds; do echo "$s"; done | xargs -P 2 -L 1 bash -c 'noise "$0"'
+  python3 tools/summarize.py paired $(for s in $seeds; do echo "$out/noise_seed$s.json"; done)
+fi

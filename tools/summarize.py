@@ -7,6 +7,7 @@
     python tools/summarize.py settings runs/bench_full runs/bench_lora ...  # train_sd.py benchmarks side by side
     python tools/summarize.py curves runs/a runs/b ... [--last 3] [--png F] # single runs: their evaluation curves
     python tools/summarize.py gains runs/mini_geneval/paper_seed*/exact     # one method over seeds: does it raise the reward
+    python tools/summarize.py paired runs/noise_seed*.json                  # tools/eval_noise.py's draws: the spread's sources
 """
 
 import argparse
@@ -310,13 +311,69 @@ def gains(paths):
           f"under independent noise, {samples} samples): {sd_of(starts):.3f}")
 
 
+def paired(paths):
+    """tools/eval_noise.py's draws of each seed's final models, exact and JAGG (one --out file a
+    seed, the base model's draws in any one of them). Draw k has the same noise for every model,
+    so JAGG - exact is paired draw by draw. Per mode: how much of the spread over seeds of JAGG's
+    score - exact's is the evaluation's (the spread over one seed's draws: one draw's paired
+    error) and how much the runs' own (what is left of the spread of the seeds' means over draws
+    once the evaluation's share is taken out); the ratio of mean gains over the base with its
+    interval, and the seeds ±10 points take at these draws and with no evaluation error at all,
+    the most that evaluating with more samples can buy."""
+    files = []
+    for path in paths:
+        with open(path) as f:
+            files.append(json.load(f)["models"])
+    base = [m for models in files for m in models if m.get("mode") == "base"]
+    if not base:
+        raise SystemExit("error: no file holds the base model's draws; run tools/eval_noise.py without --no-base "
+                         "on one seed")
+    b = sum(base[0]["draws"]) / len(base[0]["draws"])
+    by_mode = {}  # mode -> [(exact's draws, JAGG's draws) per seed]
+    for path, models in zip(paths, files):
+        exact = [m for m in models if m.get("mode") == "exact"]
+        if len(exact) != 1:
+            raise SystemExit(f"error: {path} holds {len(exact)} exact runs; give each seed's file one exact run "
+                             f"and its JAGG runs")
+        for m in models:
+            if m.get("mode") not in (None, "base", "exact"):
+                if len(m["draws"]) != len(exact[0]["draws"]):
+                    raise SystemExit(f"error: {path}: {m['model']} has {len(m['draws'])} draws, the exact run "
+                                     f"{len(exact[0]['draws'])}; pair them with the same --draws")
+                by_mode.setdefault(m["mode"], []).append((exact[0]["draws"], m["draws"]))
+    print(f"base model: {b:.3f} (mean of {len(base[0]['draws'])} draws)\n")
+    print("| mode | seeds | draws a model | JAGG - exact: mean (95 % interval) | one draw's paired error | spread over "
+          "seeds of the draws' mean | the runs' own spread | ratio of mean gains (95 % interval) | seeds for ±10 "
+          "points: at these draws, with no evaluation error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode in sorted(by_mode, key=MODES.index):
+        pairs = by_mode[mode]
+        k = len(pairs[0][0])
+        gains = [(sum(e) / k - b, sum(j) / k - b) for e, j in pairs]
+        ratio, half, sd_u = ratio_interval(gains)
+        mean_exact = sum(e for e, _ in gains) / len(gains)
+        d = [[jk - ek for ek, jk in zip(e, j)] for e, j in pairs]
+        u = [[(jk - b - ratio * (ek - b)) / mean_exact for ek, jk in zip(e, j)] for e, j in pairs]
+        within_d = math.sqrt(sum(sd_of(x) ** 2 for x in d) / len(d))  # one draw's paired error
+        within_u = math.sqrt(sum(sd_of(x) ** 2 for x in u) / len(u))
+        d_mean, d_half = mean_interval([sum(x) / k for x in d])
+        spread = sd_of([sum(x) / k for x in d])
+        own = math.sqrt(max(0.0, spread ** 2 - within_d ** 2 / k))
+        own_u = math.sqrt(max(0.0, sd_u ** 2 - within_u ** 2 / k))
+        print(f"| {mode} | {len(pairs)} | {k} | {d_mean:+.3f} ({d_mean - d_half:+.3f} to {d_mean + d_half:+.3f}) "
+              f"| {within_d:.4f} | {spread:.4f} | {own:.4f} | {100 * ratio:.1f} % ({100 * (ratio - half):.0f}-"
+              f"{100 * (ratio + half):.0f} %) | {seeds_for(sd_u, 0.10)}, {seeds_for(own_u, 0.10)} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window", "curves", "gains"],
+    parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window", "curves", "gains",
+                                          "paired"],
                         help="which table: compare runs, routing runs, SD benchmark (training step, settings side by "
                              "side, or window level), toy benchmark, single runs' evaluation curves, one "
-                             "method's gain over seeds")
-    parser.add_argument("paths", nargs="+", help="run folders (summary.json inside) or benchmark.json files")
+                             "method's gain over seeds, eval_noise.py's paired draws of exact and JAGG")
+    parser.add_argument("paths", nargs="+", help="run folders (summary.json inside), benchmark.json files or "
+                                                 "(paired) tools/eval_noise.py --out files")
     parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
     parser.add_argument("--last", type=int, default=3, help="curves: how many final evaluations to average")
     parser.add_argument("--png", default="", help="curves: also draw them into this PNG file")
@@ -335,6 +392,8 @@ def main():
         curves(args.paths, args.last, args.png)
     elif args.table == "gains":
         gains(args.paths)
+    elif args.table == "paired":
+        paired(args.paths)
     else:
         window_level(args.paths)
 
