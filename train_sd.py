@@ -1047,9 +1047,16 @@ def load_run(folder, trained=True):
     device, use_bf16 = pick_device(run_cfg)
     pipe, transformer = load_pipeline(run_cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
     if trained:
-        load_weights(transformer, load_file(weights_path(folder, run_cfg.full_finetune)))
+        load_final_weights(transformer, folder, run_cfg)
     sigmas = sampling_sigmas(run_cfg, pipe.scheduler.config.get("shift", 3.0)).to(device)
     return summary, run_cfg, (pipe, transformer, sigmas, use_bf16)
+
+
+def load_final_weights(transformer, folder, run_cfg):
+    """A finished run's saved final weights (its LoRA, or every weight) into the transformer."""
+    from safetensors.torch import load_file
+
+    load_weights(transformer, load_file(weights_path(folder, run_cfg.full_finetune)))
 
 
 def reuse_exact(cfg, base):
@@ -1057,14 +1064,12 @@ def reuse_exact(cfg, base):
     evaluated holds the base model's evaluation (base: JAGG's, drawn from the same model with
     the same noise; None: a resumed JAGG run drew none, so it is drawn here) and the final one,
     redrawn from the run's saved weights."""
-    from safetensors.torch import load_file
-
     summary, ex_cfg, (pipe, transformer, sigmas, use_bf16) = load_run(cfg.exact_from, trained=False)
     prompts, reward_fn = evaluation_prompts(ex_cfg, default_prompts(ex_cfg)), make_reward_fn(ex_cfg, sigmas.device)
     if base is None:
         images, rewards = draw_evaluation(pipe, transformer, prompts, ex_cfg, sigmas, reward_fn, use_bf16)
         base = (images, rewards.tolist())
-    load_weights(transformer, load_file(weights_path(cfg.exact_from, ex_cfg.full_finetune)))
+    load_final_weights(transformer, cfg.exact_from, ex_cfg)
     images, rewards = draw_evaluation(pipe, transformer, prompts, ex_cfg, sigmas, reward_fn, use_bf16)
     last_epoch, last_reward = summary["eval_curve"][-1]
     if abs(rewards.mean().item() - last_reward) > 1e-4:
@@ -1080,7 +1085,7 @@ def compare(cfg):
     runs = {}
     for method in ("jagg",) if cfg.exact_from else ("exact", "jagg"):
         runs[method] = train(dataclasses.replace(cfg, method=method, out=os.path.join(cfg.out, method),
-                                                 resume=cfg.resume and os.path.join(cfg.resume, method)))
+                                                 resume=cfg.resume and cfg.resume_folder()))  # only jagg/ resumes
     if not _is_main():
         return None
     if cfg.exact_from:  # exact GRPO from a finished run: its summary, its base and final samples redrawn

@@ -352,14 +352,16 @@ def paired(paths):
         gains = [(sum(e) / k - b, sum(j) / k - b) for e, j in pairs]
         ratio, half, sd_u = ratio_interval(gains)
         mean_exact = sum(e for e, _ in gains) / len(gains)
+        def split(per_draw):  # [[per draw] per seed] -> (one draw's error, spread of the seeds' means, the runs' own)
+            within = math.sqrt(sum(sd_of(x) ** 2 for x in per_draw) / len(per_draw))
+            spread = sd_of([sum(x) / k for x in per_draw])
+            return within, spread, math.sqrt(max(0.0, spread ** 2 - within ** 2 / k))
+
         d = [[jk - ek for ek, jk in zip(e, j)] for e, j in pairs]
-        u = [[(jk - b - ratio * (ek - b)) / mean_exact for ek, jk in zip(e, j)] for e, j in pairs]
-        within_d = math.sqrt(sum(sd_of(x) ** 2 for x in d) / len(d))  # one draw's paired error
-        within_u = math.sqrt(sum(sd_of(x) ** 2 for x in u) / len(u))
+        within_d, spread, own = split(d)
+        # the ratio's linearised seeds (ratio_interval's): their spread over the seeds' means is sd_u
+        _, _, own_u = split([[(jk - b - ratio * (ek - b)) / mean_exact for ek, jk in zip(e, j)] for e, j in pairs])
         d_mean, d_half = mean_interval([sum(x) / k for x in d])
-        spread = sd_of([sum(x) / k for x in d])
-        own = math.sqrt(max(0.0, spread ** 2 - within_d ** 2 / k))
-        own_u = math.sqrt(max(0.0, sd_u ** 2 - within_u ** 2 / k))
         print(f"| {mode} | {len(pairs)} | {k} | {d_mean:+.3f} ({d_mean - d_half:+.3f} to {d_mean + d_half:+.3f}) "
               f"| {within_d:.4f} | {spread:.4f} | {own:.4f} | {100 * ratio:.1f} % ({100 * (ratio - half):.0f}-"
               f"{100 * (ratio + half):.0f} %) | {seeds_for(sd_u, 0.10)}, {seeds_for(own_u, 0.10)} |")
