@@ -472,7 +472,7 @@ def test_geneval_reward_trains_and_logs_strict_accuracy_per_kind(tiny_sd3, tmp_p
     assert rows[1]["train/grad_rows"] > 0
 
 
-def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, capsys):
+def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, capsys, monkeypatch):
     out = tmp_path / "cmp"
     comparison = train_sd.main(run_args(tiny_sd3, out, "--epochs", "2", "--method", "compare", "--probe-every", "1",
                                         "--anchors", "shared", "--interior", "rollout", "--eval-samples", "6",
@@ -540,6 +540,16 @@ def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, c
     assert exact["mode"] == "exact" and exact["seed"] == ex["config"]["seed"]  # what summarize.py paired pairs by
     assert exact["fixed_noise_eval"] == ex["eval_curve"][-1][1]
     assert len(exact["draws"]) == 2 and json.load(open(tmp_path / "noise.json"))["models"][1]["draws"] == exact["draws"]
+    # the same --out asked for 3 draws keeps the 2 it holds and draws only the third, which equals
+    # a fresh 3-draw run's (draw k's noise is NOISE_SEED + k)
+    calls = []
+    real_draw = train_sd.draw_evaluation
+    monkeypatch.setattr(train_sd, "draw_evaluation", lambda *a, **k: calls.append(k["noise_seed"]) or real_draw(*a, **k))
+    _, grown = eval_noise.main([str(out / "exact"), "--draws", "3", "--out", str(tmp_path / "noise.json")])
+    monkeypatch.undo()
+    assert calls == [eval_noise.NOISE_SEED + 2] * 2 and grown["draws"][:2] == exact["draws"]
+    [fresh] = eval_noise.main([str(out / "exact"), "--draws", "3", "--no-base"])
+    assert fresh["draws"] == pytest.approx(grown["draws"], abs=1e-6)
     _, run_cfg, (pipe, transformer, sigmas, bf16) = train_sd.load_run(str(out / "exact"))
     prompts = train_sd.evaluation_prompts(run_cfg, train_sd.default_prompts(run_cfg))
     draws = [train_sd.draw_evaluation(pipe, transformer, prompts, run_cfg, sigmas, lambda ims, ps: torch.zeros(len(ims)),

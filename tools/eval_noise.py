@@ -11,7 +11,10 @@ of the evaluation. This tool loads each finished run's final weights (and the ba
 first run's settings) and draws the run's evaluation --draws more times, each with its own noise
 seed: the same prompts, sampler and reward. The standard deviation of those means is the
 sampling error of one evaluation of --eval-samples samples, the number to set beside a gain and
-beside the spread between seeds. Writes every draw to --out (JSON) and prints a table.
+beside the spread between seeds. Writes every draw to --out (JSON) and prints a table. An --out
+that already holds draws of the same models keeps them and draws only the missing ones up to
+--draws (draw k's noise is always NOISE_SEED + k), so a table of 4 draws grows to 16 for the cost
+of 12.
 """
 
 import argparse
@@ -50,14 +53,19 @@ def main(argv=None):
             parser.error(f"{run!r} has no saved weights ({weights})")
 
     models = ([("base", args.runs[0], False)] if not args.no_base else []) + [(run, run, True) for run in args.runs]
+    kept = previous_draws(args.out, args.draws)
     results = []
-    bar = tqdm(total=len(models) * args.draws, desc="evaluations", dynamic_ncols=True)
+    bar = tqdm(total=sum(args.draws - len(kept.get(name, {}).get("draws", [])) for name, _, _ in models),
+               desc="evaluations", dynamic_ncols=True)
     for name, folder, trained in models:
         summary, cfg, (pipe, transformer, sigmas, use_bf16) = train_sd.load_run(folder, trained=trained)
         prompts = train_sd.evaluation_prompts(cfg, train_sd.default_prompts(cfg))
         reward_fn = train_sd.make_reward_fn(cfg, sigmas.device)
-        means, strict = [], []
-        for k in range(args.draws):
+        old = kept.get(name, {})
+        if old and old.get("eval_samples") != cfg.eval_samples:
+            old = {}  # drawn at another evaluation size: not the same evaluation, drawn again
+        means, strict = list(old.get("draws", [])), list(old.get("strict_draws", []))
+        for k in range(len(means), args.draws):
             images, rewards = train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
                                                        noise_seed=NOISE_SEED + k)
             means.append(rewards.mean().item())
@@ -83,6 +91,22 @@ def main(argv=None):
         write_json(args.out, {"draws": args.draws, "noise_seed": NOISE_SEED, "rms_sd": rms, "models": results})
         print(f"wrote {args.out}")
     return results
+
+
+def previous_draws(path, draws):
+    """{model: its entry} from an earlier --out file drawn with this NOISE_SEED, each cut to at most
+    `draws` draws (draw k has the same noise in any run of this tool); {} when there is none."""
+    if not path or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        old = json.load(f)
+    if old.get("noise_seed") != NOISE_SEED:
+        return {}
+    if old.get("draws", 0) > draws:
+        print(f"note: {path} holds {old['draws']} draws a model; it is rewritten with the first {draws}")
+    return {m["model"]: {**m, "draws": m["draws"][:draws],
+                         **({"strict_draws": m["strict_draws"][:draws]} if "strict_draws" in m else {})}
+            for m in old["models"]}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@
 #                      # the 12-epoch table trained on to 24 epochs (the same runs as 24 epochs from the start)
 #   DRAWS=4 tools/mini_quality.sh geneval OUT   # then each seed's final models redrawn 4 times with fresh noise
 #                      # (tools/eval_noise.py): summarize.py paired splits JAGG - exact's spread into the
-#                      # evaluation's and the runs' own
+#                      # evaluation's and the runs' own; DRAWS=16 later grows the same files to 16 draws
 #   python tools/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
 #
 # The setting is train_sd.py --preset mini, the one the sanity ladder in docs/mini_sd3.md found to
@@ -66,10 +66,12 @@ job() {  # KIND SEED: exact, or a JAGG mode with --exact-from the seed's exact r
   esac
 }
 noise() {  # SEED: its exact and JAGG final models, each drawn $draws times with the same fresh noise (the base model: the first seed's file)
-  local s=$1 file="$out/noise_seed$1.json"
-  [ -f "$file" ] && return 0
+  local s=$1 file="$out/noise_seed$1.json" have
+  # a file with fewer draws grows: eval_noise.py keeps the draws it holds and draws only the rest
+  have=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["draws"])' "$file" 2>/dev/null || echo 0)
+  [ "$have" -ge "$draws" ] && return 0
   python3 tools/eval_noise.py "$out/paper_seed$s/exact" "$out/paper_seed$s/jagg" "$out/shared_seed$s/jagg" \
-    --draws "$draws" $([ "$s" = "$first" ] || echo --no-base) --out "$file" > "$out/noise_seed$s.log" 2>&1
+    --draws "$draws" $([ "$s" = "$first" ] || echo --no-base) --out "$file" >> "$out/noise_seed$s.log" 2>&1
   tail -n 1 "$out/noise_seed$s.log"
 }
 export -f run job noise
