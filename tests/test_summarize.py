@@ -2,6 +2,7 @@
 
 import math
 import os
+import pathlib
 import random
 import sys
 
@@ -107,27 +108,48 @@ def test_gains_prints_the_mean_gain_its_interval_and_the_spread_of_the_starts(tm
 
 
 def test_paired_splits_the_spread_of_jagg_minus_exact_into_the_evaluations_and_the_runs(tmp_path, capsys):
-    """Four seeds, two draws a model: JAGG - exact is t_s + 0.01 and t_s - 0.01 over a seed's two
-    draws (t_s = ±0.02), so one draw's paired error is 0.01·√2, the spread of the seeds' means is
-    sd(t) and the runs' own is what sd(t)² keeps after 0.01·√2 squared over 2 draws; exact and JAGG
-    gain 0.1 on average over the base's 0.5, a ratio of 100 %."""
+    """Four seeds, two draws a model; exact scores 0.6 and the base 0.5 at every draw (gain 0.1),
+    JAGG 0.6 + t_s ± 0.01 (t_s = ±0.02). Where the ±0.01 is the same for every seed (draw 1 +, draw
+    2 -: a draw's luck common to all seeds), averaging seeds does not shrink it: the interval counts
+    it at its 1 degree of freedom. Where it alternates between seeds it is the evaluation's error
+    within a seed and averages out. The ratio's linearisation is (JAGG - exact) / 0.1 here."""
     import json
+
+    def write(signs, name):
+        paths = []
+        for seed, (ts, sign) in enumerate(zip(t, signs)):
+            models = [{"model": "base", "mode": "base", "draws": [0.5, 0.5]}] if seed == 0 else []
+            models += [{"model": f"s{seed}/exact", "mode": "exact", "draws": [0.6, 0.6]},
+                       {"model": f"s{seed}/jagg", "mode": "jagg", "draws": [0.6 + ts + sign * 0.01, 0.6 + ts - sign * 0.01]}]
+            paths.append(tmp_path / f"{name}{seed}.json")
+            paths[-1].write_text(json.dumps({"models": models}))
+        return [str(p) for p in paths]
+
     t = [0.02, -0.02, 0.02, -0.02]
-    paths = []
-    for seed, ts in enumerate(t):
-        models = [{"model": "base", "mode": "base", "draws": [0.49, 0.51]}] if seed == 0 else []
-        models += [{"model": f"s{seed}/exact", "mode": "exact", "draws": [0.6, 0.6]},
-                   {"model": f"s{seed}/jagg", "mode": "jagg", "draws": [0.6 + ts + 0.01, 0.6 + ts - 0.01]}]
-        paths.append(tmp_path / f"seed{seed}.json")
-        paths[-1].write_text(json.dumps({"models": models}))
-    summarize.paired([str(p) for p in paths])
+    runs_var, common_var = summarize.sd_of(t) ** 2, 0.0002  # sd(+0.01, -0.01)² = 0.0002
+    # common: the variance of the mean is runs_var / 4 seeds + common_var / 2 draws; Satterthwaite's df
+    var = runs_var / 4 + common_var / 2
+    df = var ** 2 / ((runs_var / 4) ** 2 / 3 + (common_var / 2) ** 2 / 1)
+    half = summarize.t95(int(df)) * var ** 0.5
+    summarize.paired(write([1, 1, 1, 1], "common"))
     out = capsys.readouterr().out
-    spread = summarize.sd_of(t)
-    own = (spread ** 2 - (0.01 * 2 ** 0.5) ** 2 / 2) ** 0.5
-    half = summarize.t95(3) * spread / 2
     assert "base model: 0.500 (mean of 2 draws)" in out
-    assert (f"| jagg | 4 | 2 | +0.000 ({-half:+.3f} to {half:+.3f}) | {0.01 * 2 ** 0.5:.4f} | {spread:.4f} "
-            f"| {own:.4f} | 100.0 % (") in out
+    assert (f"| jagg | 4 | 2 | +0.000 ({-half:+.3f} to {half:+.3f}) | {common_var ** 0.5:.4f} | {common_var ** 0.5:.4f} "
+            f"| {runs_var ** 0.5:.4f} | 100.0 % ({100 - 1000 * half:.0f}-{100 + 1000 * half:.0f} %) |") in out
+    # with no evaluation error only the runs' own spread is left: the seeds a plain t interval needs
+    assert f", {summarize.seeds_for(runs_var ** 0.5 / 0.1, 0.10)} |" in out
+
+    # alternating: one draw's error 0.01·√2 within each seed, nothing common; the runs' own variance
+    # is what the seeds' means keep after the error's 0.0002 / 2 draws (0.02² exactly)
+    summarize.paired(write([1, -1, 1, -1], "alternate"))
+    out = capsys.readouterr().out
+    half = summarize.t95(3) * summarize.sd_of(t) / 2
+    assert (f"| jagg | 4 | 2 | +0.000 ({-half:+.3f} to {half:+.3f}) | {0.01 * 2 ** 0.5:.4f} | 0.0000 | 0.0200 "
+            f"| 100.0 % ({100 - 1000 * half:.0f}-{100 + 1000 * half:.0f} %) |") in out
+    # at 2 draws a seed's mean spreads by sd(t) (a plain t interval's seeds); with no evaluation
+    # error by the runs' 0.02; and no number of draws takes the runs' own spread to ±10 at 4 seeds
+    assert f"| {summarize.seeds_for(summarize.sd_of(t) / 0.1, 0.10)}, {summarize.seeds_for(0.2, 0.10)} | never |" in out
+    paths = [pathlib.Path(p) for p in write([1, 1, 1, 1], "common")]
 
     # No base model's draws, or a JAGG run drawn more often than its exact twin: refused, named.
     (tmp_path / "nobase.json").write_text(json.dumps({"models": json.loads(paths[1].read_text())["models"]}))
@@ -138,3 +160,11 @@ def test_paired_splits_the_spread_of_jagg_minus_exact_into_the_evaluations_and_t
     (tmp_path / "uneven.json").write_text(json.dumps({"models": models}))
     with pytest.raises(SystemExit, match="has 3 draws, the exact run 2"):
         summarize.paired([str(tmp_path / "uneven.json")])
+    with pytest.raises(SystemExit, match="fewer than 2 seeds"):
+        summarize.paired([str(paths[0])])
+    later = json.loads(paths[1].read_text())["models"]
+    for m in later:
+        m["draws"].append(0.6)
+    (tmp_path / "three.json").write_text(json.dumps({"models": later}))
+    with pytest.raises(SystemExit, match="the base model has 2 draws"):
+        summarize.paired([str(paths[0]), str(tmp_path / "three.json")])

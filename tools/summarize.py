@@ -311,15 +311,65 @@ def gains(paths):
           f"under independent noise, {samples} samples): {sd_of(starts):.3f}")
 
 
+def two_way(x):
+    """Variance components of a table x[seed][draw] in which draw k has the same noise for every
+    seed (tools/eval_noise.py's NOISE_SEED + k), so a draw's luck is partly common to all seeds:
+    x = mean + run_s + draw_k + rest. By the two-way analysis of variance (method of moments,
+    negative components set to 0): the runs' own variance, the draws' common part's and the rest's,
+    and the variance of the table's mean with its Satterthwaite degrees of freedom. A t interval
+    over the seeds' means alone would miss the common part: averaging seeds does not shrink it."""
+    n, k = len(x), len(x[0])
+    grand = sum(map(sum, x)) / (n * k)
+    rows = [sum(r) / k for r in x]
+    cols = [sum(r[j] for r in x) / n for j in range(k)]
+    ms_rows = k * sum((r - grand) ** 2 for r in rows) / (n - 1)
+    ms_cols = n * sum((c - grand) ** 2 for c in cols) / (k - 1)
+    ms_rest = sum((x[i][j] - rows[i] - cols[j] + grand) ** 2 for i in range(n) for j in range(k)) / ((n - 1) * (k - 1))
+    comp = {"mean": grand, "n": n, "k": k, "runs": max(0.0, (ms_rows - ms_rest) / k),
+            "common": max(0.0, (ms_cols - ms_rest) / n), "rest": ms_rest,
+            "within": math.sqrt(sum(sd_of(r) ** 2 for r in x) / n), "spread": sd_of(rows)}
+    comp["var"], comp["df"] = mean_variance(comp, n, k)
+    return comp
+
+
+def mean_variance(comp, n, k):
+    """(variance of the mean of n seeds x k draws, its Satterthwaite degrees of freedom) at the
+    components of two_way: the seeds' part (the runs' own and the rest) has n - 1 degrees of
+    freedom, the draws' common part k - 1."""
+    seeds, draws = (comp["runs"] + comp["rest"] / k) / n, comp["common"] / k
+    var = seeds + draws
+    df = var ** 2 / (seeds ** 2 / (n - 1) + (draws ** 2 / (k - 1) if k > 1 else 0.0)) if var > 0 else n - 1
+    return var, df
+
+
+def half_width(comp, n, k):
+    """The 95 % half-width of the mean of n seeds x k draws at two_way's components."""
+    var, df = mean_variance(comp, n, k)
+    return t95(max(1, int(df))) * math.sqrt(var)
+
+
+def needed(comp, half, seeds=None, draws=None):
+    """The fewest seeds (at `draws` draws) or draws (at `seeds` seeds) whose 95 % half-width at
+    two_way's components is at most `half`, as text: "-" when no spread is measured, "never" when
+    the other count's part alone is wider (the runs' own for draws, the draws' common part for seeds)."""
+    if comp["runs"] + comp["common"] + comp["rest"] == 0:
+        return "-"
+    for m in range(2, 10_001):
+        if half_width(comp, m if seeds is None else seeds, draws if seeds is None else m) <= half:
+            return str(m)
+    return "never"
+
+
 def paired(paths):
     """tools/eval_noise.py's draws of each seed's final models, exact and JAGG (one --out file a
-    seed, the base model's draws in any one of them). Draw k has the same noise for every model,
-    so JAGG - exact is paired draw by draw. Per mode: how much of the spread over seeds of JAGG's
-    score - exact's is the evaluation's (the spread over one seed's draws: one draw's paired
-    error) and how much the runs' own (what is left of the spread of the seeds' means over draws
-    once the evaluation's share is taken out); the ratio of mean gains over the base with its
-    interval, and the seeds ±10 points take at these draws and with no evaluation error at all,
-    the most that evaluating with more samples can buy."""
+    seed, the base model's draws in any one of them). Draw k has the same noise for every model
+    and seed, so JAGG - exact is paired draw by draw, and its gain over the base too. Per mode,
+    JAGG - exact's spread split by two_way into one draw's paired error (within a seed), the part
+    of a draw's error common to all seeds, and the runs' own spread (what the seeds' means keep
+    once the evaluation's share is taken out); intervals that count all three; the ratio of mean
+    gains over the base with its interval (ratio_interval's linearisation, drawn by draw); and the
+    seeds ±10 points take at these draws and with no evaluation error at all (the most that
+    evaluating with more samples can buy), and the draws it takes at these seeds."""
     files = []
     for path in paths:
         with open(path) as f:
@@ -328,7 +378,7 @@ def paired(paths):
     if not base:
         raise SystemExit("error: no file holds the base model's draws; run tools/eval_noise.py without --no-base "
                          "on one seed")
-    b = sum(base[0]["draws"]) / len(base[0]["draws"])
+    base = base[0]["draws"]
     by_mode = {}  # mode -> [(exact's draws, JAGG's draws) per seed]
     for path, models in zip(paths, files):
         exact = [m for m in models if m.get("mode") == "exact"]
@@ -336,35 +386,37 @@ def paired(paths):
             raise SystemExit(f"error: {path} holds {len(exact)} exact runs; give each seed's file one exact run "
                              f"and its JAGG runs")
         for m in models:
+            if m.get("mode") not in (None, "exact") and len(m["draws"]) != len(exact[0]["draws"]):
+                raise SystemExit(f"error: {path}: {m['model']} has {len(m['draws'])} draws, the exact run "
+                                 f"{len(exact[0]['draws'])}; pair them with the same --draws")
             if m.get("mode") not in (None, "base", "exact"):
-                if len(m["draws"]) != len(exact[0]["draws"]):
-                    raise SystemExit(f"error: {path}: {m['model']} has {len(m['draws'])} draws, the exact run "
-                                     f"{len(exact[0]['draws'])}; pair them with the same --draws")
                 by_mode.setdefault(m["mode"], []).append((exact[0]["draws"], m["draws"]))
-    print(f"base model: {b:.3f} (mean of {len(base[0]['draws'])} draws)\n")
-    print("| mode | seeds | draws a model | JAGG - exact: mean (95 % interval) | one draw's paired error | spread over "
-          "seeds of the draws' mean | the runs' own spread | ratio of mean gains (95 % interval) | seeds for ±10 "
-          "points: at these draws, with no evaluation error |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    k = len(base)
+    if any(len(e) != k for pairs in by_mode.values() for e, _ in pairs):
+        raise SystemExit(f"error: the base model has {k} draws and the runs another number; draw every file with "
+                         f"the same --draws")
+    if any(len(pairs) < 2 for pairs in by_mode.values()):
+        raise SystemExit("error: a mode with fewer than 2 seeds has no spread between seeds; give 2 or more seeds' files")
+    print(f"base model: {sum(base) / k:.3f} (mean of {k} draws)\n")
+    print("| mode | seeds | draws a model | JAGG - exact: mean (95 % interval) | one draw's paired error | the part "
+          "common to all seeds | the runs' own spread | ratio of mean gains (95 % interval) | seeds for ±10 "
+          "points: at these draws, with no evaluation error | draws for ±10 points at these seeds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in sorted(by_mode, key=MODES.index):
         pairs = by_mode[mode]
-        k = len(pairs[0][0])
-        gains = [(sum(e) / k - b, sum(j) / k - b) for e, j in pairs]
-        ratio, half, sd_u = ratio_interval(gains)
-        mean_exact = sum(e for e, _ in gains) / len(gains)
-        def split(per_draw):  # [[per draw] per seed] -> (one draw's error, spread of the seeds' means, the runs' own)
-            within = math.sqrt(sum(sd_of(x) ** 2 for x in per_draw) / len(per_draw))
-            spread = sd_of([sum(x) / k for x in per_draw])
-            return within, spread, math.sqrt(max(0.0, spread ** 2 - within ** 2 / k))
-
-        d = [[jk - ek for ek, jk in zip(e, j)] for e, j in pairs]
-        within_d, spread, own = split(d)
-        # the ratio's linearised seeds (ratio_interval's): their spread over the seeds' means is sd_u
-        _, _, own_u = split([[(jk - b - ratio * (ek - b)) / mean_exact for ek, jk in zip(e, j)] for e, j in pairs])
-        d_mean, d_half = mean_interval([sum(x) / k for x in d])
-        print(f"| {mode} | {len(pairs)} | {k} | {d_mean:+.3f} ({d_mean - d_half:+.3f} to {d_mean + d_half:+.3f}) "
-              f"| {within_d:.4f} | {spread:.4f} | {own:.4f} | {100 * ratio:.1f} % ({100 * (ratio - half):.0f}-"
-              f"{100 * (ratio + half):.0f} %) | {seeds_for(sd_u, 0.10)}, {seeds_for(own_u, 0.10)} |")
+        n = len(pairs)
+        d = two_way([[jk - ek for ek, jk in zip(e, j)] for e, j in pairs])
+        gains = [(sum(e) / k - sum(base) / k, sum(j) / k - sum(base) / k) for e, j in pairs]
+        ratio = sum(j for _, j in gains) / sum(e for e, _ in gains)
+        mean_exact = sum(e for e, _ in gains) / n
+        # ratio_interval's linearised values, draw by draw against the base's same draw
+        u = two_way([[(jk - bk - ratio * (ek - bk)) / mean_exact for ek, jk, bk in zip(e, j, base)] for e, j in pairs])
+        d_half, r_half = half_width(d, n, k), half_width(u, n, k)
+        clean = {**u, "common": 0.0, "rest": 0.0}
+        print(f"| {mode} | {n} | {k} | {d['mean']:+.3f} ({d['mean'] - d_half:+.3f} to {d['mean'] + d_half:+.3f}) "
+              f"| {d['within']:.4f} | {math.sqrt(d['common']):.4f} | {math.sqrt(d['runs']):.4f} "
+              f"| {100 * ratio:.1f} % ({100 * (ratio - r_half):.0f}-{100 * (ratio + r_half):.0f} %) "
+              f"| {needed(u, 0.10, draws=k)}, {needed(clean, 0.10, draws=k)} | {needed(u, 0.10, seeds=n)} |")
 
 
 def main():
