@@ -11,6 +11,9 @@
 #   SEEDS="0 1 2 3 4" JOBS=10 tools/gpu_mini_quality.sh ...              # the seeds (default 0-19: the
 #                                                                        # CPU tables' spread asks for 15-90), runs at a time
 #   PHASE=exact tools/gpu_mini_quality.sh ...; PHASE=jagg tools/gpu_mini_quality.sh ...   # in two calls
+#   DRAWS=64 tools/gpu_mini_quality.sh ...   # each seed's final models redrawn 64 times with fresh noise
+#                                            # (tools/eval_noise.py; default 16, 0: none), then
+#                                            # summarize.py paired: the intervals and the draws ±10 points need
 #   tools/gpu_mini_quality.sh /tmp/q 1 --device cpu --eval-samples 8 --prompts-per-epoch 2 --group-size 4 \
 #     --rollout-batch 8 --train-batch 8 --probe-batch 2                  # the same script, tested on a CPU
 #
@@ -25,6 +28,8 @@ epochs=${2:-40}
 phase=${PHASE:-all}  # exact, jagg (the exact runs must exist) or all
 seeds=${SEEDS:-$(seq -s ' ' 0 19)}
 jobs_max=${JOBS:-10}  # runs at a time on the GPU
+draws=${DRAWS:-16}  # the redrawn evaluation of each seed's final models (0: none)
+case "$draws" in ''|*[!0-9]*|1) echo "error: DRAWS must be 0 (none) or a whole number of draws of at least 2, got '$draws'"; exit 1 ;; esac
 case "$phase" in all|exact|jagg) ;; *) echo "error: PHASE must be all, exact or jagg, got '$phase'"; exit 1;; esac
 shift 2 || shift $# || true
 if ! python3 -c "import diffusers, peft" 2>/dev/null; then
@@ -66,3 +71,12 @@ done
 wait
 python3 tools/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \
   $(for s in $seeds; do echo "$out/shared_seed$s"; done)
+[ "$draws" -gt 0 ] || exit 0
+first=${seeds%% *}
+for seed in $seeds; do  # the same fresh noise for a seed's three models; the base model in the first seed's file
+  slot; python3 tools/eval_noise.py "$out/paper_seed$seed/exact" "$out/paper_seed$seed/jagg" "$out/shared_seed$seed/jagg" \
+    --draws "$draws" $([ "$seed" = "$first" ] || echo --no-base) --out "$out/noise_seed$seed.json" \
+    >> "$out/noise_seed$seed.log" 2>&1 &
+done
+wait
+python3 tools/summarize.py paired $(for s in $seeds; do echo "$out/noise_seed$s.json"; done)
