@@ -13,8 +13,10 @@ seed: the same prompts, sampler and reward. The standard deviation of those mean
 sampling error of one evaluation of --eval-samples samples, the number to set beside a gain and
 beside the spread between seeds. Writes every draw to --out (JSON) and prints a table. An --out
 that already holds draws of the same models keeps them and draws only the missing ones up to
---draws (draw k's noise is always NOISE_SEED + k), so a table of 4 draws grows to 16 for the cost
-of 12.
+--draws (draw k's noise is always --noise-seed + k), so a table of 4 draws grows to 16 for the cost
+of 12. Give each seed's file its own --noise-seed (tools/gpu_mini_quality.sh does): with one
+noise for all seeds a draw's luck is partly common to them, and averaging seeds does not shrink
+that part (tools/summarize.py paired measures it).
 """
 
 import argparse
@@ -38,6 +40,9 @@ def main(argv=None):
                                                 "saved weights: a compare's DIR/exact or DIR/jagg)")
     parser.add_argument("--draws", type=int, default=4, help="independent noise draws per model (>= 2)")
     parser.add_argument("--no-base", action="store_true", help="skip the base model (the first run's settings, untrained)")
+    parser.add_argument("--noise-seed", type=int, default=NOISE_SEED,
+                        help=f"draw k uses this seed + k (default {NOISE_SEED}); a seed's own, e.g. {NOISE_SEED} + "
+                             f"1000 x the run's seed, keeps the seeds' evaluation errors independent")
     parser.add_argument("--out", default="", help="also write the draws to this JSON file")
     args = parser.parse_args(argv)
     if args.draws < 2:
@@ -53,7 +58,7 @@ def main(argv=None):
             parser.error(f"{run!r} has no saved weights ({weights})")
 
     models = ([("base", args.runs[0], False)] if not args.no_base else []) + [(run, run, True) for run in args.runs]
-    kept = previous_draws(args.out, args.draws)
+    kept = previous_draws(args.out, args.draws, args.noise_seed)
     results = []
     bar = tqdm(total=sum(args.draws - len(kept.get(name, {}).get("draws", [])) for name, _, _ in models),
                desc="evaluations", dynamic_ncols=True)
@@ -67,7 +72,7 @@ def main(argv=None):
         means, strict = list(old.get("draws", [])), list(old.get("strict_draws", []))
         for k in range(len(means), args.draws):
             images, rewards = train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
-                                                       noise_seed=NOISE_SEED + k)
+                                                       noise_seed=args.noise_seed + k)
             means.append(rewards.mean().item())
             if cfg.reward == "geneval":
                 strict.append(train_sd.strict_accuracy(images, prompts)["eval/strict"])
@@ -88,19 +93,20 @@ def main(argv=None):
     print(f"\nroot-mean-square sampling error of one evaluation of {results[0]['eval_samples']} samples: {rms:.4f}; "
           f"of a gain (two independent evaluations): {rms * 2 ** 0.5:.4f}")
     if args.out:
-        write_json(args.out, {"draws": args.draws, "noise_seed": NOISE_SEED, "rms_sd": rms, "models": results})
+        write_json(args.out, {"draws": args.draws, "noise_seed": args.noise_seed, "rms_sd": rms, "models": results})
         print(f"wrote {args.out}")
     return results
 
 
-def previous_draws(path, draws):
-    """{model: its entry} from an earlier --out file drawn with this NOISE_SEED, each cut to at most
+def previous_draws(path, draws, noise_seed):
+    """{model: its entry} from an earlier --out file drawn with this noise seed, each cut to at most
     `draws` draws (draw k has the same noise in any run of this tool); {} when there is none."""
     if not path or not os.path.isfile(path):
         return {}
     with open(path) as f:
         old = json.load(f)
-    if old.get("noise_seed") != NOISE_SEED:
+    if old.get("noise_seed") != noise_seed:
+        print(f"note: {path} was drawn with --noise-seed {old.get('noise_seed')}, not {noise_seed}; drawn again")
         return {}
     if old.get("draws", 0) > draws:
         print(f"note: {path} holds {old['draws']} draws a model; it is rewritten with the first {draws}")
