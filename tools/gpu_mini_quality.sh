@@ -9,7 +9,8 @@
 #   tools/gpu_mini_quality.sh [OUT] [EPOCHS] [more train_sd.py flags]   # default runs/gpu_mini, 40
 #   REWARD=darkness tools/gpu_mini_quality.sh ...                        # the reward (default geneval)
 #   SEEDS="0 1 2 3 4" JOBS=10 tools/gpu_mini_quality.sh ...              # the seeds (default 0-19: the
-#                                                                        # CPU tables' spread asks for 15-90), runs at a time
+#                                                                        # CPU tables' spread asks for 15-90; geneval's
+#                                                                        # shared + rollout about 60), runs at a time
 #   PHASE=exact tools/gpu_mini_quality.sh ...; PHASE=jagg tools/gpu_mini_quality.sh ...   # in two calls
 #   DRAWS=64 tools/gpu_mini_quality.sh ...   # each seed's final models redrawn 64 times with fresh noise
 #                                            # (tools/eval_noise.py; default 16, 0: none), then
