@@ -557,6 +557,16 @@ def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, c
                      str(tmp_path / "noise.json")])
     monkeypatch.undo()
     assert calls == [5, 6] and json.load(open(tmp_path / "noise.json"))["noise_seed"] == 5
+    # draws of a model whose final evaluation has changed since (trained on in place) are drawn again
+    stale = json.load(open(tmp_path / "noise.json"))
+    stale["models"][0]["fixed_noise_eval"] += 1.0
+    (tmp_path / "noise.json").write_text(json.dumps(stale))
+    calls.clear()
+    monkeypatch.setattr(train_sd, "draw_evaluation", lambda *a, **k: calls.append(k["noise_seed"]) or real_draw(*a, **k))
+    eval_noise.main([str(out / "exact"), "--draws", "2", "--no-base", "--noise-seed", "5", "--out",
+                     str(tmp_path / "noise.json")])
+    monkeypatch.undo()
+    assert calls == [5, 6]
     _, run_cfg, (pipe, transformer, sigmas, bf16) = train_sd.load_run(str(out / "exact"))
     prompts = train_sd.evaluation_prompts(run_cfg, train_sd.default_prompts(run_cfg))
     draws = [train_sd.draw_evaluation(pipe, transformer, prompts, run_cfg, sigmas, lambda ims, ps: torch.zeros(len(ims)),

@@ -168,3 +168,25 @@ def test_paired_splits_the_spread_of_jagg_minus_exact_into_the_evaluations_and_t
     (tmp_path / "three.json").write_text(json.dumps({"models": later}))
     with pytest.raises(SystemExit, match="the base model has 2 draws"):
         summarize.paired([str(paths[0]), str(tmp_path / "three.json")])
+
+
+def test_two_way_matches_the_textbook_mean_squares():
+    """A seeds x draws table with a run effect, a draw effect common to all seeds and noise: the
+    variance of its mean is (MS_rows + MS_cols - MS_rest) / (n k), with Satterthwaite's degrees of
+    freedom over the three mean squares, computed here from the table's two-way decomposition."""
+    rng = random.Random(3)
+    n, k = 6, 5
+    run, draw = [rng.gauss(0, 0.3) for _ in range(n)], [rng.gauss(0, 0.3) for _ in range(k)]
+    x = [[run[i] + draw[j] + rng.gauss(0, 0.1) for j in range(k)] for i in range(n)]
+    g = sum(map(sum, x)) / (n * k)
+    r = [sum(row) / k for row in x]
+    c = [sum(x[i][j] for i in range(n)) / n for j in range(k)]
+    msr = k * sum((v - g) ** 2 for v in r) / (n - 1)
+    msc = n * sum((v - g) ** 2 for v in c) / (k - 1)
+    mse = sum((x[i][j] - r[i] - c[j] + g) ** 2 for i in range(n) for j in range(k)) / ((n - 1) * (k - 1))
+    assert msr > mse and msc > mse  # no component clipped
+    comp = summarize.two_way(x)
+    assert comp["var"] == pytest.approx((msr + msc - mse) / (n * k))
+    assert comp["df"] == pytest.approx((msr + msc - mse) ** 2 / (msr ** 2 / (n - 1) + msc ** 2 / (k - 1)
+                                                                + mse ** 2 / ((n - 1) * (k - 1))))
+    assert comp["runs"] == pytest.approx((msr - mse) / k) and comp["common"] == pytest.approx((msc - mse) / n)

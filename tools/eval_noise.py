@@ -66,9 +66,14 @@ def main(argv=None):
         summary, cfg, (pipe, transformer, sigmas, use_bf16) = train_sd.load_run(folder, trained=trained)
         prompts = train_sd.evaluation_prompts(cfg, train_sd.default_prompts(cfg))
         reward_fn = train_sd.make_reward_fn(cfg, sigmas.device)
+        fixed = summary["eval_curve"][0 if not trained else -1][1]
         old = kept.get(name, {})
-        if old and old.get("eval_samples") != cfg.eval_samples:
-            old = {}  # drawn at another evaluation size: not the same evaluation, drawn again
+        if old and (old.get("eval_samples"), old.get("fixed_noise_eval")) != (cfg.eval_samples, fixed):
+            # another evaluation size, or weights that have changed since (a run trained on in place
+            # ends with another evaluation): not the same model's draws, drawn again
+            print(f"note: {name}'s draws in {args.out} are of another evaluation or model; drawn again")
+            bar.total += len(old["draws"])
+            old = {}
         means, strict = list(old.get("draws", [])), list(old.get("strict_draws", []))
         for k in range(len(means), args.draws):
             images, rewards = train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
@@ -77,7 +82,6 @@ def main(argv=None):
             if cfg.reward == "geneval":
                 strict.append(train_sd.strict_accuracy(images, prompts)["eval/strict"])
             bar.update()
-        fixed = summary["eval_curve"][0 if not trained else -1][1]
         results.append({"model": name, "mode": summary["mode"] if trained else "base", "seed": cfg.seed,
                         "reward": cfg.reward, "eval_samples": cfg.eval_samples, "draws": means,
                         "mean": statistics.mean(means), "sd": statistics.stdev(means),

@@ -334,12 +334,20 @@ def two_way(x):
 
 def mean_variance(comp, n, k):
     """(variance of the mean of n seeds x k draws, its Satterthwaite degrees of freedom) at the
-    components of two_way: the seeds' part (the runs' own and the rest) has n - 1 degrees of
-    freedom, the draws' common part k - 1."""
-    seeds, draws = (comp["runs"] + comp["rest"] / k) / n, comp["common"] / k
-    var = seeds + draws
-    df = var ** 2 / (seeds ** 2 / (n - 1) + (draws ** 2 / (k - 1) if k > 1 else 0.0)) if var > 0 else n - 1
-    return var, df
+    components of two_way. The variance is (MS_seeds + MS_draws - MS_rest) / (n k) with the mean
+    squares these components give at n x k (the rest's has (n - 1)(k - 1) degrees of freedom);
+    a component set to 0 drops its mean square and the rest's with it."""
+    rest = comp["rest"]
+    terms = []  # (mean square, its degrees of freedom, sign)
+    if comp["runs"] > 0:
+        terms.append((rest + k * comp["runs"], n - 1, 1))
+    if comp["common"] > 0:
+        terms.append((rest + n * comp["common"], k - 1, 1))
+    # the rest's mean square: subtracted once for each component kept beyond the first, added when none is
+    terms.append((rest, (n - 1) * (k - 1), 1 - len(terms)))
+    var = sum(sign * ms for ms, _, sign in terms) / (n * k)
+    noise = sum((sign * ms) ** 2 / df for ms, df, sign in terms if sign and ms > 0)
+    return var, (var * n * k) ** 2 / noise if noise > 0 else n - 1
 
 
 def half_width(comp, n, k):
