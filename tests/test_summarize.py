@@ -186,7 +186,8 @@ def test_two_way_matches_the_textbook_mean_squares():
     mse = sum((x[i][j] - r[i] - c[j] + g) ** 2 for i in range(n) for j in range(k)) / ((n - 1) * (k - 1))
     assert msr > mse and msc > mse  # no component clipped
     comp = summarize.two_way(x)
-    assert comp["var"] == pytest.approx((msr + msc - mse) / (n * k))
-    assert comp["df"] == pytest.approx((msr + msc - mse) ** 2 / (msr ** 2 / (n - 1) + msc ** 2 / (k - 1)
+    var, df = summarize.mean_variance(comp, n, k)
+    assert var == pytest.approx((msr + msc - mse) / (n * k))
+    assert df == pytest.approx((msr + msc - mse) ** 2 / (msr ** 2 / (n - 1) + msc ** 2 / (k - 1)
                                                                 + mse ** 2 / ((n - 1) * (k - 1))))
     assert comp["runs"] == pytest.approx((msr - mse) / k) and comp["common"] == pytest.approx((msc - mse) / n)

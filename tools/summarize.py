@@ -312,12 +312,14 @@ def gains(paths):
 
 
 def two_way(x):
-    """Variance components of a table x[seed][draw] in which draw k has the same noise for every
-    seed (tools/eval_noise.py's NOISE_SEED + k), so a draw's luck is partly common to all seeds:
+    """Variance components of a table x[seed][draw] in which draw k may have the same noise for
+    every seed (tools/eval_noise.py's --noise-seed + k, one noise seed for all files), so a draw's
+    luck is partly common to all seeds:
     x = mean + run_s + draw_k + rest. By the two-way analysis of variance (method of moments,
     negative components set to 0): the runs' own variance, the draws' common part's and the rest's,
-    and the variance of the table's mean with its Satterthwaite degrees of freedom. A t interval
-    over the seeds' means alone would miss the common part: averaging seeds does not shrink it."""
+    and one draw's error within a seed (the root mean square of the seeds' spreads over draws);
+    mean_variance turns them into the variance of the table's mean. A t interval over the seeds'
+    means alone would miss the common part: averaging seeds does not shrink it."""
     n, k = len(x), len(x[0])
     grand = sum(map(sum, x)) / (n * k)
     rows = [sum(r) / k for r in x]
@@ -325,11 +327,8 @@ def two_way(x):
     ms_rows = k * sum((r - grand) ** 2 for r in rows) / (n - 1)
     ms_cols = n * sum((c - grand) ** 2 for c in cols) / (k - 1)
     ms_rest = sum((x[i][j] - rows[i] - cols[j] + grand) ** 2 for i in range(n) for j in range(k)) / ((n - 1) * (k - 1))
-    comp = {"mean": grand, "n": n, "k": k, "runs": max(0.0, (ms_rows - ms_rest) / k),
-            "common": max(0.0, (ms_cols - ms_rest) / n), "rest": ms_rest,
-            "within": math.sqrt(sum(sd_of(r) ** 2 for r in x) / n), "spread": sd_of(rows)}
-    comp["var"], comp["df"] = mean_variance(comp, n, k)
-    return comp
+    return {"mean": grand, "runs": max(0.0, (ms_rows - ms_rest) / k), "common": max(0.0, (ms_cols - ms_rest) / n),
+            "rest": ms_rest, "within": math.sqrt(sum(sd_of(r) ** 2 for r in x) / n)}
 
 
 def mean_variance(comp, n, k):
@@ -371,7 +370,8 @@ def needed(comp, half, seeds=None, draws=None):
 def paired(paths):
     """tools/eval_noise.py's draws of each seed's final models, exact and JAGG (one --out file a
     seed, the base model's draws in any one of them). Draw k has the same noise for every model
-    and seed, so JAGG - exact is paired draw by draw, and its gain over the base too. Per mode,
+    of a seed (for every seed too, unless each file was drawn with its own --noise-seed), so JAGG -
+    exact is paired draw by draw, and its gain over the base too. Per mode,
     JAGG - exact's spread split by two_way into one draw's paired error (within a seed), the part
     of a draw's error common to all seeds, and the runs' own spread (what the seeds' means keep
     once the evaluation's share is taken out); intervals that count all three; the ratio of mean
@@ -405,7 +405,8 @@ def paired(paths):
                          f"the same --draws")
     if any(len(pairs) < 2 for pairs in by_mode.values()):
         raise SystemExit("error: a mode with fewer than 2 seeds has no spread between seeds; give 2 or more seeds' files")
-    print(f"base model: {sum(base) / k:.3f} (mean of {k} draws)\n")
+    b = sum(base) / k
+    print(f"base model: {b:.3f} (mean of {k} draws)\n")
     print("| mode | seeds | draws a model | JAGG - exact: mean (95 % interval) | one draw's paired error | the part "
           "common to all seeds | the runs' own spread | ratio of mean gains (95 % interval) | seeds for ±10 "
           "points: at these draws, with no evaluation error | draws for ±10 points at these seeds |")
@@ -414,7 +415,7 @@ def paired(paths):
         pairs = by_mode[mode]
         n = len(pairs)
         d = two_way([[jk - ek for ek, jk in zip(e, j)] for e, j in pairs])
-        gains = [(sum(e) / k - sum(base) / k, sum(j) / k - sum(base) / k) for e, j in pairs]
+        gains = [(sum(e) / k - b, sum(j) / k - b) for e, j in pairs]
         ratio = sum(j for _, j in gains) / sum(e for e, _ in gains)
         mean_exact = sum(e for e, _ in gains) / n
         # ratio_interval's linearised values, draw by draw against the base's same draw
