@@ -4,7 +4,7 @@
   and the JAGG flags both scripts share (JaggConfig) with their checks,
 - files written atomically (an interrupted run never leaves half a file),
 - torch.distributed set-up for torchrun,
-- the benchmarks (jagg.py's training modes timed, interleaved, and their saved activations) and
+- the benchmarks (the training modes of jagg.py and jagg_options.py timed, interleaved, and their saved activations) and
   the reports both scripts print,
 - small pillow drawing helpers (line and scatter charts, stacked bars), so that no plotting
   library is needed.
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from PIL import Image, ImageDraw, ImageFont
 
 import jagg
+import jagg_options
 
 
 # ------------------------------------------------------------------ command line
@@ -64,24 +65,24 @@ def fail_on(checks):
 @dataclasses.dataclass
 class JaggConfig:
     """The JAGG flags of both training scripts; each script's Config extends it (and may change a
-    default). The choices are jagg.py's own constants."""
+    default). The choices are jagg_options.py's own constants."""
     window: int = arg(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
     jagg_frac: float = arg(1.0, "fraction of windows (the best by --route) trained by JAGG; the rest exact")
     anchors: str = arg("window", "window: the paper's disjoint windows; shared (ours): adjacent windows share their end "
                                  "step, anchors every W - 1 steps, all in one forward with graph (more rows in memory "
-                                 "at once)", choices=list(jagg.ANCHOR_MODES))
+                                 "at once)", choices=list(jagg_options.ANCHOR_MODES))
     interior: str = arg("forward", "velocities of the steps between anchors: forward (the paper: one no-graph forward, "
                                    "with CFG's and the reference's) or rollout (ours: the rollout's, corrected by the "
                                    "anchors' change; no network call, reference model included)",
-                        choices=list(jagg.INTERIOR_MODES))
+                        choices=list(jagg_options.INTERIOR_MODES))
     weights: str = arg("time", "interpolation weights between anchors: time (the paper's abstract: alpha_k by t) or "
-                               "index (the authors' early code: alpha_k = k / (W - 1))", choices=list(jagg.WEIGHTS))
+                               "index (the authors' early code: alpha_k = k / (W - 1))", choices=list(jagg_options.WEIGHTS))
     max_graph_rows: int = arg(0, "at most this many anchor rows (of B samples) in a graph at once (ours; the same "
                                  "gradient, less memory: shared anchors otherwise hold all theirs); 0: no bound. The "
                                  "benchmark adds every JAGG mode with this bound")
     route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
                                  "(ours: the probe's measured gradient cosines, averaged over probes)",
-                     choices=list(jagg.ROUTES))
+                     choices=list(jagg_options.ROUTES))
     probe_every: int = arg(0, "every N epochs (train_toy.py: GRPO steps, and at step 1), before training on the batch, "
                               "measure the cosine of JAGG's gradient to the exact one per window on --probe-batch "
                               "samples (0: off)")
@@ -90,14 +91,14 @@ class JaggConfig:
                                   "old average")
     min_cosine: float = arg(0.0, "--route probe never lets JAGG take a window whose averaged cosine is below this "
                                  "(0 keeps windows with a negative cosine exact; -1: no floor)")
-    max_drift: float = arg(jagg.JaggOptions.max_drift,
+    max_drift: float = arg(jagg_options.JaggOptions.max_drift,
                            "--interior rollout: a segment with an anchor whose ratio has moved since the rollout "
                            "by more than this share of the clip range, max |ratio - 1| / clip, takes forward "
-                           "interiors instead (ours; jagg.py section 10); -1: the rollout rule at any drift")
+                           "interiors instead (ours; jagg_options.py section 2); -1: the rollout rule at any drift")
 
     def jagg_options(self, method="jagg"):
-        """The jagg.JaggOptions these flags ask for; method "exact" trains every window exactly."""
-        return jagg.JaggOptions(window=self.window, jagg_frac=0.0 if method == "exact" else self.jagg_frac,
+        """The jagg_options.JaggOptions these flags ask for; method "exact" trains every window exactly."""
+        return jagg_options.JaggOptions(window=self.window, jagg_frac=0.0 if method == "exact" else self.jagg_frac,
                                 anchors=self.anchors, interior=self.interior, weights=self.weights,
                                 max_graph_rows=self.max_graph_rows or None,
                                 max_drift=None if self.max_drift < 0 else self.max_drift,
@@ -128,8 +129,8 @@ def jagg_flag_checks(cfg):
         (cfg.max_drift >= 0 or cfg.max_drift == -1, f"--max-drift must be >= 0, or -1 (no guard), got {cfg.max_drift}"),
         (cfg.route != "probe" or cfg.probe_every >= 1,
          "--route probe routes by the probe's measurements: give it --probe-every N >= 1"),
-        (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= jagg.min_graph_rows(cfg.interior),
-         f"--max-graph-rows must be 0 (no bound) or >= {jagg.min_graph_rows(cfg.interior)}"
+        (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= jagg_options.min_graph_rows(cfg.interior),
+         f"--max-graph-rows must be 0 (no bound) or >= {jagg_options.min_graph_rows(cfg.interior)}"
          f"{' with --interior rollout (a segment needs both its anchors at once)' if cfg.interior == 'rollout' else ''}, "
          f"got {cfg.max_graph_rows}"),
     ]
@@ -256,8 +257,8 @@ def probe_cosine_by_position(rows):
 
 
 def step_metrics(step_stats):
-    """One metrics row from the stats of a batch's optimizer steps (jagg.train_step's dicts, or
-    jagg.accumulate_gradients' per micro-batch with optimizer_step's grad_norm and skipped on each
+    """One metrics row from the stats of a batch's optimizer steps (jagg_options.train_step's dicts, or
+    jagg_options.accumulate_gradients' per micro-batch with optimizer_step's grad_norm and skipped on each
     step's last): averages of the diagnostics, sums of the counts and times, grouped by prefix."""
     if not step_stats:  # an epoch with nothing to train on (every advantage zero, Flow-GRPO drops them all)
         return {"train/skipped_steps": 0, "train/grad_rows": 0, "time/backward_seconds": 0.0, "time/grad_seconds": 0.0,
@@ -482,7 +483,7 @@ def stacked_bars(bars, parts, title, unit, size=(900, 80)):
 
 
 # =====================================================================================
-# Measuring it: exact vs JAGG, interleaved (jagg.py's algorithm, timed and weighed)
+# Measuring it: exact vs JAGG, interleaved (the algorithm's modes, timed and weighed)
 # =====================================================================================
 
 
@@ -510,12 +511,12 @@ def benchmark_window(velocity_fn, params, z, t, step_loss, repeats=5, warmup=1):
             for p in params:
                 p.grad = None
             timings = {"fwd_graph": 0.0, "fwd_nograd": 0.0, "backward": 0.0}
-            backward(velocity_fn, z, t, step_loss, timings)
+            jagg_options.timed_backward(backward, velocity_fn, z, t, step_loss, timings)
             timings["total"] = sum(timings.values())
             return timings
         return run
 
-    out = _interleaved({"exact": timed(jagg.backward_exact), "jagg": timed(jagg.backward_jagg)}, repeats, warmup)
+    out = _interleaved({"exact": timed(jagg.backward_exact), "jagg": timed(jagg_options.backward_jagg)}, repeats, warmup)
     for p in params:
         p.grad = None
     return out
@@ -579,7 +580,7 @@ def mode_settings(name):
 
 def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
                          rollout_fn=None, modes=tuple(TRAINING_MODES), repeats=3, warmup=1):
-    """Time the gradient of one whole trajectory (jagg.window_gradients, as training runs it: the KL
+    """Time the gradient of one whole trajectory (jagg_options.window_gradients, as training runs it: the KL
     reference included when cfg.beta > 0) in each mode, and rollout_fn() if given, interleaved;
     medians. modes: names of TRAINING_MODES, or "<name>_rows<k>" with a bound on the rows in a
     graph (mode_settings). Returns {mode: {"train_s", "fwd_graph", "fwd_nograd", "fwd_ref",
@@ -600,9 +601,9 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
-            opts = jagg.JaggOptions(window, 0.0 if name == "exact" else 1.0, anchors=anchors, interior=interior,
+            opts = jagg_options.JaggOptions(window, 0.0 if name == "exact" else 1.0, anchors=anchors, interior=interior,
                                     max_graph_rows=max_graph_rows)
-            stats, _ = jagg.window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn, timings)
+            stats, _ = jagg_options.window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn, timings)
             if cuda:
                 torch.cuda.synchronize(device)
                 timings["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -613,7 +614,7 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
 
     def rollout():
         timings = {}
-        with jagg._timed(timings, "rollout_s", device):
+        with jagg_options.timed(timings, "rollout_s", device):
             rollout_fn()
         return timings
 

@@ -43,6 +43,7 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import jagg
+import jagg_options
 from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
 from common import bench_modes, benchmark_trajectory, benchmark_window, chart, compare_summary, font, save_png, step_metrics
@@ -826,10 +827,10 @@ def train(cfg):
             start = time.perf_counter()
             idx_d = perm[: cfg.probe_batch].to(device)
             velocity_fn, ref_fn = fns(idx_d, transformer)
-            row["probe/grad_cosine"] = mean_over_ranks(jagg.gradient_cosines(
+            row["probe/grad_cosine"] = mean_over_ranks(jagg_options.gradient_cosines(
                 velocity_fn, params, traj.subset(idx_d).first_steps(n_train), adv[idx_d], loss_cfg, cfg.jagg_options(),
                 ref_fn), device)
-            probe_avg = jagg.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
+            probe_avg = jagg_options.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
             row["time/probe_seconds"] = time.perf_counter() - start
 
         # --- training: the epoch's optimizer steps, each accumulating micro-batches of train_batch
@@ -845,11 +846,11 @@ def train(cfg):
             for idx in micro:
                 idx_d = idx.to(device)
                 velocity_fn, ref_fn = fns(idx_d, net)
-                stats, routed = jagg.accumulate_gradients(
+                stats, routed = jagg_options.accumulate_gradients(
                     velocity_fn, traj.subset(idx_d).first_steps(n_train), adv[idx_d], loss_cfg, opts,
                     ref_velocity_fn=ref_fn, no_sync=no_sync, probe_cosines=probe_avg)
                 micro_stats.append(stats)
-            done = jagg.optimizer_step(params, optimizer, [s["loss"] for s in micro_stats], micro_batches=len(micro),
+            done = jagg_options.optimizer_step(params, optimizer, [s["loss"] for s in micro_stats], micro_batches=len(micro),
                                        max_grad_norm=cfg.max_grad_norm, step=step)
             if micro_stats:
                 micro_stats[-1].update(done)

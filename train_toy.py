@@ -31,6 +31,7 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 import jagg
+import jagg_options
 from common import COLORS, all_gather_cat, arg, bench_modes, benchmark_trajectory, benchmark_window, chart, fail_on, font
 from common import init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
@@ -339,12 +340,12 @@ def train(cfg, method, base, rank, world):
             t0 = time.perf_counter()
             idx = perm[: cfg.probe_batch]
             sub = traj.subset(idx).first_steps(n_train)
-            row["probe/grad_cosine"] = mean_over_ranks(jagg.gradient_cosines(
+            row["probe/grad_cosine"] = mean_over_ranks(jagg_options.gradient_cosines(
                 make_velocity_fn(model, labels[idx]), model.parameters(), sub, adv[idx], loss_cfg, cfg.jagg_options(),
                 ref_velocity_fn=ref_fn(idx)))
             row["probe/velocity_score"] = [jagg.linearity_score(sub.v[a:b], sub.t[a:b])
-                                           for a, b in jagg.segment_bounds(n_train, cfg.window, cfg.anchors)]
-            probe_avg = jagg.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
+                                           for a, b in jagg_options.segment_bounds(n_train, cfg.window, cfg.anchors)]
+            probe_avg = jagg_options.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
             row["time/probe_seconds"] = time.perf_counter() - t0
             probe_seconds += row["time/probe_seconds"]
             if not probe_routes:
@@ -352,7 +353,7 @@ def train(cfg, method, base, rank, world):
         # --- optimizer steps on minibatches of the rollouts
         step_stats = []
         for idx in perm.chunk(cfg.minibatches):
-            stats, routed = jagg.train_step(
+            stats, routed = jagg_options.train_step(
                 make_velocity_fn(net, labels[idx]), model.parameters(), opt, traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg,
                 opts, ref_velocity_fn=ref_fn(idx), max_grad_norm=cfg.max_grad_norm, no_sync=no_sync,
                 probe_cosines=probe_avg, step=opt_steps + 1)
@@ -491,7 +492,7 @@ def main(argv=None):
     last = finals[methods[-1]]
     score_name = "averaged probe cosine" if methods[-1] == "jagg" and cfg.route == "probe" else "velocity score"
     save_png(os.path.join(cfg.out, "trajectories.png"), trajectories_picture(
-        last["final"][0], last["routed"], jagg.segment_bounds(trained_steps(cfg), cfg.window, cfg.anchors),
+        last["final"][0], last["routed"], jagg_options.segment_bounds(trained_steps(cfg), cfg.window, cfg.anchors),
         last["route_scores"], score_name))
     written = ["summary.json", "metrics.jsonl", "samples.png", "reward_curves.png", "trajectories.png"]
     if cfg.probe_every:

@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
+import jagg_options  # noqa: E402
 
 T, NOISE_LEVEL, CFG_SCALE, GROUP, PROMPTS, MINIBATCH = 10, 0.7, 4.5, 8, 4, 16
 
@@ -62,7 +63,7 @@ def main(epochs=20, seed=0):
     cfg = jagg.LossConfig(noise_level=NOISE_LEVEL, clip_range=0.2, beta=0.04)
     # One JaggOptions for the probe and training alike, so the probe measures the mode that trains:
     # the 75 % of windows the probe found most faithful go to JAGG.
-    opts = jagg.JaggOptions(window=4, jagg_frac=0.75, route="probe")
+    opts = jagg_options.JaggOptions(window=4, jagg_frac=0.75, route="probe")
     probe_avg, history = None, []
     for epoch in range(epochs):
         c = torch.arange(PROMPTS).repeat_interleave(GROUP)  # [B]: GROUP samples per prompt
@@ -73,11 +74,11 @@ def main(epochs=20, seed=0):
         perm = torch.randperm(len(c))
         if epoch % 5 == 0:  # the probe: JAGG's gradient against the exact one, per window, on 4 samples
             idx = perm[:4]
-            cos = jagg.gradient_cosines(make_velocity_fn(model, c[idx]), model.parameters(), traj.subset(idx),
+            cos = jagg_options.gradient_cosines(make_velocity_fn(model, c[idx]), model.parameters(), traj.subset(idx),
                                         adv[idx], cfg, opts, make_velocity_fn(ref, c[idx]))
-            probe_avg = jagg.probe_average(probe_avg, cos, decay=0.5)
+            probe_avg = jagg_options.probe_average(probe_avg, cos, decay=0.5)
         for idx in perm.split(MINIBATCH):  # minibatches: slice the trajectories AND their conditioning alike
-            stats, routed = jagg.train_step(
+            stats, routed = jagg_options.train_step(
                 make_velocity_fn(model, c[idx]), model.parameters(), opt, traj.subset(idx), adv[idx], cfg, opts,
                 ref_velocity_fn=make_velocity_fn(ref, c[idx]), probe_cosines=probe_avg)
         print(f"epoch {epoch:2d}  reward {history[-1]:+.3f}  routed to JAGG {routed}  kl {stats['kl']:.4f}")

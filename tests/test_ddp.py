@@ -1,4 +1,4 @@
-"""jagg.train_step under DistributedDataParallel: two CPU ranks (gloo), every training mode.
+"""jagg_options.train_step under DistributedDataParallel: two CPU ranks (gloo), every training mode.
 
 Each rank trains on its own rollouts. After two optimizer steps the ranks' parameters must be
 identical to the last bit, and equal (to float64 round-off) to one process trained on both
@@ -16,12 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import jagg
+import jagg_options
 
 T, W, B, D = 10, 4, 3, 3  # steps, window, samples per rank, sample size
 # (anchors, interior, max_graph_rows, jagg_frac, beta, max_drift): every mode, bounded or not, routed
 # or not, KL or not. Rollout interiors without the drift guard (max_drift None) compute the same
 # thing on every rank; with it (GUARD, the default), each rank decides on its own samples' drift.
-GUARD = jagg.JaggOptions.max_drift
+GUARD = jagg_options.JaggOptions.max_drift
 MODES = [("window", "forward", None, 0.0, beta, None) for beta in (0.0, 0.1)] + [
     (anchors, interior, rows, frac, beta, None)
     for anchors, interior, frac, beta in itertools.product(("window", "shared"), ("forward", "rollout"), (1.0, 0.5),
@@ -74,9 +75,9 @@ def train(model, ref, traj, adv, mode, no_sync=contextlib.nullcontext, steps=2):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     skipped = []
     for step in range(steps):  # the second step is off-policy: rollout interiors are then approximate
-        opts = jagg.JaggOptions(W, frac, anchors=anchors, interior=interior, route="probe", max_graph_rows=rows,
+        opts = jagg_options.JaggOptions(W, frac, anchors=anchors, interior=interior, route="probe", max_graph_rows=rows,
                                 max_drift=max_drift)
-        stats, _ = jagg.train_step(velocity_fn_of(model), list(model.parameters()), opt, traj, adv, cfg, opts,
+        stats, _ = jagg_options.train_step(velocity_fn_of(model), list(model.parameters()), opt, traj, adv, cfg, opts,
                                    max_grad_norm=1e9, ref_velocity_fn=velocity_fn_of(ref) if beta else None,
                                    no_sync=no_sync, probe_cosines=PROBE[anchors], step=step)
         skipped.append(stats["skipped"])

@@ -10,6 +10,7 @@ from torch.func import functional_call, jacrev
 
 import common
 import jagg
+import jagg_options
 
 
 
@@ -120,7 +121,7 @@ def test_exact_backward_matches_autograd_of_summed_loss():
     torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg.backward_jagg], ids=["paper", "general"])
+@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg_options.backward_jagg], ids=["paper", "general"])
 @pytest.mark.parametrize("W", [3, 4, 8])
 def test_jagg_is_exact_for_linear_model_on_straight_path(W, jagg_fn):
     torch.manual_seed(1)
@@ -137,12 +138,12 @@ def test_jagg_is_not_exact_for_linear_model_off_the_straight_path():
     torch.manual_seed(1)
     model, (W, B, d) = LinearFlow(), (4, 4, 3)
     z, t = window(W, B, d, straight=False)
-    _, g_jagg = grads_of(model, jagg.backward_jagg, z, t, make_loss(W, B, d))
+    _, g_jagg = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(W, B, d))
     _, g_exact = grads_of(model, jagg.backward_exact, z, t, make_loss(W, B, d))
     assert (g_jagg - g_exact).norm() > 1e-3 * g_exact.norm()
 
 
-@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg.backward_jagg], ids=["paper", "general"])
+@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg_options.backward_jagg], ids=["paper", "general"])
 def test_window_of_two_is_exact_on_a_nonlinear_model(jagg_fn):
     torch.manual_seed(2)
     model, (W, B, d) = MLPFlow(), (2, 5, 3)
@@ -152,7 +153,7 @@ def test_window_of_two_is_exact_on_a_nonlinear_model(jagg_fn):
     torch.testing.assert_close(g_jagg, g_exact, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg.backward_jagg], ids=["paper", "general"])
+@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg_options.backward_jagg], ids=["paper", "general"])
 def test_jagg_equals_explicit_jacobian_interpolation_and_differs_from_exact(jagg_fn):
     """On a nonlinear model, JAGG's gradient is exactly sum_k g_k^T ((1-alpha_k) J_a + alpha_k J_b)
     with J_a, J_b built explicitly by torch.func, and it is not the exact gradient."""
@@ -185,7 +186,7 @@ def test_jagg_equals_explicit_jacobian_interpolation_and_differs_from_exact(jagg
     assert cosine(g_jagg, g_exact) < 0.999999
 
 
-@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg.backward_jagg], ids=["paper", "general"])
+@pytest.mark.parametrize("jagg_fn", [jagg.backward_jagg_window, jagg_options.backward_jagg], ids=["paper", "general"])
 def test_jagg_runs_the_network_with_grad_on_two_steps_only(jagg_fn):
     torch.manual_seed(4)
     model, (W, B, d) = MLPFlow(), (6, 2, 3)
@@ -199,25 +200,25 @@ def test_jagg_runs_the_network_with_grad_on_two_steps_only(jagg_fn):
 
 
 def test_the_papers_function_equals_the_general_one_and_training_uses_it(monkeypatch):
-    """Part I's backward_jagg_window and Part II's backward_jagg with the paper's anchors compute
-    the same loss and gradient on a nonlinear model; training in the paper's mode runs Part I's."""
+    """jagg.py's backward_jagg_window and jagg_options' backward_jagg with the paper's anchors compute
+    the same loss and gradient on a nonlinear model; training in the paper's mode runs jagg.py's."""
     torch.manual_seed(5)
     model, (W, B, d) = MLPFlow(), (5, 3, 3)
     z, t = window(W, B, d, straight=False)
     loss_p, g_paper = grads_of(model, jagg.backward_jagg_window, z, t, make_loss(W, B, d))
-    loss_g, g_general = grads_of(model, jagg.backward_jagg, z, t, make_loss(W, B, d), anchors=[0, W - 1])
+    loss_g, g_general = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(W, B, d), anchors=[0, W - 1])
     assert loss_p == pytest.approx(loss_g, rel=1e-12)
     torch.testing.assert_close(g_paper, g_general, rtol=1e-12, atol=1e-14)
     used = []
-    for name in ("backward_jagg_window", "backward_jagg"):
-        fn = getattr(jagg, name)
-        monkeypatch.setattr(jagg, name, lambda *a, _fn=fn, _name=name, **k: used.append(_name) or _fn(*a, **k))
+    for module, name in ((jagg, "backward_jagg_window"), (jagg_options, "backward_jagg")):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _fn=fn, _name=name, **k: used.append(_name) or _fn(*a, **k))
     traj, adv = _toy_batch(model, T=8, B=4)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(4, 1.0))
+    jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, 1.0))
     assert used == ["backward_jagg_window"] * 2
     used.clear()
-    jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(4, 1.0, anchors="shared"))
+    jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, anchors="shared"))
     assert used == ["backward_jagg"]
 
 
@@ -260,12 +261,12 @@ def explicit_anchor_gradient(model, z, t, step_loss, anchors, v_old=None):
 def test_hat_weights_match_numpy_interp():
     t = jagg.sigma_schedule(9, shift=3.0).double()[:-1, None].expand(9, 2)  # [S, B]
     for anchors in ((0, 8), (0, 3, 6, 8), (0, 1, 2, 5, 8), tuple(range(9))):
-        H = jagg.hat_weights(t, list(anchors))  # [S, M, B]
+        H = jagg_options.hat_weights(t, list(anchors))  # [S, M, B]
         torch.testing.assert_close(H[..., 0], hat_matrix(t[:, 0], anchors), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(H.sum(1), torch.ones(9, 2))
     # The paper's window: 1 - alpha and alpha.
     alpha = jagg.interpolation_weights(t)
-    torch.testing.assert_close(jagg.hat_weights(t, [0, 8]), torch.stack([1 - alpha, alpha], 1))
+    torch.testing.assert_close(jagg_options.hat_weights(t, [0, 8]), torch.stack([1 - alpha, alpha], 1))
 
 
 @pytest.mark.parametrize("anchors", [(0, 6), (0, 2, 6), (0, 1, 4, 6), (0, 3, 4, 5, 6)])
@@ -279,7 +280,7 @@ def test_jagg_with_anchors_equals_explicit_jacobians(anchors, rollout):
     step_loss = make_loss(S, B, d, seed=12)
     with torch.no_grad():
         v_old = as_velocity_fn(old)(z, t) if rollout else None  # [S, B, d]
-    _, g_jagg = grads_of(model, jagg.backward_jagg, z, t, step_loss, anchors=list(anchors), v_rollout=v_old)
+    _, g_jagg = grads_of(model, jagg_options.backward_jagg, z, t, step_loss, anchors=list(anchors), v_rollout=v_old)
     expected = explicit_anchor_gradient(model, z, t, step_loss, anchors, v_old)
     torch.testing.assert_close(g_jagg, expected, rtol=1e-9, atol=1e-10)
 
@@ -288,11 +289,11 @@ def test_default_anchors_are_the_papers_window():
     torch.manual_seed(11)
     model, (S, B, d) = MLPFlow(), (5, 3, 3)
     z, t = window(S, B, d, straight=False)
-    _, g_default = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d))
-    _, g_paper = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d), anchors=(0, S - 1))
+    _, g_default = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d))
+    _, g_paper = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d), anchors=(0, S - 1))
     torch.testing.assert_close(g_paper, g_default, rtol=0, atol=0)
     # Every step an anchor: the exact gradient.
-    _, g_all = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d), anchors=range(S))
+    _, g_all = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d), anchors=range(S))
     _, g_exact = grads_of(model, jagg.backward_exact, z, t, make_loss(S, B, d))
     torch.testing.assert_close(g_all, g_exact, rtol=1e-10, atol=1e-12)
 
@@ -307,7 +308,7 @@ def test_rollout_interiors_equal_forward_interiors_on_policy_then_follow_the_for
     a, b = 2, 7
 
     def both():
-        return [grads_of(model, jagg.backward_jagg, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg),
+        return [grads_of(model, jagg_options.backward_jagg, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg),
                          v_rollout=v_rollout)[1] for v_rollout in (None, traj.v[a:b])]
 
     g_forward, g_rollout = both()
@@ -332,7 +333,7 @@ def _off_policy_run(seed, lr, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
-        stats, _ = jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(4, 0.0))
+        stats, _ = jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, 0.0))
         yield model, traj, adv, cfg, stats["clipfrac"]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -367,15 +368,15 @@ def test_the_drift_guard_is_free_on_policy_and_is_forward_interiors_where_it_act
     for i, (model, traj, adv, cfg, _) in enumerate(_off_policy_run(1, lr=1e-2, steps=4)):
         if i == 0:  # on-policy
             calls = []
-            jagg.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
-                                  jagg.JaggOptions(4, 1.0, anchors="shared", interior="rollout"))
+            jagg_options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
+                                  jagg_options.JaggOptions(4, 1.0, anchors="shared", interior="rollout"))
             assert rows_by_grad(calls)[:2] == (4, 0)
     # four steps off the rollout now (the generator took its last step)
     forward, s_f, _ = window_grad(model, traj, adv, cfg, 4, 1.0, anchors="shared")
     calls.clear()
     model.zero_grad(set_to_none=True)
-    stats, _ = jagg.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
-                                     jagg.JaggOptions(4, 1.0, anchors="shared", interior="rollout", max_drift=0.0))
+    stats, _ = jagg_options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
+                                     jagg_options.JaggOptions(4, 1.0, anchors="shared", interior="rollout", max_drift=0.0))
     guarded = torch.cat([p.grad.flatten() for p in model.parameters()])
     torch.testing.assert_close(guarded, forward, rtol=1e-10, atol=1e-12)
     assert stats["rollout_refreshed"] == 3 and stats["anchor_drift"] > 0.5
@@ -413,7 +414,7 @@ def test_trained_steps_only_flow_grpos_timestep_fraction():
             return as_velocity_fn(model)(z, t)
 
         model.zero_grad(set_to_none=True)
-        stats, _ = jagg.window_gradients(recording, sub, adv, cfg, jagg.JaggOptions(4, 1.0, **options))
+        stats, _ = jagg_options.window_gradients(recording, sub, adv, cfg, jagg_options.JaggOptions(4, 1.0, **options))
         assert stats["grad_rows"] == rows
         assert not any((t_seen == traj.t[9, 0]).any() for t_seen in seen)  # sigma_9 -> 0: no network call
     with pytest.raises(ValueError, match="no first 11 steps"):
@@ -463,27 +464,27 @@ def test_index_weights_reproduce_the_authors_two_pass_scheme():
     a, b = 1, 6  # W = 5, as the authors' run_jagg.sh
     expected = authors_window_gradient(model, traj, adv, cfg, a, b)
     z, t = traj.z[a:b], traj.t[a:b]
-    _, g_index = grads_of(model, jagg.backward_jagg, z, t, jagg.make_step_loss(traj, adv, a, b, cfg), weights="index")
+    _, g_index = grads_of(model, jagg_options.backward_jagg, z, t, jagg.make_step_loss(traj, adv, a, b, cfg), weights="index")
     torch.testing.assert_close(g_index, expected, rtol=1e-10, atol=1e-13)
-    _, g_time = grads_of(model, jagg.backward_jagg, z, t, jagg.make_step_loss(traj, adv, a, b, cfg))
+    _, g_time = grads_of(model, jagg_options.backward_jagg, z, t, jagg.make_step_loss(traj, adv, a, b, cfg))
     assert (g_time - expected).norm() > 1e-3 * expected.norm()
     # With times linear in the index (no shift) the two weightings are the same.
     t_lin = torch.linspace(0.9, 0.5, 5)[:, None].expand(5, 6)  # [W, B]
-    torch.testing.assert_close(jagg.segment_weights(t_lin, "index"), jagg.interpolation_weights(t_lin))
+    torch.testing.assert_close(jagg_options.segment_weights(t_lin, "index"), jagg.interpolation_weights(t_lin))
 
     # Through window_gradients (so train_step) and the probe: every window by the authors' scheme.
     T, W = 10, 5
     model.zero_grad(set_to_none=True)
-    stats, routed = jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(W, 1.0, weights="index"))
+    stats, routed = jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(W, 1.0, weights="index"))
     assert all(routed)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     windows = [authors_window_gradient(model, traj, adv, cfg, a, a + W) for a in range(0, T, W)]
     torch.testing.assert_close(got, sum(windows), rtol=1e-10, atol=1e-13)
-    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg.JaggOptions(W, weights="index"))
+    cos = jagg_options.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(W, weights="index"))
     for (a, b), c, gw in zip(jagg.window_bounds(T, W), cos, windows):
         _, exact = grads_of(model, jagg.backward_exact, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg))
         assert c == pytest.approx(cosine(gw, exact), abs=1e-10)
-    assert cos != pytest.approx(jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg.JaggOptions(W)),
+    assert cos != pytest.approx(jagg_options.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(W)),
                                 abs=1e-6)
 
 
@@ -491,11 +492,11 @@ def test_index_hat_weights_interpolate_over_step_numbers():
     t = jagg.sigma_schedule(9, shift=3.0).double()[:-1, None].expand(9, 2)  # [S, B]
     steps = torch.arange(9.0).double()
     for anchors in ((0, 8), (0, 3, 6, 8), (0, 1, 2, 5, 8)):
-        H = jagg.hat_weights(t, list(anchors), weights="index")  # [S, M, B]
+        H = jagg_options.hat_weights(t, list(anchors), weights="index")  # [S, M, B]
         # The same hat functions over -k instead of t (hat_matrix interpolates over -t).
         torch.testing.assert_close(H[..., 0], hat_matrix(-steps, anchors), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="weights must be one of"):
-        jagg.hat_weights(t, [0, 8], weights="steps")
+        jagg_options.hat_weights(t, [0, 8], weights="steps")
 
 
 def straight_trajectory(model, T=10, B=4, d=3, seed=0):
@@ -517,7 +518,7 @@ def straight_trajectory(model, T=10, B=4, d=3, seed=0):
 
 def window_grad(model, traj, adv, cfg, W, frac, ref=None, probe_cosines=None, **options):
     model.zero_grad(set_to_none=True)
-    stats, routed = jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(W, frac, **options),
+    stats, routed = jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(W, frac, **options),
                                           None if ref is None else as_velocity_fn(ref), probe_cosines=probe_cosines)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), stats, routed
 
@@ -551,21 +552,22 @@ def test_shared_anchors_route_segments_and_keep_the_others_exact():
     model = MLPFlow()
     traj, adv = _toy_batch(model, T=10, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    assert jagg.segment_bounds(10, 4, "shared") == [(0, 4), (3, 7), (6, 10)]
-    assert jagg.segment_bounds(10, 8, "shared") == [(0, 8), (7, 10)]
-    assert jagg.segment_bounds(16, 4, "shared")[-1] == (12, 16)
+    assert jagg_options.segment_bounds(10, 4, "shared") == [(0, 4), (3, 7), (6, 10)]
+    assert jagg_options.segment_bounds(10, 8, "shared") == [(0, 8), (7, 10)]
+    assert jagg_options.segment_bounds(16, 4, "shared")[-1] == (12, 16)
     for interior in ("forward", "rollout"):
         g, stats, routed = window_grad(model, traj, adv, cfg, 4, 2 / 3, anchors="shared", interior=interior,
                                        route="probe", probe_cosines=[0.9, 0.1, 0.8])
         assert routed == [True, False, True] and stats["grad_rows"] == 6
-        _, expected = grads_of(model, jagg.backward_jagg, traj.z, traj.t, jagg.make_step_loss(traj, adv, 0, 10, cfg),
+        _, expected = grads_of(model, jagg_options.backward_jagg, traj.z, traj.t, jagg.make_step_loss(traj, adv, 0, 10, cfg),
                                anchors=[0, 3, 4, 5, 6, 9], v_rollout=traj.v if interior == "rollout" else None)
         torch.testing.assert_close(g, expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("anchors, interior, policy_calls, ref_calls", [
-    ("window", "forward", [(2, False), (2, True)] * 2 + [(2, True)], [(4, False)] * 2 + [(2, False)]),
-    ("window", "rollout", [(2, True)] * 3, [(2, False)] * 3),
+    # The last window, of 2 steps, trains exactly: JAGG would save nothing on it (jagg.route_windows).
+    ("window", "forward", [(2, False), (2, True)] * 2 + [(1, True)] * 2, [(4, False)] * 2 + [(2, False)]),
+    ("window", "rollout", [(2, True)] * 2 + [(1, True)] * 2, [(2, False)] * 3),
     ("shared", "forward", [(6, False), (4, True)], [(10, False)]),
     ("shared", "rollout", [(4, True)], [(4, False)]),
 ])
@@ -577,7 +579,7 @@ def test_the_network_sees_only_the_anchor_rows(anchors, interior, policy_calls, 
     traj, adv = _toy_batch(model, T=10, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.1)
     calls, calls_ref = [], []
-    jagg.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg, jagg.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
+    jagg_options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
                           as_velocity_fn(ref, calls_ref))
     assert calls == policy_calls and calls_ref == ref_calls
 
@@ -600,7 +602,7 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     traj, adv = _toy_batch(model, T=8, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats, _ = jagg.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, jagg.JaggOptions(4, 1.0), step=6)
+    stats, _ = jagg_options.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=6)
     assert stats["skipped"] is False  # a normal step first, so the optimizer has state to keep
 
     def nan_at_one_step(z, t):  # a velocity that is NaN at one sampling time, as a bf16 overflow would be
@@ -610,7 +612,7 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
     with pytest.warns(RuntimeWarning, match="optimizer step 7 skipped: non-finite"):
-        stats, _ = jagg.train_step(nan_at_one_step, model.parameters(), opt, traj, adv, cfg, jagg.JaggOptions(4, 1.0), step=7)
+        stats, _ = jagg_options.train_step(nan_at_one_step, model.parameters(), opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=7)
     assert stats["skipped"] is True and not math.isfinite(stats["loss"])
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     for p, saved in zip(model.parameters(), state):
@@ -642,14 +644,14 @@ def test_probe_routing_keeps_the_nonlinear_segment_exact(anchors, T, band):
     """One segment (the band) has a nonlinear Jacobian and linear velocities; the others the reverse.
     The free velocity score prefers the band; the probe measures it and routes around it."""
     torch.manual_seed(18)
-    bounds = jagg.segment_bounds(T, 4, anchors)  # three segments of 4 steps
+    bounds = jagg_options.segment_bounds(T, 4, anchors)  # three segments of 4 steps
     t = jagg.sigma_schedule(T, shift=2.0).double()
     a, b = bounds[band]
     model = BandFlow(t_hi=t[a].item(), t_lo=t[b - 1].item())
     traj = straight_trajectory(model, T=T, B=4)
     adv = torch.tensor([1.0, -0.5, 0.3, -0.8])
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg.JaggOptions(4, anchors=anchors))
+    cos = jagg_options.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(4, anchors=anchors))
     assert cos[band] < 0.99 and all(c == pytest.approx(1.0, abs=1e-9) for i, c in enumerate(cos) if i != band)
 
     _, stats, by_velocity = window_grad(model, traj, adv, cfg, 4, 1 / 3, anchors=anchors, route="velocity")
@@ -670,9 +672,9 @@ def test_probe_routing_keeps_the_nonlinear_segment_exact(anchors, T, band):
 
 
 def test_probe_average():
-    avg = jagg.probe_average(None, [0.5, 1.0], decay=0.75)
+    avg = jagg_options.probe_average(None, [0.5, 1.0], decay=0.75)
     assert avg == [0.5, 1.0]
-    assert jagg.probe_average(avg, [1.0, 0.0], decay=0.75) == pytest.approx([0.625, 0.75])
+    assert jagg_options.probe_average(avg, [1.0, 0.0], decay=0.75) == pytest.approx([0.625, 0.75])
 
 
 # ------------------------------------------------------------------ SDE, advantages, loss
@@ -806,6 +808,42 @@ def test_routing_picks_the_most_linear_windows():
     assert jagg.route_windows([1.0, 1.0, 1.0], [4, 4, 1], 1.0) == [True, True, False]
 
 
+def test_a_window_of_two_steps_never_takes_a_jagg_slot():
+    """A 2-step window has no interior: JAGG saves nothing on it, so routing leaves it exact and
+    jagg_frac counts the windows of 3 steps or more. T = 10, W = 4 (windows of 4, 4, 2): a share
+    of 0.34 goes to one 4-step window, 8 rows with grad, where it used to take the 2-step one (10)."""
+    assert jagg.route_windows([1.0, 1.0, 1.0], [4, 4, 2], 1.0) == [True, True, False]
+    assert jagg.route_windows([0.9, 0.95, 1.0], [4, 4, 2], 0.34) == [False, True, False]
+    torch.manual_seed(3)
+    model = MLPFlow()
+    traj, adv = _toy_batch(model, T=10, B=4)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    for frac, rows in ((0.34, 8), (1.0, 6), (0.0, 10)):
+        stats, routed = jagg.paper_gradients(as_velocity_fn(model), traj, adv, cfg, 4, frac)
+        assert stats["grad_rows"] == rows and not routed[2] and sum(routed) == round(2 * frac)
+    assert jagg_options.route_segments([0.9, 0.5, 1.0], [4, 4, 3], 1.0, floor=0.6) == [True, False, True]
+
+
+@pytest.mark.parametrize("beta, frac", [(0.0, 1.0), (0.05, 0.5)])
+def test_default_options_train_bit_for_bit_what_the_paper_function_does(beta, frac):
+    """jagg_options.window_gradients with JaggOptions() (as train_step runs it, timed) and
+    jagg.paper_gradients: the same stats and the same gradient, to the last bit."""
+    torch.manual_seed(9)
+    model, ref = MLPFlow(), MLPFlow()
+    traj, adv = _toy_batch(model, T=10, B=6)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
+    model.zero_grad(set_to_none=True)
+    paper, routed_p = jagg.paper_gradients(as_velocity_fn(model), traj, adv, cfg, 4, frac, as_velocity_fn(ref))
+    g_paper = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    timings = {}
+    ours, routed_o = jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, frac),
+                                                   as_velocity_fn(ref), timings)
+    assert routed_p == routed_o and paper == ours
+    assert all(torch.equal(a, p.grad) for a, p in zip(g_paper, model.parameters()))
+    assert timings["backward"] > 0 and timings["fwd_graph"] > 0 and ("fwd_ref" in timings) == (beta > 0)
+
+
 def _toy_batch(model, T=8, B=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     sigmas = jagg.sigma_schedule(T, shift=2.0)
@@ -841,7 +879,7 @@ def test_jagg_frac_zero_reproduces_exact_training(beta):
         model.load_state_dict(base.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         # W changes nothing for exact training: windows only group the steps.
-        stats, routed = jagg.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, jagg.JaggOptions(W, frac),
+        stats, routed = jagg_options.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, jagg_options.JaggOptions(W, frac),
                                         ref_velocity_fn=as_velocity_fn(ref))
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), stats, routed))
     (p0, s0, r0), (p1, _, _), (p2, s2, r2) = results
@@ -858,10 +896,10 @@ def test_gradient_cosines_are_one_for_linear_flow_and_below_one_otherwise():
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     model = MLPFlow()
     traj, adv = _toy_batch(model)
-    cos = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg.JaggOptions(window=4))
+    cos = jagg_options.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(window=4))
     assert len(cos) == 2 and all(0.0 < c < 1.0 - 1e-9 for c in cos)
     assert all(p.grad is None for p in model.parameters())
-    cos2 = jagg.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg.JaggOptions(window=2))
+    cos2 = jagg_options.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(window=2))
     assert all(c == pytest.approx(1.0, abs=1e-9) for c in cos2)
 
 
@@ -887,8 +925,8 @@ def test_a_loss_at_another_noise_level_than_the_rollouts_is_refused():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="drawn at noise_level 0.7 but the loss scores them at 1.0"):
-        jagg.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv,
-                        jagg.LossConfig(noise_level=1.0, clip_range=0.2), jagg.JaggOptions(2, 1.0))
+        jagg_options.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv,
+                        jagg.LossConfig(noise_level=1.0, clip_range=0.2), jagg_options.JaggOptions(2, 1.0))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     other = jagg.Trajectory(**{f: getattr(traj, f) for f in jagg.Trajectory.TENSORS}, noise_level=1.0)
     with pytest.raises(ValueError, match="different noise levels"):
@@ -901,18 +939,18 @@ def test_bad_input_raises_clear_errors():
     z, t = window(4, 2, 3, straight=False)
     loss = make_loss(4, 2, 3)
     with pytest.raises(ValueError, match="at least 2 steps"):
-        jagg.backward_jagg(fn, z[:1], t[:1], loss)
+        jagg_options.backward_jagg(fn, z[:1], t[:1], loss)
     with pytest.raises(ValueError, match=r"z: \[W, B, \*D\] and t: \[W, B\]"):
-        jagg.backward_jagg(fn, z, t[:3], loss)
+        jagg_options.backward_jagg(fn, z, t[:3], loss)
     with pytest.raises(ValueError, match=r"z: \[W, B, \*D\] and t: \[W, B\]"):
         jagg.backward_exact(fn, z, t[:, :1], loss)
     with pytest.raises(ValueError, match="different times"):
-        jagg.backward_jagg(fn, z, torch.ones(4, 2), loss)
+        jagg_options.backward_jagg(fn, z, torch.ones(4, 2), loss)
     for anchors in ((1, 3), (0, 2), (0, 2, 1, 3), (0, 1.5, 3), (0,)):
         with pytest.raises(ValueError, match=r"anchors must be increasing step indices from 0 to S - 1 = 3"):
-            jagg.backward_jagg(fn, z, t, loss, anchors=anchors)
+            jagg_options.backward_jagg(fn, z, t, loss, anchors=anchors)
     with pytest.raises(ValueError, match=r"v_rollout must be \[S, B, \*D\] like z"):
-        jagg.backward_jagg(fn, z, t, loss, v_rollout=z[:3])
+        jagg_options.backward_jagg(fn, z, t, loss, v_rollout=z[:3])
     with pytest.raises(ValueError, match="window must be >= 2"):
         jagg.window_bounds(8, 1)
     with pytest.raises(ValueError, match="longer than the trajectory"):
@@ -927,9 +965,9 @@ def test_bad_input_raises_clear_errors():
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="advantages must be"):
-        jagg.train_step(fn, model.parameters(), opt, traj, adv[:-1], cfg, jagg.JaggOptions(4, 1.0))
+        jagg_options.train_step(fn, model.parameters(), opt, traj, adv[:-1], cfg, jagg_options.JaggOptions(4, 1.0))
     with pytest.raises(ValueError, match="longer than the trajectory"):
-        jagg.train_step(fn, model.parameters(), opt, traj, adv, cfg, jagg.JaggOptions(16, 1.0))
+        jagg_options.train_step(fn, model.parameters(), opt, traj, adv, cfg, jagg_options.JaggOptions(16, 1.0))
     for kwargs, message in (({"anchors": "overlap"}, "anchors must be one of"),
                             ({"interior": "cache"}, "interior must be one of"),
                             ({"route": "random"}, "route must be one of"),
@@ -937,7 +975,7 @@ def test_bad_input_raises_clear_errors():
                             ({"route": "probe", "probe_cosines": [0.9]}, "one value per segment")):
         probe = {"probe_cosines": kwargs.pop("probe_cosines")} if "probe_cosines" in kwargs else {}
         with pytest.raises(ValueError, match=message):
-            jagg.train_step(fn, model.parameters(), opt, traj, adv, cfg, jagg.JaggOptions(4, 1.0, **kwargs), **probe)
+            jagg_options.train_step(fn, model.parameters(), opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, **kwargs), **probe)
     # Nothing was changed by the failed calls.
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
 
@@ -963,12 +1001,12 @@ def test_bounded_graph_rows_give_the_same_gradient_with_the_same_rows(anchors, r
     with torch.no_grad():
         v_old = as_velocity_fn(old)(z, t) if rollout else None  # [S, B, d]
     free_calls = []
-    loss, g_free = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d, seed=22), free_calls,
+    loss, g_free = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d, seed=22), free_calls,
                             anchors=list(anchors), v_rollout=v_old)
     expected = explicit_anchor_gradient(model, z, t, make_loss(S, B, d, seed=22), anchors, v_old)
     for bound in range(2 if rollout else 1, len(anchors)):
         calls = []
-        loss_b, g_bound = grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d, seed=22), calls,
+        loss_b, g_bound = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d, seed=22), calls,
                                    anchors=list(anchors), v_rollout=v_old, max_graph_rows=bound)
         torch.testing.assert_close(g_bound, g_free, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(g_bound, expected, rtol=1e-9, atol=1e-10)
@@ -977,7 +1015,7 @@ def test_bounded_graph_rows_give_the_same_gradient_with_the_same_rows(anchors, r
         assert rows_by_grad(calls)[2] <= bound < rows_by_grad(free_calls)[2]
     if rollout:
         with pytest.raises(ValueError, match="max_graph_rows must be an integer >= 2 with rollout interiors"):
-            grads_of(model, jagg.backward_jagg, z, t, make_loss(S, B, d), anchors=list(anchors), v_rollout=v_old,
+            grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d), anchors=list(anchors), v_rollout=v_old,
                      max_graph_rows=1)
 
 
@@ -994,8 +1032,8 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
     for max_rows in (None, bound):
         policy, reference = [], []
         model.zero_grad(set_to_none=True)
-        opts = jagg.JaggOptions(4, 1.0, anchors=anchors, interior=interior, max_graph_rows=max_rows)
-        stats, routed = jagg.window_gradients(as_velocity_fn(model, policy), traj, adv, cfg, opts,
+        opts = jagg_options.JaggOptions(4, 1.0, anchors=anchors, interior=interior, max_graph_rows=max_rows)
+        stats, routed = jagg_options.window_gradients(as_velocity_fn(model, policy), traj, adv, cfg, opts,
                                               ref_velocity_fn=as_velocity_fn(ref, reference))
         results.append((torch.cat([p.grad.flatten() for p in model.parameters()]), stats, policy, reference))
     (g0, s0, p0, r0), (g1, s1, p1, r1) = results
@@ -1004,7 +1042,7 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
     assert rows_by_grad(p1)[:2] == rows_by_grad(p0)[:2] and r1 == r0
     assert rows_by_grad(p1)[2] <= bound
     with pytest.raises(ValueError, match="max_graph_rows must be an integer >= [12].* or None \\(no bound\\), got 0"):
-        jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(4, 1.0, anchors=anchors, interior=interior,
+        jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, anchors=anchors, interior=interior,
                               max_graph_rows=0), ref_velocity_fn=as_velocity_fn(ref))
 
 
@@ -1020,7 +1058,7 @@ def test_saved_bytes_fall_with_the_bound():
     def saved(anchors="window", interior="forward", rows=None, frac=1.0):
         def step():
             model.zero_grad(set_to_none=True)
-            jagg.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg.JaggOptions(4, frac, anchors=anchors, interior=interior,
+            jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, frac, anchors=anchors, interior=interior,
                                   max_graph_rows=rows))
         return common.saved_bytes_peak(step)
 
@@ -1034,9 +1072,9 @@ def test_saved_bytes_fall_with_the_bound():
 
 
 def test_python_jagg_py_runs_its_self_check():
-    """`python jagg.py` runs Part I on tiny models and prints what a learner should see: exact on a
-    linear velocity, one backward pass of 2 rows per window instead of W of one, a cosine below 1
-    on an MLP, and three optimizer steps whose first is on-policy."""
+    """`python jagg.py` prints what a learner should see: exact on a linear velocity; each window's
+    routing score beside its gradient cosine and its cost; routing at jagg_frac 1 and 0.5 (the
+    2-step window never takes JAGG's share); three optimizer steps whose first is on-policy."""
     import re
     import subprocess
     import sys
@@ -1044,8 +1082,12 @@ def test_python_jagg_py_runs_its_self_check():
     out = subprocess.run([sys.executable, "jagg.py"], capture_output=True, text=True, check=True, timeout=120,
                          cwd=common.__file__.rsplit("/", 1)[0]).stdout
     rel = float(re.search(r"\|JAGG - exact\| / \|exact\| = ([0-9.e+-]+)", out).group(1))
+    windows = [(float(s), float(c)) for s, c in re.findall(r"score (\S+), gradient cosine to exact (\S+),", out)]
     passes = [(int(p), int(r)) for p, r in re.findall(r"(\d+) backward passes over (\d+) rows", out)]
-    cos = float(re.search(r"small MLP: (\S+)", out).group(1))
-    clipfrac = [float(c) for c in re.findall(r"clipfrac (\S+),", out)]
-    assert rel < 1e-12 and passes == [(10, 10), (3, 6)] and 0.5 < cos < 1 - 1e-6, out
-    assert clipfrac[0] == 0 and len(clipfrac) == 3 and out.strip().endswith("ok"), out
+    routed = re.findall(r"jagg_frac \S+: windows to JAGG (\[.*?\])", out)
+    approx_kl = [float(c) for c in re.findall(r"approx_kl (\S+),", out)]
+    assert rel < 1e-12 and len(windows) == 3 and windows[2] == (1.0, 1.0), out
+    assert all(0.5 < c < 1 - 1e-6 for _, c in windows[:2]), out
+    assert passes == [(10, 10), (4, 6), (7, 8)], out
+    assert routed == ["[False, False, False]", "[True, True, False]", "[False, True, False]"], out
+    assert approx_kl[0] < 1e-20 and len(approx_kl) == 3 and min(approx_kl[1:]) > 0 and out.strip().endswith("ok"), out

@@ -4,7 +4,7 @@
     python tools/gradient_signal.py mini --batch 32 --group 8 # the mini SD3, train_sd.py's LoRA
     python tools/gradient_signal.py mini --anchors shared --interior rollout
 
-The fidelity probe (jagg.gradient_cosines) compares JAGG's gradient to the exact one on the
+The fidelity probe (jagg_options.gradient_cosines) compares JAGG's gradient to the exact one on the
 same rollouts. That says how close the two are, not whether the difference matters: GRPO's
 gradient is a Monte-Carlo estimate, and on a batch of a few dozen samples it can be mostly
 noise. This tool draws --batches independent batches from the base model (the same sampler,
@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
+import jagg_options  # noqa: E402
 from common import write_json  # noqa: E402
 from base_batches import mini_batches, toy_batches  # noqa: E402
 
@@ -51,8 +52,8 @@ def batch_gradients(fn, params, traj, adv, loss_cfg, window, jagg_frac, **mode):
     JAGG on every window (jagg_frac 1)."""
     for p in params:
         p.grad = None
-    jagg.window_gradients(fn, traj, adv, loss_cfg, jagg.JaggOptions(window, jagg_frac, **mode))
-    g = jagg.flat_grad(params)
+    jagg_options.window_gradients(fn, traj, adv, loss_cfg, jagg_options.JaggOptions(window, jagg_frac, **mode))
+    g = jagg_options.flat_grad(params)
     for p in params:
         p.grad = None
     return g
@@ -103,7 +104,7 @@ def main(argv=None):
     parser.add_argument("--model", default="mini", help="for mini: a saved mini pipeline folder, or mini (the cached one)")
     parser.add_argument("--window", type=int, default=4, help="W")
     parser.add_argument("--anchors", choices=["window", "shared"], default="window", help="JAGG's anchors")
-    parser.add_argument("--interior", choices=list(jagg.INTERIOR_MODES), default="forward", help="JAGG's interiors")
+    parser.add_argument("--interior", choices=list(jagg_options.INTERIOR_MODES), default="forward", help="JAGG's interiors")
     parser.add_argument("--batches", type=int, default=6, help="independent batches (>= 3 for a spread)")
     parser.add_argument("--batch", type=int, default=32, help="samples per batch")
     parser.add_argument("--group", type=int, default=8, help="mini: samples per prompt in a batch (a divisor of --batch)")

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
+import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
 from base_batches import draw_groups  # noqa: E402
 from common import write_json  # noqa: E402
@@ -85,7 +86,7 @@ def policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args):
     before, v0 = log_ratio_and_v()
     params = [p for p in transformer.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    stats, _ = jagg.train_step(fn, params, opt, traj, adv, loss_cfg, cfg.jagg_options("exact"), ref_velocity_fn=ref_fn,
+    stats, _ = jagg_options.train_step(fn, params, opt, traj, adv, loss_cfg, cfg.jagg_options("exact"), ref_velocity_fn=ref_fn,
                                max_grad_norm=cfg.max_grad_norm)
     after, v1 = log_ratio_and_v()
     # the direction GRPO wants: samples with positive advantage more likely, negative less
@@ -133,7 +134,7 @@ def direction(pipe, transformer, cfg, prompts_all, reward_fn, args):
         fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, uncond_grad=True)
         for p in params:
             p.grad = None
-        jagg.window_gradients(fn, traj, adv, loss_cfg, cfg.jagg_options("exact"))
+        jagg_options.window_gradients(fn, traj, adv, loss_cfg, cfg.jagg_options("exact"))
         grpo.append(-torch.cat([p.grad.flatten() for p in params]))
         for p in params:
             p.grad = None

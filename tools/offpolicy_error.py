@@ -39,6 +39,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
+import jagg_options  # noqa: E402
 from common import write_json  # noqa: E402
 
 # name -> JaggOptions fields; "guarded" is rollout interiors with the drift guard (the default),
@@ -127,9 +128,9 @@ def gradient(task, batch, opts, timings=None):
         p.grad = None
     idx = torch.arange(len(batch.adv))
     fn, ref_fn = batch.fns(idx)
-    stats, _ = jagg.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, opts,
+    stats, _ = jagg_options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, opts,
                                      ref_fn if task.loss_cfg.beta > 0 else None, timings)
-    g = jagg.flat_grad(task.params)
+    g = jagg_options.flat_grad(task.params)
     for p in task.params:
         p.grad = None
     return g, stats
@@ -140,14 +141,14 @@ def ratio_error(task, batch, opts):
     """Rollout interiors: mean |log r(rule) - log r(fresh)| / clip over interior steps and samples."""
     fn, _ = batch.fns(torch.arange(len(batch.adv)))
     traj, cfg, errors = batch.traj, task.loss_cfg, []
-    for a, b in jagg.segment_bounds(traj.z.shape[0], opts.window, opts.anchors):
+    for a, b in jagg_options.segment_bounds(traj.z.shape[0], opts.window, opts.anchors):
         if b - a < 3:
             continue
         z, t = traj.z[a:b], traj.t[a:b]
         fresh = fn(z, t)  # [S, B, *D]
         anchors = [0, b - a - 1]
-        H = jagg.hat_weights(t.to(torch.promote_types(t.dtype, torch.float32)), anchors)
-        rule = jagg.interpolate_from_anchors(fresh[anchors], traj.v[a:b], H, anchors)
+        H = jagg_options.hat_weights(t.to(torch.promote_types(t.dtype, torch.float32)), anchors)
+        rule = jagg_options.interpolate_from_anchors(fresh[anchors], traj.v[a:b], H, anchors)
         for k in range(1, b - a - 1):
             i = a + k
             lp = [jagg.sde_step(v[k], traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
@@ -163,8 +164,8 @@ def train_exact(task, optimizer, epochs, batch_size, inner_steps, generator):
         perm = torch.randperm(len(batch.adv), generator=generator)
         for idx in perm.chunk(inner_steps):
             fn, ref_fn = batch.fns(idx)
-            jagg.train_step(fn, task.params, optimizer, batch.traj.subset(idx), batch.adv[idx], task.loss_cfg,
-                            jagg.JaggOptions(task.window, 0.0), ref_velocity_fn=ref_fn if task.loss_cfg.beta > 0 else None)
+            jagg_options.train_step(fn, task.params, optimizer, batch.traj.subset(idx), batch.adv[idx], task.loss_cfg,
+                            jagg_options.JaggOptions(task.window, 0.0), ref_velocity_fn=ref_fn if task.loss_cfg.beta > 0 else None)
 
 
 def measure(task, args, generator, optimizer):
@@ -176,12 +177,12 @@ def measure(task, args, generator, optimizer):
         opt = torch.optim.AdamW(task.params, lr=task.lr)
         opt.load_state_dict(optimizer.state_dict())  # the training's moments: its next steps, on this batch
         for i in range(args.inner_steps):
-            g, st = gradient(task, batch, jagg.JaggOptions(task.window, 0.0))
+            g, st = gradient(task, batch, jagg_options.JaggOptions(task.window, 0.0))
             if i == 0:
                 on_policy.append(g)
             for name in args.modes:
                 fields = MODES[name]
-                opts = jagg.JaggOptions(task.window, 1.0, **fields)
+                opts = jagg_options.JaggOptions(task.window, 1.0, **fields)
                 timings = {}
                 j, _ = gradient(task, batch, opts, timings)
                 rec = {"batch": b, "step": i + 1, "mode": name, "clipfrac": st["clipfrac"],

@@ -1,0 +1,620 @@
+"""Beyond the paper: our options for JAGG, and the training step for real runs.
+
+jagg.py is the paper alone; this module builds on it (it imports jagg, never the reverse). Every
+option defaults to the paper's behaviour, so JaggOptions() trains exactly what jagg.py's
+paper_gradients does, bit for bit. Read jagg.py first: the notation is its own.
+
+The options (a JaggOptions field each), what they do, and when they are exact:
+    anchors="shared"     Adjacent windows share their end step: anchors every W - 1 steps, all
+                         back-propagated in ONE forward with graph and one backward (T = 10,
+                         W = 4: anchors 0, 3, 6, 9, 4 rows with grad instead of 6). Exact when
+                         the paper's window is: J(z, t) affine along each segment between
+                         anchors and the states on a straight line there. Costs memory: all
+                         anchor rows in one graph (max_graph_rows bounds it).
+    interior="rollout"   An interior step's velocity is the rollout's, moved by its anchors'
+                         change: v_k ~= v_old_k + sum_j H[k, j] (v_{a_j} - v_old_{a_j}). No
+                         network call between anchors, the KL reference's included. Exact at
+                         the rollout's parameters (theta = theta_old: the first optimizer step
+                         after each rollout) when beta = 0; with beta > 0 the reference's
+                         interiors stay interpolated there too (exact when the reference's and
+                         the rollout's velocities differ affinely in t across each segment).
+                         First order after that.
+    max_drift            The drift guard for rollout interiors: a segment whose anchors' GRPO
+                         ratios moved by more than this share of the clip range takes forward
+                         interiors instead (section 2). Exact as forward interiors are, there.
+    weights="index"      alpha_k = k / (W - 1), as the authors' early code; equal to the paper's
+                         t-weights only when t is linear in the step index.
+    max_graph_rows       At most this many anchor rows in a graph at once: always exact (the
+                         same gradient to round-off), less memory, some speed lost.
+    route="probe"        Route by the probe's measured cosines (gradient_cosines, section 5)
+                         instead of the velocities' linearity; min_cosine keeps any segment
+                         below it exact. Routing changes which segments are approximated, not how.
+Then the real-run step (section 6): many ranks (DDP, with one all-reduce per optimizer step),
+gradient accumulation, and non-finite steps skipped on every rank alike.
+
+Notation beyond jagg.py's
+    anchors    a_0 = 0 < a_1 < ... < a_m = S - 1, the steps whose Jacobians are back-propagated
+               (the paper: a window's a and b)
+    H[k, j]    the hat weight of anchor j at step k (the paper: 1 - alpha_k and alpha_k)
+    G[j]       G_j = sum_k H[k, j] g_k (the paper: G_a and G_b)
+    v_old      v_k(theta_old), the rollout's velocities (Trajectory.v)
+    segment    the steps from one anchor to the next, both included: (start, stop) with stop
+               one past the last (the paper's windows are segments too)
+"""
+
+import contextlib
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+import jagg
+from jagg import _check, _check_window
+
+ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
+INTERIOR_MODES = ("forward", "rollout")  # the paper's no-graph forwards; OURS: rollout velocities
+WEIGHTS = ("time", "index")  # the paper's alpha_k by t; the authors' early code's by step index
+ROUTES = ("velocity", "probe")  # jagg.linearity_score (free), or the probe's cosines (OURS)
+
+
+@dataclass
+class JaggOptions:
+    """How a batch's gradient is computed. The paper's knobs come first; every other field is an
+    option beyond the paper whose default is the paper's behaviour."""
+
+    window: int = 4  # W, sampling steps per window
+    jagg_frac: float = 1.0  # the share of windows of >= 3 steps (the most linear, rounded) JAGG takes; the rest exact
+    # --- beyond the paper (OURS)
+    anchors: str = "window"  # "window": the paper's disjoint windows; "shared": windows share end steps (section 1)
+    interior: str = "forward"  # "forward": the paper's no-graph forwards; "rollout": the rollout's velocities (2)
+    weights: str = "time"  # "time": the paper's alpha_k by t; "index": alpha_k = k / (W - 1) (section 3)
+    max_graph_rows: int = None  # at most this many anchor rows in a graph at once, same gradient (3); None: no bound
+    max_drift: float = 0.5  # rollout interiors only while the anchors' ratios stay within this share of the clip (2)
+    route: str = "velocity"  # "velocity": by linearity_score; "probe": by the probe's cosines (gradient_cosines, 5)
+    min_cosine: float = None  # route="probe" never lets JAGG take a window whose cosine is below this
+
+    def is_paper(self):
+        """True when nothing beyond the paper is asked for: jagg.paper_gradients computes it all
+        (a bound of 2 or more rows changes nothing for the paper's windows of two anchors)."""
+        return self.paper_backward() and self.route == "velocity"
+
+    def paper_backward(self):
+        """True when a JAGG segment's backward is the paper's, jagg.backward_jagg_window."""
+        return (self.anchors == "window" and self.interior == "forward" and self.weights == "time"
+                and (self.max_graph_rows is None or self.max_graph_rows >= 2))
+
+
+# === 1. Anchors: windows that share their end steps ===
+# The paper's two end steps generalise to sorted anchor steps a_0 = 0 < ... < a_m = S - 1. A step
+# between consecutive anchors a_j, a_{j+1} interpolates between those two ("hat" weights H in
+# t; an anchor keeps weight 1 on itself):
+#     J_k ~= sum_j H[k, j] J_{a_j},    grad ~= sum_j G_j^T J_{a_j},    G_j = sum_k H[k, j] g_k,
+# still ONE forward with graph (on the anchor rows) and ONE backward. The paper's window is
+# anchors (0, S - 1): H[k, 0] = 1 - alpha_k, H[k, 1] = alpha_k. Every step an anchor is exact
+# training. Exact under the paper's conditions, segment by segment between anchors.
+# anchors="shared": adjacent windows share their end step, so anchors fall every W - 1 steps
+# (T = 10, W = 4: anchors 0, 3, 6, 9; 4 rows with grad instead of the paper's 6).
+
+
+def segment_weights(t, weights="time"):
+    """alpha_k over one segment's times t: [S, B] -> [S, B], 0 at its first step, 1 at its last:
+    by time (the paper's interpolation_weights) or by index, alpha_k = k / (S - 1)."""
+    _check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "time":
+        return jagg.interpolation_weights(t)
+    k = torch.arange(t.shape[0], dtype=t.dtype, device=t.device)  # [S]
+    return (k / (t.shape[0] - 1))[:, None].expand(t.shape)  # [S, B]
+
+
+def hat_weights(t, anchors, weights="time"):
+    """H[k, j], the weight of anchor j in step k's interpolated Jacobian, for times t: [S, B] and
+    anchor steps 0 = a_0 < ... < a_m = S - 1. Returns [S, M, B], M = len(anchors); rows sum to 1.
+    The paper's anchors (0, S - 1) give H[:, 0] = 1 - alpha and H[:, 1] = alpha. weights:
+    "time" or "index" (segment_weights), between each pair of consecutive anchors."""
+    H = t.new_zeros(t.shape[0], len(anchors), t.shape[1])  # [S, M, B]
+    for j, (a, b) in enumerate(zip(anchors, anchors[1:])):
+        alpha = segment_weights(t[a : b + 1], weights)  # [b - a + 1, B]: 0 at a_j, 1 at a_{j+1}
+        H[a : b + 1, j] = 1 - alpha
+        H[a : b + 1, j + 1] = alpha
+    return H
+
+
+def _anchor_steps(anchors, S):
+    steps = list(anchors)
+    _check(len(steps) >= 2 and steps[0] == 0 and steps[-1] == S - 1
+           and all(int(a) == a for a in steps) and all(a < b for a, b in zip(steps, steps[1:])),
+           f"anchors must be increasing step indices from 0 to S - 1 = {S - 1}, got {steps}")
+    return [int(a) for a in steps]
+
+
+def segment_bounds(num_steps, window, anchors="window"):
+    """The segments routing chooses between, [(start, stop), ...]. "window": the paper's
+    disjoint windows (jagg.window_bounds). "shared": anchors every W - 1 steps and at T - 1, each
+    segment running from one anchor to the next inclusive: W steps (the last may be shorter),
+    and consecutive segments share their end step (T = 10, W = 4: anchors 0, 3, 6, 9)."""
+    _check(anchors in ANCHOR_MODES, f"anchors must be one of {ANCHOR_MODES}, got {anchors!r}")
+    bounds = jagg.window_bounds(num_steps, window)
+    if anchors == "window":
+        return bounds
+    ends = list(range(0, num_steps - 1, window - 1)) + [num_steps - 1]  # the anchor steps
+    return [(a, b + 1) for a, b in zip(ends, ends[1:])]
+
+
+def backward_calls(bounds, routed, anchors="window"):
+    """The batch's backward calls [(kind, start, stop, anchor steps)], kind "jagg" or "exact",
+    in step order. The paper's windows: one call each. Shared anchors: routed segments that touch
+    (one ends on the step where the next starts) merge into one JAGG call with all their anchors;
+    an exact call takes each segment's steps that no JAGG call or earlier segment has taken."""
+    if anchors == "window":
+        return [("jagg" if r else "exact", start, stop, [start, stop - 1]) for (start, stop), r in zip(bounds, routed)]
+    runs = []  # (start, stop, anchor steps) of each JAGG call
+    for (start, stop), use_jagg in zip(bounds, routed):
+        if not use_jagg:
+            continue
+        if runs and runs[-1][1] == start + 1:  # starts on the previous call's last anchor: extend that call
+            runs[-1] = (runs[-1][0], stop, runs[-1][2] + [stop - 1])
+        else:
+            runs.append((start, stop, [start, stop - 1]))
+    done = {k for start, stop, _ in runs for k in range(start, stop)}
+    calls = [("jagg", start, stop, steps) for start, stop, steps in runs]
+    for start, stop in bounds:
+        steps = [k for k in range(start, stop) if k not in done]
+        done.update(steps)
+        if steps:
+            calls.append(("exact", steps[0], steps[-1] + 1, None))
+    return sorted(calls, key=lambda call: call[1])
+
+
+# === 2. Rollout interiors: no interior step calls the network ===
+# The rollout stored v_k(theta_old). To first order, with JAGG's own interpolated Jacobian,
+#     v_k(theta) ~= v_k(theta_old) + sum_j H[k, j] (v_{a_j}(theta) - v_{a_j}(theta_old)),
+# so the interior steps call no network at all: the anchors' current velocities come from the
+# one forward with graph, and the KL reference takes the same rule with its own anchor
+# velocities. Exact while theta = theta_old (the first optimizer step after a rollout), and
+# whenever v_theta changes affinely in (z, t) between anchors on a straight path. The
+# reference's interiors are exact at theta_old only where the reference's velocities differ
+# from the rollout's affinely in t across the segment; the drift guard below refreshes the
+# policy's interiors, never the reference's.
+
+
+def interpolate_from_anchors(v_anchor, v_old, H, anchors):
+    """Rollout interiors: v_k ~= v_old_k + sum_j H[k, j] (v_anchor_j - v_old_{a_j}), and exactly
+    v_anchor at the anchors. v_anchor: [M, B, *D] the anchors' velocities now; v_old: [S, B, *D]
+    the rollout's; H: [S, M, B] (hat_weights). Returns [S, B, *D] in H's dtype."""
+    H = H.reshape(H.shape + (1,) * (v_old.ndim - 2))  # [S, M, B, 1..]
+    v_old = v_old.to(H.dtype)  # [S, B, *D]
+    delta = v_anchor.to(H.dtype) - v_old[anchors]  # [M, B, *D]: how far each anchor moved since the rollout
+    v = v_old + (H * delta).sum(dim=1)  # [S, B, *D]
+    v[anchors] = v_anchor.to(H.dtype)  # known there, not interpolated (no rounding either)
+    return v
+
+
+# Once the policy has moved. From the second optimizer step on a rollout, theta != theta_old and
+# the rule above errs by the part of each interior's change that is not affine between its
+# anchors. That error moves the interiors' ratios, and GRPO's clip turns a small ratio error into
+# a wrong gradient wherever it carries a sample across the clip boundary: measured, rollout
+# interiors stay as close to exact as forward interiors until ratios near the boundary, then fall
+# far behind (docs/offpolicy.md). The anchors show how far their ratios have moved, for free:
+#     drift_j = max_b |ratio_{a_j, b} - 1| / clip_range      (0 on-policy; 1: at the clip boundary)
+# A segment with an anchor drifted past max_drift takes its interior velocities from a no-graph
+# forward instead, as forward interiors do: their accuracy, at their cost, there only.
+
+
+def ratio_drift(traj, cfg, k, v_k):
+    """drift at step k of traj with velocity v_k [B, *D]: max_b |ratio - 1| / cfg.clip_range."""
+    _, log_prob, _, _ = jagg.sde_step(v_k, traj.z[k], traj.t[k], traj.t_next[k], cfg.noise_level,
+                                      prev_sample=traj.z_next[k])
+    return ((log_prob - traj.log_prob[k]).exp() - 1).abs().max().item() / cfg.clip_range
+
+
+def stale_segments(drifts, max_drift, record=None):
+    """The segments j (between anchors j and j + 1) whose rollout interiors must not be trusted:
+    an anchor's drift above max_drift (None: trust them at any drift). drifts: one per anchor
+    (the training step passes one segment's two). record (a dict), if given, adds the segments
+    seen and refreshed under "rollout_segments" and "rollout_refreshed" and keeps the largest
+    drift under "anchor_drift"."""
+    stale = [j for j in range(len(drifts) - 1) if max_drift is not None and max(drifts[j], drifts[j + 1]) > max_drift]
+    if record is not None:
+        record["rollout_segments"] = record.get("rollout_segments", 0) + len(drifts) - 1
+        record["rollout_refreshed"] = record.get("rollout_refreshed", 0) + len(stale)
+        record["anchor_drift"] = max(record.get("anchor_drift", 0.0), *drifts)
+    return stale
+
+
+# === 3. The general JAGG backward: anchors, rollout interiors, index weights, bounded rows ===
+# Index weights: the authors' early code (SchumiDing/eff_grpo, fastvideo/
+# train_grpo_qwenimage_jagg.py) weights steps by index, alpha_k = k / (W - 1) (weights="index"),
+# which equals the t-weighting only when t is linear in k (segment_weights, section 1). With
+# SD3's shifted schedule it is not: the steps bunch up at high noise, and the two differ inside
+# every window.
+#
+# A bound on the rows in a graph (max_graph_rows). All M anchors in one forward with graph hold
+# M rows of activations at once (shared anchors at T = 10, W = 4: 4 rows of B samples, against
+# exact's 1). The joint backward is linear in the anchors, sum_j G_j^T J_{a_j}, so it can run
+# chunk by chunk, each chunk's graph freed by its own backward once its G_j = sum_k H[k, j] g_k
+# are known. G_j needs the g_k of the steps on both sides of a_j:
+# - forward interiors: their velocities come from the no-graph forward, so G_j needs only v at
+#   a_j itself: chunks of max_graph_rows anchors, one at a time (1 row is exact's footprint);
+# - rollout interiors: v_k between a_j and a_{j+1} needs both anchors' current velocities, so a
+#   chunk is back-propagated once the next chunk has run its forward: chunks of max_graph_rows // 2,
+#   at most two alive at once (a bound of at least 2). Earlier anchors' velocities are kept detached.
+# Every step's g_k is computed once and no network row runs twice: without a bound, one chunk.
+
+
+def min_graph_rows(interior):
+    """The smallest max_graph_rows a mode allows: 1, or 2 with rollout interiors (an interior step
+    needs both its anchors' current velocities at once)."""
+    return 2 if interior == "rollout" else 1
+
+
+def check_max_graph_rows(max_graph_rows, interior):
+    _check(max_graph_rows is None or (isinstance(max_graph_rows, int) and max_graph_rows >= min_graph_rows(interior)),
+           f"max_graph_rows must be an integer >= {min_graph_rows(interior)}"
+           f"{' with rollout interiors (an interior step needs both its anchors at once)' if interior == 'rollout' else ''}"
+           f" or None (no bound), got {max_graph_rows!r}")
+
+
+def backward_jagg(velocity_fn, z, t, step_loss, record=None, anchors=None, v_rollout=None, weights="time",
+                  max_graph_rows=None, drift_fn=None, max_drift=None):
+    """jagg.backward_jagg_window generalised: forwards with graph on the anchor steps only and one
+    backward of their composite signals G_j (sections 1-3).
+
+    anchors: sorted step indices containing 0 and S - 1; None is (0, S - 1), the paper's window.
+    v_rollout: [S, B, *D] the rollout's velocities (rollout interiors, section 2), or None for
+    the paper's no-graph forward of the interior steps. weights: "time" or "index" (hat_weights).
+    max_graph_rows: at most this many anchor rows in a graph at once (None: all M in one), the
+    same gradient up to the order of floating-point sums. drift_fn(k, v_k) -> float, max_drift:
+    with v_rollout, a segment with an anchor whose drift (ratio_drift, as the training step
+    passes it) is above max_drift takes forward interiors (stale_segments, whose counts record
+    receives); None: the rollout rule at any drift. Exact under section 1's conditions; with
+    v_rollout, also while theta = theta_old.
+    """
+    _check_window(z, t)
+    S = z.shape[0]
+    _check(S >= 2, f"JAGG needs a window of at least 2 steps, got W = {S}")
+    anchors = _anchor_steps((0, S - 1) if anchors is None else anchors, S)
+    _check(v_rollout is None or tuple(v_rollout.shape) == tuple(z.shape),
+           f"v_rollout must be [S, B, *D] like z {tuple(z.shape)}, got {None if v_rollout is None else tuple(v_rollout.shape)}")
+    rollout = v_rollout is not None
+    check_max_graph_rows(max_graph_rows, "rollout" if rollout else "forward")
+    acc_dtype = torch.promote_types(z.dtype, torch.float32)  # G_j in fp32 at least, whatever the network's precision
+    H = hat_weights(t.to(acc_dtype), anchors, weights)  # [S, M, B]
+    H = H.reshape(H.shape + (1,) * (z.ndim - 2))  # [S, M, B, 1..]
+    M, index = len(anchors), {a: j for j, a in enumerate(anchors)}
+    interior = [k for k in range(S) if k not in index]
+
+    # Forward interiors, as in backward_jagg_window: one batched forward without graph, first.
+    v_mid = {}  # k -> v_k [B, *D] of the interiors known without the rollout rule
+    if not rollout and interior:
+        with torch.no_grad():
+            v_mid = dict(zip(interior, velocity_fn(z[interior], t[interior])))  # [S-M] x [B, *D]
+    v_old = v_rollout.to(acc_dtype) if rollout else None  # [S, B, *D]
+    v_anchor, checked = {}, set()  # j -> v_{a_j} [B, *D] detached, once its chunk has run; segments checked
+    g, total = {}, 0.0  # k -> g_k [B, *D]
+
+    def check_drift(j):
+        """Rollout interiors of segment j (between a_j and a_{j+1}): from a no-graph forward if an
+        anchor drifted past max_drift (section 2), once."""
+        checked.add(j)
+        steps = list(range(anchors[j] + 1, anchors[j + 1]))
+        drifts = [drift_fn(anchors[i], v_anchor[i]) if drift_fn is not None else 0.0 for i in (j, j + 1)]
+        if steps and stale_segments(drifts, max_drift, record):
+            with torch.no_grad():
+                v_mid.update(zip(steps, velocity_fn(z[steps], t[steps])))  # [R] x [B, *D]
+
+    def velocity(k):
+        """Step k's velocity without graph: an anchor's own, a forward interior's, or the rollout
+        interior v_old_k + sum_j H[k, j] (v_{a_j} - v_old_{a_j}) from its two anchors."""
+        if k in index:
+            return v_anchor[index[k]]
+        j = max(i for i, a in enumerate(anchors) if a < k)  # k lies between a_j and a_{j+1}
+        if rollout and j not in checked:
+            check_drift(j)
+        if k in v_mid:
+            return v_mid[k].to(v_anchor[j].dtype)
+        return (v_old[k] + sum(H[k, i] * (v_anchor[i].to(acc_dtype) - v_old[anchors[i]]) for i in (j, j + 1))).to(
+            v_anchor[j].dtype)
+
+    def upstream(k):
+        """g_k = dL_k/dv_k from the loss alone, once per step: detach v_k, make it a leaf, differentiate."""
+        nonlocal total
+        if k not in g:
+            v_k = velocity(k).detach().requires_grad_(True)  # [B, *D]
+            loss = step_loss(k, v_k)
+            (g[k],) = torch.autograd.grad(loss, v_k)  # [B, *D]
+            total += loss.item()
+        return g[k].to(acc_dtype)
+
+    def forward(chunk):
+        """The chunk's anchors: one forward with graph on their stacked rows (the paper: [z_a; z_b])."""
+        steps = [anchors[j] for j in chunk]
+        v = velocity_fn(z[steps], t[steps])  # [len(chunk), B, *D]
+        v_anchor.update({j: v[i].detach() for i, j in enumerate(chunk)})
+        return v
+
+    def backward(chunk, v):
+        G = torch.zeros(v.shape, dtype=acc_dtype, device=z.device)  # [len(chunk), B, *D]
+        for i, j in enumerate(chunk):
+            first = anchors[j - 1] + 1 if j > 0 else 0
+            last = anchors[j + 1] - 1 if j + 1 < M else S - 1
+            for k in range(first, last + 1):  # the steps where H[k, j] can be nonzero
+                G[i] += H[k, j] * upstream(k)  # G_j = sum_k H[k, j] g_k (the paper: G_a, G_b)
+        # d/dtheta sum_j sum(v_{a_j} * G_j) = sum_j G_j^T J_{a_j}  (the paper: G_a^T J_a + G_b^T J_b)
+        (v * G.to(v.dtype)).sum().backward()  # frees this chunk's graph
+
+    size = M if max_graph_rows is None else max_graph_rows // 2 if rollout else max_graph_rows
+    chunks = [list(range(i, min(i + size, M))) for i in range(0, M, size)]
+    alive = forward(chunks[0])
+    for n, chunk in enumerate(chunks):
+        # Rollout interiors: the next chunk's first anchor closes this chunk's last segment.
+        following = forward(chunks[n + 1]) if rollout and n + 1 < len(chunks) else None
+        backward(chunk, alive)
+        alive = following if rollout or n + 1 == len(chunks) else forward(chunks[n + 1])
+    return total
+
+
+# === 4. The batch's gradient with every option ===
+# jagg.paper_gradients, generalised: segments between anchors instead of windows, routing by the
+# probe's cosines, the reference model's velocities at the anchors only with rollout interiors.
+# A segment that asks for nothing beyond the paper runs jagg.py's own backward_jagg_window, so
+# JaggOptions() trains bit for bit what paper_gradients does. timings, if given, receives the
+# seconds of each part (timed_backward).
+
+
+@contextlib.contextmanager
+def timed(timings, key, device):
+    """Add the seconds of the block to timings[key] (synchronised on CUDA, so the numbers mean
+    something); timings None: do nothing."""
+    if timings is None:
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+
+def timed_backward(backward, velocity_fn, z, t, step_loss, timings=None, **kwargs):
+    """backward(velocity_fn, z, t, step_loss, **kwargs), its seconds added to timings (if given):
+    the network's forwards with graph under "fwd_graph" (with the per-step losses, which run
+    while the graph is alive), those without under "fwd_nograd", and the rest under "backward"
+    (the backward passes, and each loss's own derivative g_k). jagg.py's functions stay untimed."""
+    if timings is None:
+        return backward(velocity_fn, z, t, step_loss, **kwargs)
+    parts = {}
+
+    def velocity(z_, t_):
+        with timed(parts, "fwd_graph" if torch.is_grad_enabled() else "fwd_nograd", z.device):
+            return velocity_fn(z_, t_)
+
+    def loss(k, v_k):
+        with timed(parts, "fwd_graph", z.device):
+            return step_loss(k, v_k)
+
+    with timed(parts, "call", z.device):
+        total = backward(velocity, z, t, loss, **kwargs)
+    call = parts.pop("call")
+    for key, seconds in parts.items():
+        timings[key] = timings.get(key, 0.0) + seconds
+    timings["backward"] = timings.get("backward", 0.0) + call - sum(parts.values())
+    return total
+
+
+def check_options(opts, num_segments=None, probe_cosines=None):
+    """Every JaggOptions field in range, before any work (a ValueError that names the field)."""
+    _check(opts.anchors in ANCHOR_MODES, f"anchors must be one of {ANCHOR_MODES}, got {opts.anchors!r}")
+    _check(opts.interior in INTERIOR_MODES, f"interior must be one of {INTERIOR_MODES}, got {opts.interior!r}")
+    _check(opts.route in ROUTES, f"route must be one of {ROUTES}, got {opts.route!r}")
+    _check(opts.weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {opts.weights!r}")
+    _check(opts.max_drift is None or opts.max_drift >= 0, f"max_drift must be >= 0 or None, got {opts.max_drift!r}")
+    check_max_graph_rows(opts.max_graph_rows, opts.interior)
+    _check(probe_cosines is None or len(probe_cosines) == num_segments,
+           f"probe_cosines needs one value per segment ({num_segments}), got {probe_cosines}")
+
+
+def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None, weights="time"):
+    """The frozen reference model's velocities of S steps, for the KL term (no graph): a forward
+    at every step, or, with v_rollout (rollout interiors), at the anchors only, the interiors
+    interpolated from the reference's difference to the rollout's velocities there."""
+    with torch.no_grad():
+        if v_rollout is None:
+            return ref_velocity_fn(z, t)  # [S, B, *D]
+        anchors = _anchor_steps((0, z.shape[0] - 1) if anchors is None else anchors, z.shape[0])
+        v_anc = ref_velocity_fn(z[anchors], t[anchors])  # [M, B, *D]
+        H = hat_weights(t.to(torch.promote_types(z.dtype, torch.float32)), anchors, weights)  # [S, M, B]
+        return interpolate_from_anchors(v_anc, v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
+
+
+def route_segments(scores, lengths, jagg_frac, floor=None):
+    """jagg.route_windows, then none whose score is below floor (None: no floor)."""
+    routed = jagg.route_windows(scores, lengths, jagg_frac)
+    return [r and (floor is None or s >= floor) for r, s in zip(routed, scores)]
+
+
+def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=None, timings=None,
+                     probe_cosines=None):
+    """jagg.paper_gradients with JaggOptions' every field: accumulate the batch's gradient, segment
+    by segment (segment_bounds), routed between exact and JAGG. Returns (stats, routed).
+    route="probe" ranks the segments by probe_cosines (probe_average's) once there are any,
+    never routing one below opts.min_cosine; before the first probe, by velocity."""
+    T = traj.z.shape[0]
+    bounds = segment_bounds(T, opts.window, opts.anchors)
+    check_options(opts, len(bounds), probe_cosines)
+    jagg.check_batch(traj, advantages, cfg)
+    _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
+    velocity_fn = jagg.checked(velocity_fn)
+    scores = [jagg.linearity_score(traj.v[start:stop], traj.t[start:stop]) for start, stop in bounds]
+    by_probe = opts.route == "probe" and probe_cosines is not None
+    routed = route_segments(probe_cosines if by_probe else scores, [stop - start for start, stop in bounds],
+                            opts.jagg_frac, floor=opts.min_cosine if by_probe else None)
+
+    calls = backward_calls(bounds, routed, opts.anchors)  # [(kind, start, stop, anchor steps)]
+    v_old = traj.v if opts.interior == "rollout" else None
+    log, loss, record = [], 0.0, {} if timings is None else timings  # record: the drift guard's counts
+    for kind, start, stop, steps in calls:
+        z, t = traj.z[start:stop], traj.t[start:stop]  # [S, B, *D], [S, B]
+        options = {}  # a JAGG call's: its anchors, rollout interiors, weights
+        if kind == "jagg":
+            options = {"anchors": [s - start for s in steps], "v_rollout": None if v_old is None else v_old[start:stop],
+                       "weights": opts.weights}
+        v_ref = None
+        if cfg.beta > 0:
+            with timed(timings, "fwd_ref", traj.z.device):
+                v_ref = reference_velocities(ref_velocity_fn, z, t, **options)  # [S, B, *D]
+        step_loss = jagg.make_step_loss(traj, advantages, start, stop, cfg, v_ref, log)
+        if kind == "exact":
+            loss += timed_backward(jagg.backward_exact, velocity_fn, z, t, step_loss, timings)
+        elif opts.paper_backward():  # the paper's window: jagg.py's own function
+            loss += timed_backward(jagg.backward_jagg_window, velocity_fn, z, t, step_loss, timings)
+        else:
+            drift_fn = lambda k, v_k, start=start: ratio_drift(traj, cfg, start + k, v_k)  # noqa: E731 (section 2)
+            loss += timed_backward(backward_jagg, velocity_fn, z, t, step_loss, timings, record=record, **options,
+                                   max_graph_rows=opts.max_graph_rows, drift_fn=drift_fn, max_drift=opts.max_drift)
+    grad_rows = sum(stop - start if kind == "exact" else len(steps) for kind, start, stop, steps in calls)
+    stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
+    stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_rows=grad_rows, window_scores=scores)
+    if opts.interior == "rollout":  # how often the drift guard (section 2) sent a segment to forward interiors
+        stats.update(rollout_refreshed=record.get("rollout_refreshed", 0), anchor_drift=record.get("anchor_drift", 0.0))
+    return stats, routed
+
+
+# === 5. The fidelity probe: is the approximation good on YOUR model? ===
+# JAGG's error depends on how linear the network's Jacobian is along a trajectory, which differs
+# between models. The probe computes both gradients of the same segments and reports their
+# cosine, so a user adapting JAGG sees at once whether it holds; route="probe" keeps an
+# exponential average of the cosines per segment position (probe_average) and routes by it.
+
+
+def flat_grad(params):
+    """Every parameter's .grad in one float64 vector [P] (a missing .grad counts as zeros)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double() for p in params])
+
+
+def gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None):
+    """For each segment of traj (segment_bounds; the paper's windows by default), the cosine of its
+    gradient by JAGG between its two end steps, as opts trains it (interior, weights, max_drift),
+    to its exact gradient; 1.0 for a segment of one step. Leaves the parameters' .grad None."""
+    check_options(opts)
+    params, cosines, velocity_fn = list(params), [], jagg.checked(velocity_fn)
+    for start, stop in segment_bounds(traj.z.shape[0], opts.window, opts.anchors):
+        if stop - start < 2:  # one step: always exact
+            cosines.append(1.0)
+            continue
+        z, t = traj.z[start:stop], traj.t[start:stop]  # [S, B, *D], [S, B]
+        options = {"v_rollout": traj.v[start:stop] if opts.interior == "rollout" else None, "weights": opts.weights}
+        jagg_kwargs = dict(options, drift_fn=lambda k, v_k, start=start: ratio_drift(traj, cfg, start + k, v_k),
+                           max_drift=opts.max_drift)
+        grads = []
+        for backward, kwargs, ref_options in ((jagg.backward_exact, {}, {}), (backward_jagg, jagg_kwargs, options)):
+            for p in params:
+                p.grad = None
+            v_ref = reference_velocities(ref_velocity_fn, z, t, **ref_options) if cfg.beta > 0 else None
+            backward(velocity_fn, z, t, jagg.make_step_loss(traj, advantages, start, stop, cfg, v_ref), **kwargs)
+            grads.append(flat_grad(params))  # [P]
+        cosines.append(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item())
+    for p in params:
+        p.grad = None
+    return cosines
+
+
+def probe_average(average, cosines, decay):
+    """The running average route="probe" ranks by: average <- decay * average + (1 - decay) *
+    cosines per segment position; the first probe (average None) starts it."""
+    if average is None:
+        return list(cosines)
+    return [decay * m + (1 - decay) * c for m, c in zip(average, cosines)]
+
+
+# === 6. train_step for real runs: averaged over ranks, clipped, and a step if it is finite ===
+# Why DDP must not all-reduce by itself: its reducer pairs each forward with graph with the
+# next backward, and the bounded path with rollout interiors runs the next chunk's forward
+# before this chunk's backward: the ranks would drift apart silently. So every backward runs
+# inside no_sync, then per optimizer step ONE all-reduce of the gradients (and one of the
+# finite flag), whatever the mode, anchors or bound.
+# Why skip: a non-finite loss or gradient (bf16 rollouts of real models do give NaN
+# log-probabilities) would poison the weights and the optimizer's moments for good; every rank
+# skips the step alike, leaving both untouched, and says so.
+# Gradient accumulation (Flow-GRPO's 2 optimizer steps per epoch over several micro-batches):
+# accumulate_gradients per micro-batch, then one optimizer_step, which averages over both the
+# micro-batches and the ranks; train_step is the two for a single batch.
+
+
+def _distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _average_gradients_over_ranks(params):
+    """Every rank's .grad becomes the mean over ranks, in ONE all-reduce per dtype (the gradients
+    flattened into one buffer). A parameter without a gradient counts as 0."""
+    if not _distributed():
+        return
+    world = torch.distributed.get_world_size()
+    for dtype in {p.dtype for p in params}:
+        group = [p for p in params if p.dtype == dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in group])  # [P]
+        torch.distributed.all_reduce(flat)
+        flat /= world
+        for p, g in zip(group, flat.split([p.numel() for p in group])):
+            p.grad = g.view_as(p).clone()
+
+
+def _agree_across_ranks(flag, device):
+    """True only if flag is True on every rank (so that all ranks skip alike)."""
+    if not _distributed():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return bool(t.item() > 0)
+
+
+def accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, *, ref_velocity_fn=None,
+                         no_sync=contextlib.nullcontext, probe_cosines=None):
+    """Add one batch's gradient (window_gradients') to the parameters' .grad, inside no_sync and
+    timed: one micro-batch of an optimizer step. Returns (stats, routed)."""
+    jagg.check_batch(traj, advantages, cfg)
+    timings, start = {}, time.perf_counter()
+    with no_sync():
+        stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn, timings,
+                                         probe_cosines)
+    stats.update(grad_seconds=time.perf_counter() - start, backward_seconds=timings.get("backward", 0.0))
+    return stats, routed
+
+
+def optimizer_step(params, optimizer, losses, *, micro_batches=1, max_grad_norm=1.0, step=None):
+    """The optimizer step after accumulate_gradients on micro_batches batches (losses: theirs): the
+    gradient becomes their mean (Flow-GRPO's accumulation) and the mean over ranks, is clipped,
+    and the optimizer steps unless it or a loss is not finite; then the step is skipped on every
+    rank and a warning names step, the caller's step number. Returns {"grad_norm", "skipped"}."""
+    params = list(params)
+    if micro_batches > 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad /= micro_batches
+    _average_gradients_over_ranks(params)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    finite = _agree_across_ranks(all(math.isfinite(x) for x in losses) and math.isfinite(grad_norm), params[0].device)
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        warnings.warn(f"optimizer step {'?' if step is None else step} skipped: non-finite loss ({losses}) "
+                      f"or gradient norm ({grad_norm}); parameters and optimizer state left as they were",
+                      RuntimeWarning, stacklevel=2)
+    return {"grad_norm": grad_norm, "skipped": not finite}
+
+
+def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, opts, *, ref_velocity_fn=None,
+               max_grad_norm=1.0, no_sync=contextlib.nullcontext, probe_cosines=None, step=None):
+    """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
+    advantages: [B]; cfg: jagg.LossConfig; opts: JaggOptions): accumulate_gradients, then
+    optimizer_step (pass DDP's model.no_sync as no_sync). Returns (stats, routed)."""
+    optimizer.zero_grad(set_to_none=True)
+    stats, routed = accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=ref_velocity_fn,
+                                         no_sync=no_sync, probe_cosines=probe_cosines)
+    stats.update(optimizer_step(params, optimizer, [stats["loss"]], max_grad_norm=max_grad_norm, step=step))
+    return stats, routed
