@@ -31,9 +31,44 @@ import jagg_options
 # ------------------------------------------------------------------ command line
 
 
-def arg(default, help, choices=None):
-    """A dataclass field that documents itself: its help becomes the flag's --help."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def arg(default, help, choices=None, valid=None):
+    """A dataclass field that documents itself: its help becomes the flag's --help. valid: the
+    flag's range, declared here once, shown in --help and checked by range_checks before any
+    work: ">= 1", "> 0", "[0, 1)", "(0, 1]", or alternatives joined by " or " ("0 or >= 2")."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "valid": valid})
+
+
+def _within(value, part):
+    """value against one alternative of a valid spec: an interval, a comparison, or a number."""
+    if part[0] in "[(":
+        low, high = (float(x) for x in part[1:-1].split(","))
+        return (value >= low if part[0] == "[" else value > low) and (value <= high if part[-1] == "]" else value < high)
+    for op, test in ((">=", float.__ge__), ("<=", float.__le__), (">", float.__gt__), ("<", float.__lt__)):
+        if part.startswith(op):
+            return test(float(value), float(part[len(op):]))
+    return float(value) == float(part)
+
+
+def in_range(value, valid):
+    """True when value meets the spec valid of arg() (None: anything)."""
+    return valid is None or any(_within(value, part.strip()) for part in valid.split(" or "))
+
+
+def describe_range(valid):
+    """The spec as a sentence's end: "in [0, 1]", ">= 1", "0 or >= 2"."""
+    return " or ".join(("in " if part.strip()[0] in "[(" else "") + part.strip() for part in valid.split(" or "))
+
+
+def range_checks(cfg):
+    """(ok, message) for fail_on, one per flag with a declared range: the flag, its value, what it must be."""
+    checks = []
+    for f in dataclasses.fields(cfg):
+        valid, value = f.metadata.get("valid"), getattr(cfg, f.name)
+        if valid is not None:
+            checks.append((isinstance(value, (int, float)) and math.isfinite(value) and in_range(value, valid),
+                           f"--{f.name.replace('_', '-')} must be {describe_range(valid)}, got {value} "
+                           f"(default {f.default}; --help explains it)"))
+    return checks
 
 
 def parse_config(cls, argv=None, description=None, presets=None):
@@ -43,7 +78,9 @@ def parse_config(cls, argv=None, description=None, presets=None):
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        help_, choices = f.metadata.get("help", ""), f.metadata.get("choices")
+        help_, choices, valid = f.metadata.get("help", ""), f.metadata.get("choices"), f.metadata.get("valid")
+        if valid is not None:
+            help_ += f" [{describe_range(valid)}]"
         if f.type in (bool, "bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
@@ -66,8 +103,8 @@ def fail_on(checks):
 class JaggConfig:
     """The JAGG flags of both training scripts; each script's Config extends it (and may change a
     default). The choices are jagg_options.py's own constants."""
-    window: int = arg(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
-    jagg_frac: float = arg(1.0, "fraction of windows (the best by --route) trained by JAGG; the rest exact")
+    window: int = arg(4, "W, sampling steps per window (the paper's) or per segment between shared anchors", valid=">= 2")
+    jagg_frac: float = arg(1.0, "fraction of windows (the best by --route) trained by JAGG; the rest exact", valid="[0, 1]")
     anchors: str = arg("window", "window: the paper's disjoint windows; shared (ours): adjacent windows share their end "
                                  "step, anchors every W - 1 steps, all in one forward with graph (more rows in memory "
                                  "at once)", choices=list(jagg_options.ANCHOR_MODES))
@@ -79,22 +116,22 @@ class JaggConfig:
                                "index (the authors' early code: alpha_k = k / (W - 1))", choices=list(jagg_options.WEIGHTS))
     max_graph_rows: int = arg(0, "at most this many anchor rows (of B samples) in a graph at once (ours; the same "
                                  "gradient, less memory: shared anchors otherwise hold all theirs); 0: no bound. The "
-                                 "benchmark adds every JAGG mode with this bound")
+                                 "benchmark adds every JAGG mode with this bound", valid="0 or >= 1")
     route: str = arg("velocity", "which windows JAGG takes: velocity (their velocities' linearity, free) or probe "
                                  "(ours: the probe's measured gradient cosines, averaged over probes)",
                      choices=list(jagg_options.ROUTES))
     probe_every: int = arg(0, "every N epochs (train_toy.py: GRPO steps, and at step 1), before training on the batch, "
                               "measure the cosine of JAGG's gradient to the exact one per window on --probe-batch "
-                              "samples (0: off)")
-    probe_batch: int = arg(2, "samples the probe measures on (per rank; the cosines are averaged over ranks)")
+                              "samples (0: off)", valid=">= 0")
+    probe_batch: int = arg(2, "samples the probe measures on (per rank; the cosines are averaged over ranks)", valid=">= 1")
     probe_decay: float = arg(0.5, "--route probe ranks windows by an exponential average of the probes: weight of the "
-                                  "old average")
+                                  "old average", valid="[0, 1)")
     min_cosine: float = arg(0.0, "--route probe never lets JAGG take a window whose averaged cosine is below this "
-                                 "(0 keeps windows with a negative cosine exact; -1: no floor)")
+                                 "(0 keeps windows with a negative cosine exact; -1: no floor)", valid="[-1, 1]")
     max_drift: float = arg(jagg_options.JaggOptions.max_drift,
                            "--interior rollout: a segment with an anchor whose ratio has moved since the rollout "
                            "by more than this share of the clip range, max |ratio - 1| / clip, takes forward "
-                           "interiors instead (ours; jagg_options.py section 2); -1: the rollout rule at any drift")
+                           "interiors instead (ours; jagg_options.py section 2); -1: the rollout rule at any drift", valid=">= 0 or -1")
 
     def jagg_options(self, method="jagg"):
         """The jagg_options.JaggOptions these flags ask for; method "exact" trains every window exactly."""
@@ -112,21 +149,15 @@ def trained_steps(cfg):
 
 
 def jagg_flag_checks(cfg):
-    """The checks of the JAGG flags that both training scripts make (cfg: either script's Config)."""
-    return [
-        (cfg.window >= 2, f"--window must be >= 2 (JAGG interpolates between 2 endpoints), got {cfg.window}"),
-        (0 < cfg.timestep_fraction <= 1 and trained_steps(cfg) >= 1,
-         f"--timestep-fraction must be in (0, 1] and train at least one of the --num-steps {cfg.num_steps} steps, "
-         f"got {cfg.timestep_fraction}"),
+    """Every flag's declared range (range_checks), then the checks of the JAGG flags that depend on
+    other flags, both training scripts' (cfg: either script's Config)."""
+    return range_checks(cfg) + [
+        (trained_steps(cfg) >= 1,
+         f"--timestep-fraction {cfg.timestep_fraction} must train at least one of the --num-steps {cfg.num_steps} "
+         f"steps: raise it"),
         (cfg.window <= max(trained_steps(cfg), 2),
          f"--window {cfg.window} is longer than the {trained_steps(cfg)} trained steps (--num-steps {cfg.num_steps} x "
          f"--timestep-fraction {cfg.timestep_fraction}); use --window <= {trained_steps(cfg)}"),
-        (0.0 <= cfg.jagg_frac <= 1.0, f"--jagg-frac must be in [0, 1], got {cfg.jagg_frac}"),
-        (cfg.probe_every >= 0, f"--probe-every must be >= 0, got {cfg.probe_every}"),
-        (cfg.probe_batch >= 1, f"--probe-batch must be >= 1, got {cfg.probe_batch}"),
-        (0.0 <= cfg.probe_decay < 1.0, f"--probe-decay must be in [0, 1), got {cfg.probe_decay}"),
-        (-1.0 <= cfg.min_cosine <= 1.0, f"--min-cosine must be in [-1, 1] (a cosine), got {cfg.min_cosine}"),
-        (cfg.max_drift >= 0 or cfg.max_drift == -1, f"--max-drift must be >= 0, or -1 (no guard), got {cfg.max_drift}"),
         (cfg.route != "probe" or cfg.probe_every >= 1,
          "--route probe routes by the probe's measurements: give it --probe-every N >= 1"),
         (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= jagg_options.min_graph_rows(cfg.interior),

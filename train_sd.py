@@ -89,7 +89,7 @@ class Config(JaggConfig):
                                               "coverage alone (dense: layout and colour)", choices=REWARDS)
     reward_model: str = arg("", "for --reward pickscore: local directory of a CLIP model and processor (PickScore)")
     resolution: int = arg(0, "image size in pixels; 0: 512 (Flow-GRPO's) for SD3/SD3.5 and the benchmark, the size "
-                             "a --model mini was trained at")
+                             "a --model mini was trained at", valid="0 or >= 16")
     out: str = arg("runs/sd", "output folder: metrics.jsonl, sample grids, weights, checkpoint")
     resume: str = arg("", "continue from the checkpoint in this output folder (--method compare with --exact-from: "
                           "a compare's folder, whose jagg/ run continues, e.g. to train a finished table longer)")
@@ -97,7 +97,7 @@ class Config(JaggConfig):
                               "--method exact run) instead of training it again; its settings must match this "
                               "run's but for the JAGG flags. Its last evaluation is redrawn from its saved weights "
                               "for samples.png")
-    seed: int = arg(0, "random seed; ranks add their rank to the sampling seed")
+    seed: int = arg(0, "random seed; ranks add their rank to the sampling seed", valid=">= 0")
     preset: str = arg("", "start from a documented setting, any flag given still winning: mini = the mini SD3's "
                           "setting that learns on a CPU (docs/mini_sd3.md: --model mini, full fine-tuning, lr 3e-4, "
                           "CFG 2.5, clip 0.2, all 10 steps, per-group std, 4 optimizer steps of 8 samples per epoch, "
@@ -110,56 +110,58 @@ class Config(JaggConfig):
                               "into --out/exact and --out/jagg, with summary.json and pictures in --out)",
                       choices=["exact", "jagg", "compare"])
     # --- GRPO
-    epochs: int = arg(100, "GRPO epochs (each: rollouts of --prompts-per-epoch prompts, then training)")
-    num_steps: int = arg(10, "T, sampling steps of a rollout (Flow-GRPO trains with 10)")
+    epochs: int = arg(100, "GRPO epochs (each: rollouts of --prompts-per-epoch prompts, then training)", valid=">= 1")
+    num_steps: int = arg(10, "T, sampling steps of a rollout (Flow-GRPO trains with 10)", valid=">= 2")
     timestep_fraction: float = arg(0.99, "train the first int(T x this) steps of each rollout, in order (Flow-GRPO's "
                                          "timestep_fraction: 0.99 trains steps 0-8 of 10; the last, sigma 0.009 -> 0 "
-                                         "in SD3's schedule, gets no gradient); 1: every step")
+                                         "in SD3's schedule, gets no gradient); 1: every step", valid="(0, 1]")
     sigma_schedule: str = arg("scheduler", "the sampling steps' sigmas: scheduler (SD3's FlowMatchEulerDiscreteScheduler, "
                                            "as Flow-GRPO samples: 1, 0.960, ..., 0.278, 0.009, 0 at T = 10) or linear "
                                            "(jagg.sigma_schedule: the shifted linspace 1, ..., 0.25, 0)",
                               choices=["scheduler", "linear"])
-    guidance_scale: float = arg(4.5, "classifier-free guidance scale (1: no guidance)")
+    guidance_scale: float = arg(4.5, "classifier-free guidance scale: v_u + scale (v_c - v_u); 1: no guidance (the "
+                                      "conditional branch alone; below 1 would move away from the prompt)", valid=">= 1")
     cfg_grad: str = arg("cond", "which CFG branches training back-propagates through: cond (the unconditional one "
                                 "without graph, as Flow-GRPO's current trainer: half the backward, a biased gradient) "
                                 "or both (Flow-GRPO's first release: the exact derivative of the guided velocity)", choices=["cond", "both"])
-    noise_level: float = arg(0.7, "SDE noise level")
+    noise_level: float = arg(0.7, "SDE noise level a of Flow-GRPO's sampler, std_t = a sqrt(sigma / (1 - sigma)) "
+                                  "(Flow-GRPO: 0.7; 0 would be the ODE, which has no log-probability)", valid="(0, 1]")
     prompts_per_epoch: int = arg(2, "prompts sampled each epoch (the same on every rank; Flow-GRPO's geneval_sd3: 48, "
-                                    "CPU-sized here)")
+                                    "CPU-sized here)", valid=">= 1")
     group_size: int = arg(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt (Flow-GRPO: "
-                             "24 over all ranks, CPU-sized here)")
-    rollout_batch: int = arg(8, "samples per rollout forward pass")
+                             "24 over all ranks, CPU-sized here)", valid=">= 1")
+    rollout_batch: int = arg(8, "samples per rollout forward pass", valid=">= 1")
     steps_per_epoch: int = arg(2, "optimizer steps per epoch, each the mean gradient of its share of the epoch's samples "
                                   "in micro-batches of --train-batch (Flow-GRPO's gradient accumulation: 2); 0: one "
-                                  "optimizer step per micro-batch")
-    train_batch: int = arg(4, "samples per micro-batch (one forward and backward; Flow-GRPO: 9)")
+                                  "optimizer step per micro-batch", valid=">= 0")
+    train_batch: int = arg(4, "samples per micro-batch (one forward and backward; Flow-GRPO: 9)", valid=">= 1")
     drop_zero_advantage: bool = arg(True, "train only on samples with a nonzero advantage, topped up with dropped ones "
                                           "to a multiple of the optimizer steps (Flow-GRPO's); --no-drop-zero-advantage: "
                                           "every sample")
-    lr: float = arg(3e-4, "AdamW learning rate (Flow-GRPO's geneval_sd3)")
+    lr: float = arg(3e-4, "AdamW learning rate (Flow-GRPO's geneval_sd3)", valid="> 0")
     lr_schedule: str = arg("constant", "constant (Flow-GRPO's) or cosine (decay to 0 over --epochs: the policy settles, "
                                        "so the final reward is a plateau, not the last update's jitter)",
                            choices=["constant", "cosine"])
-    weight_decay: float = arg(1e-4, "AdamW weight decay")
-    clip_range: float = arg(1e-4, "GRPO ratio clip range (Flow-GRPO uses 1e-4)")
-    beta: float = arg(0.04, "KL weight to the reference model, Flow-GRPO's term and scale (0: no reference forward)")
-    adv_clip: float = arg(5.0, "advantages are clipped to [-adv_clip, adv_clip]")
+    weight_decay: float = arg(1e-4, "AdamW weight decay", valid=">= 0")
+    clip_range: float = arg(1e-4, "GRPO ratio clip range (Flow-GRPO uses 1e-4)", valid="(0, 1)")
+    beta: float = arg(0.04, "KL weight to the reference model, Flow-GRPO's term and scale (0: no reference forward)", valid=">= 0")
+    adv_clip: float = arg(5.0, "advantages are clipped to [-adv_clip, adv_clip]", valid="> 0")
     global_std: bool = arg(True, "advantages: each prompt's mean subtracted, divided by the std of all the epoch's "
                                  "rewards over all ranks (Flow-GRPO's global_std); --no-global-std: each group's std")
-    max_grad_norm: float = arg(1.0, "gradient clipping norm")
-    lora_rank: int = arg(32, "LoRA rank on the transformer's attention projections")
-    lora_alpha: int = arg(64, "LoRA alpha")
+    max_grad_norm: float = arg(1.0, "gradient clipping norm", valid="> 0")
+    lora_rank: int = arg(32, "LoRA rank on the transformer's attention projections", valid=">= 1")
+    lora_alpha: int = arg(64, "LoRA alpha", valid=">= 1")
     full_finetune: bool = arg(False, "train all transformer weights instead of a LoRA")
     gradient_checkpointing: bool = arg(True, "recompute activations in the backward pass to save memory")
     mixed_precision: str = arg("auto", "bf16 autocast (SDE math stays fp32), fp32, or auto (bf16 on GPU)",
                                choices=["auto", "bf16", "fp32"])
     ema: bool = arg(True, "keep an EMA of the trained weights, used for evaluation and saved (Flow-GRPO's)")
-    ema_decay: float = arg(0.9, "EMA decay, warmed up as Flow-GRPO's: min((1 + s) / (10 + s), this) at optimizer step s")
-    ema_every: int = arg(8, "update the EMA every N optimizer steps (Flow-GRPO: 8)")
-    eval_every: int = arg(10, "every N epochs, sample fixed prompts with fixed noise (EMA weights if kept): eval/reward and a grid")
-    eval_samples: int = arg(8, "samples per evaluation: the prompts in order, cycled, each with its own fixed noise")
-    final_evals: int = arg(1, "final reward in summary.json: the mean of the last N evaluations after training started")
-    save_every: int = arg(10, "write a checkpoint every N epochs")
+    ema_decay: float = arg(0.9, "EMA decay, warmed up as Flow-GRPO's: min((1 + s) / (10 + s), this) at optimizer step s", valid="[0, 1)")
+    ema_every: int = arg(8, "update the EMA every N optimizer steps (Flow-GRPO: 8)", valid=">= 1")
+    eval_every: int = arg(10, "every N epochs, sample fixed prompts with fixed noise (EMA weights if kept): eval/reward and a grid", valid=">= 1")
+    eval_samples: int = arg(8, "samples per evaluation: the prompts in order, cycled, each with its own fixed noise", valid=">= 1")
+    final_evals: int = arg(1, "final reward in summary.json: the mean of the last N evaluations after training started", valid=">= 1")
+    save_every: int = arg(10, "write a checkpoint every N epochs", valid=">= 1")
     device: str = arg("auto", "cuda, cpu, or auto")
     # --- benchmark
     benchmark: bool = arg(False, "time one window's gradient exact vs JAGG on the conditional branch, then one whole "
@@ -169,18 +171,22 @@ class Config(JaggConfig):
                                    "benchmark uses gradient checkpointing only if a GPU runs out of memory without it")
     bench_size: str = arg("auto", "benchmark transformer with --random-init: sd35-medium, cpu (7.8M parameters), tiny; "
                                   "auto: sd35-medium on GPU, cpu on CPU", choices=["auto", "sd35-medium", "cpu", "tiny"])
-    bench_batch: int = arg(0, "benchmark batch size B (0: 4 on GPU, 2 on CPU)")
+    bench_batch: int = arg(0, "benchmark batch size B (0: 4 on GPU, 2 on CPU)", valid=">= 0")
     bench_train: str = arg("full", "benchmark: what is trained, every weight (full) or a LoRA of --lora-rank on the "
                                    "attention projections (lora, as training adds it: Flow-GRPO's setting)",
                            choices=["full", "lora"])
     bench_checkpointing: bool = arg(False, "benchmark with gradient checkpointing on (training's default; the backward "
                                            "recomputes each forward)")
-    bench_repeats: int = arg(5, "timed repeats per method (medians are reported)")
+    bench_repeats: int = arg(5, "timed repeats per method (medians are reported)", valid=">= 1")
     json: bool = arg(False, "benchmark: print one JSON object instead of a table")
 
     def validate(self):
         """Every bad value is reported before any model is loaded; the output folder is checked last."""
-        checks = jagg_flag_checks(self)
+        checks = jagg_flag_checks(self) + [
+            (self.resolution % 16 == 0,
+             f"--resolution must be a multiple of 16 (the VAE's 8x times the transformer's 2x2 patches), got "
+             f"{self.resolution}: use {max(16, round(self.resolution / 16) * 16)}, or 0 for the model's own"),
+        ]
         if self.benchmark:
             if not self.random_init:
                 checks.append(_model_exists(self.model))
@@ -200,9 +206,6 @@ class Config(JaggConfig):
                 (not self.resume or os.path.isfile(os.path.join(self.resume_folder(), "checkpoint", "state.json")),
                  f"--resume {self.resume!r} holds no checkpoint (expected {self.resume_folder()}/checkpoint/state.json)"),
                 _model_exists(self.model),
-                (self.eval_samples >= 1, f"--eval-samples must be >= 1, got {self.eval_samples}"),
-                (self.final_evals >= 1, f"--final-evals must be >= 1, got {self.final_evals}"),
-                (self.resolution >= 0, f"--resolution must be >= 0 (0: the model's own), got {self.resolution}"),
                 (not self.exact_from or self.method == "compare",
                  f"--exact-from is for --method compare (got --method {self.method})"),
                 *self.exact_from_checks(),

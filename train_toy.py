@@ -49,47 +49,46 @@ class Config(JaggConfig):
     benchmark: bool = arg(False, "time one window's gradient (exact vs JAGG) and one whole trajectory's in every mode, "
                                  "with a rollout, at W = 4 and 8; write benchmark.json and benchmark.png, then exit")
     out: str = arg("runs/toy", "output folder: summary.json, metrics.jsonl, pictures")
-    seed: int = arg(0, "random seed (model init, data, rollouts); ranks add their rank")
+    seed: int = arg(0, "random seed (model init, data, rollouts); ranks add their rank", valid=">= 0")
     # --- JAGG: common.JaggConfig's flags, the probe on by default here
     probe_every: int = arg(10, "every N GRPO steps (and at step 1), measure the cosine of JAGG's gradient to the exact one "
-                               "per window on --probe-batch samples, before training on the batch (0: off)")
-    probe_batch: int = arg(8, "samples the probe measures on")
+                               "per window on --probe-batch samples, before training on the batch (0: off)", valid=">= 0")
+    probe_batch: int = arg(8, "samples the probe measures on", valid=">= 1")
     # --- GRPO
-    steps: int = arg(80, "GRPO steps (each: one batch of rollouts, --minibatches optimizer steps)")
-    num_steps: int = arg(16, "T, sampling steps of a rollout")
+    steps: int = arg(80, "GRPO steps (each: one batch of rollouts, --minibatches optimizer steps)", valid=">= 1")
+    num_steps: int = arg(16, "T, sampling steps of a rollout", valid=">= 2")
     timestep_fraction: float = arg(1.0, "train the first int(T x this) steps of each rollout (Flow-GRPO's "
-                                        "timestep_fraction; its SD3 configs use 0.99, train_sd.py's default)")
-    shift: float = arg(3.0, "sigma schedule shift (SD3-style; >1 spends more steps at high noise)")
-    noise_level: float = arg(0.7, "SDE noise level (Flow-GRPO's default 0.7)")
-    group_size: int = arg(16, "G, samples per prompt in a group")
-    minibatches: int = arg(4, "optimizer steps per batch of rollouts (the batch split into this many parts)")
-    lr: float = arg(1e-3, "AdamW learning rate for GRPO")
+                                        "timestep_fraction; its SD3 configs use 0.99, train_sd.py's default)", valid="(0, 1]")
+    shift: float = arg(3.0, "sigma schedule shift (SD3-style; >1 spends more steps at high noise)", valid="> 0")
+    noise_level: float = arg(0.7, "SDE noise level a, std_t = a sqrt(sigma / (1 - sigma)) (Flow-GRPO's default 0.7; "
+                                  "0 would be the ODE, which has no log-probability)", valid="(0, 1]")
+    group_size: int = arg(16, "G, samples per prompt in a group", valid=">= 2")
+    minibatches: int = arg(4, "optimizer steps per batch of rollouts (the batch split into this many parts)", valid=">= 1")
+    lr: float = arg(1e-3, "AdamW learning rate for GRPO", valid="> 0")
     cosine_lr: bool = arg(True, "decay the learning rate to 0 along a cosine over the run")
-    clip_range: float = arg(0.2, "GRPO ratio clip range")
-    beta: float = arg(0.0, "KL weight to the frozen base model (0: no reference forward)")
-    adv_clip: float = arg(5.0, "advantages are clipped to [-adv_clip, adv_clip]")
-    max_grad_norm: float = arg(1.0, "gradient clipping norm")
-    eval_every: int = arg(5, "evaluate the mean reward every N GRPO steps")
-    eval_samples: int = arg(512, "samples per prompt for evaluation")
+    clip_range: float = arg(0.2, "GRPO ratio clip range", valid="(0, 1)")
+    beta: float = arg(0.0, "KL weight to the frozen base model (0: no reference forward)", valid=">= 0")
+    adv_clip: float = arg(5.0, "advantages are clipped to [-adv_clip, adv_clip]", valid="> 0")
+    max_grad_norm: float = arg(1.0, "gradient clipping norm", valid="> 0")
+    eval_every: int = arg(5, "evaluate the mean reward every N GRPO steps", valid=">= 1")
+    eval_samples: int = arg(512, "samples per prompt for evaluation", valid=">= 1")
     # --- the base model
     base_ckpt: str = arg("", "pretrained toy DiT to start from; empty: pretrain one (cached in runs/cache)")
-    pretrain_steps: int = arg(2000, "flow-matching steps when pretraining the base model")
-    pretrain_batch: int = arg(512, "batch size for pretraining")
-    hidden: int = arg(64, "toy DiT hidden size")
-    depth: int = arg(3, "toy DiT blocks")
+    pretrain_steps: int = arg(2000, "flow-matching steps when pretraining the base model", valid=">= 1")
+    pretrain_batch: int = arg(512, "batch size for pretraining", valid=">= 1")
+    hidden: int = arg(64, "toy DiT hidden size", valid=">= 4")
+    depth: int = arg(3, "toy DiT blocks", valid=">= 1")
     # --- benchmark
-    bench_batch: int = arg(256, "batch size B of the benchmark")
-    bench_repeats: int = arg(7, "timed repeats per method in the benchmark (medians are reported)")
+    bench_batch: int = arg(256, "batch size B of the benchmark", valid=">= 1")
+    bench_repeats: int = arg(7, "timed repeats per method in the benchmark (medians are reported)", valid=">= 1")
 
     def validate(self):
         """Every bad value is reported before any work starts; the output folder is checked last."""
         fail_on(jagg_flag_checks(self) + [
-            (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
-            (self.group_size >= 2, f"--group-size must be >= 2 (advantages compare samples in a group), got {self.group_size}"),
-            (1 <= self.minibatches <= self.group_size * len(PROMPTS),
-             f"--minibatches must be in [1, batch size {self.group_size * len(PROMPTS)}], got {self.minibatches}"),
-            (self.noise_level > 0, f"--noise-level must be > 0, got {self.noise_level}"),
-            (self.eval_every >= 1, f"--eval-every must be >= 1, got {self.eval_every}"),
+            (self.minibatches <= self.group_size * len(PROMPTS),
+             f"--minibatches must be at most the batch size {self.group_size * len(PROMPTS)} (--group-size x "
+             f"{len(PROMPTS)} prompts), got {self.minibatches}"),
+            (self.hidden % 4 == 0, f"--hidden must be a multiple of the toy DiT's 4 attention heads, got {self.hidden}"),
             (self.base_ckpt == "" or os.path.isfile(self.base_ckpt),
              f"--base-ckpt {self.base_ckpt!r} does not exist; omit --base-ckpt to pretrain and cache a base model"),
         ])
