@@ -201,9 +201,9 @@ def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
 def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
     """Check a model's velocity_fn once, before training, on a batch of noise z: [B, *D] and the
     schedule sigmas: [T + 1]. Raises a ValueError that names the mistake and its fix. Checks that
-    v has z's shape and is finite; that one call on S steps equals S one-step calls (a rollout
-    calls one step at a time, JAGG several at once: conditioning repeated in the wrong order, or a
-    batch-dependent model, differs only there); and that two equal calls agree (dropout). Give z
+    v has z's shape and is finite; that two equal calls agree (dropout); and that one call on S
+    steps equals S one-step calls (a rollout calls one step at a time, JAGG several at once:
+    conditioning repeated in the wrong order, or a batch-dependent model, differs only there). Give z
     samples with different conditioning, as a training batch has. rtol: the tolerance, relative
     to |v|; None: 1e-4 in fp32, 2e-2 in bf16 / fp16 or under autocast. Returns the largest error."""
     S = min(3, len(sigmas) - 1)
@@ -214,15 +214,15 @@ def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
     low = v.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(z.device.type)
     rtol = (2e-2 if low else 1e-4) if rtol is None else rtol
     scale = v.float().norm().item()
+    again = (checked(velocity_fn)(zs, t).float() - v.float()).norm().item() / scale
+    _check(again <= rtol, f"two equal calls of velocity_fn differ by {again:.1e} of |v|: put the model in eval mode "
+                          f"(no dropout) for rollouts and training alike, or the first ratio is not 1")
     one = torch.stack([checked(velocity_fn)(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
     error = (v.float() - one.float()).norm().item() / scale
     _check(error <= rtol, f"velocity_fn on {S} steps at once differs from {S} one-step calls by {error:.1e} of |v| "
                           f"(rtol {rtol:.0e}): its rows are step-major (row s * B + b is sample b at step s), so repeat "
                           f"the conditioning as a block, c.repeat(S) or .repeat(S, 1, 1), never repeat_interleave; "
                           f"and make no row depend on the others (batch statistics)")
-    again = (checked(velocity_fn)(zs, t).float() - v.float()).norm().item() / scale
-    _check(again <= rtol, f"two equal calls of velocity_fn differ by {again:.1e} of |v|: put the model in eval mode "
-                          f"(no dropout) for rollouts and training alike, or the first ratio is not 1")
     return max(error, again)
 
 

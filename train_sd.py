@@ -480,6 +480,19 @@ def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16):
     return traj, cond, uncond, images
 
 
+def check_model(pipe, transformer, prompts, cfg, sigmas, use_bf16):
+    """jagg.check_velocity_fn on two different prompts, before any training: v of z's shape, equal
+    calls equal, and S steps at once equal to S single steps (conditioning repeated as a block).
+    A few forwards; its own noise, so the run's random streams are untouched."""
+    transformer.eval()
+    cond, uncond = encode(pipe, list(dict.fromkeys(prompts))[:2] * (2 if len(set(prompts)) < 2 else 1), sigmas.device)
+    h = cfg.resolution // pipe.vae_scale_factor
+    g = torch.Generator(device=sigmas.device).manual_seed(0)
+    noise = torch.randn(len(cond[0]), pipe.transformer.config.in_channels, h, h, generator=g, device=sigmas.device)
+    jagg.check_velocity_fn(make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16), noise, sigmas,
+                           rtol=2e-2 if use_bf16 else None)
+
+
 def _is_main():
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -766,6 +779,7 @@ def train(cfg):
         print(f"trainable parameters: {sum(p.numel() for p in params):,}; device {device}; bf16 {use_bf16}; world {world}")
 
     sigmas = sampling_sigmas(cfg, pipe.scheduler.config.get("shift", 3.0)).to(device)  # [T+1]
+    check_model(pipe, transformer, prompts_all, cfg, sigmas, use_bf16)
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     opts = cfg.jagg_options(cfg.method)  # exact: every window exact (jagg_frac 0)
     n_train = trained_steps(cfg)  # Flow-GRPO's int(T * timestep_fraction): the first steps, in order
