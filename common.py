@@ -123,7 +123,8 @@ class JaggConfig:
     probe_every: int = arg(0, "every N epochs (train_toy.py: GRPO steps, and at step 1), before training on the batch, "
                               "measure the cosine of JAGG's gradient to the exact one per window on --probe-batch "
                               "samples (0: off)", valid=">= 0")
-    probe_batch: int = arg(2, "samples the probe measures on (per rank; the cosines are averaged over ranks)", valid=">= 1")
+    probe_batch: int = arg(2, "samples the probe measures on (per rank; the cosines are averaged over ranks); its two "
+                              "halves give the batch's own noise, which error_to_noise is measured in", valid=">= 2")
     probe_decay: float = arg(0.5, "--route probe ranks windows by an exponential average of the probes: weight of the "
                                   "old average", valid="[0, 1)")
     min_cosine: float = arg(0.0, "--route probe never lets JAGG take a window whose averaged cosine is below this "
@@ -281,9 +282,18 @@ def probe_counts_as_training(method, route):
     return method == "jagg" and route == "probe"
 
 
-def probe_cosine_by_position(rows):
-    """The mean of the probes' cosines per segment position over the metrics rows; None without probes."""
-    probes = [r["probe/grad_cosine"] for r in rows if "probe/grad_cosine" in r]
+def probe_report(summary):
+    """The probe's means per segment position as a run ends: the cosine, and JAGG's error against
+    the optimizer step's own noise (about 0.1 or less: lost in the batch's noise; 1: as large)."""
+    return ("gradient cosine JAGG vs exact per segment: " + " ".join(f"{c:.3f}" for c in summary["probe_cosine_by_position"])
+            + "\nerror against the batch's own noise per segment (|j - g|^2 over the step's noise; 0.05 weighs as a "
+            "5 % smaller batch): " + " ".join(f"{e:.3f}" for e in summary["probe_error_to_noise_by_position"]))
+
+
+def probe_cosine_by_position(rows, key="probe/grad_cosine"):
+    """The mean of the probes' cosines (or of another per-segment key) per segment position over
+    the metrics rows; None without probes."""
+    probes = [r[key] for r in rows if key in r]
     return [sum(c) / len(probes) for c in zip(*probes)] if probes else None
 
 

@@ -490,20 +490,20 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
 # exponential average of the cosines per segment position (probe_average) and routes by it.
 
 
-def flat_grad(params):
-    """Every parameter's .grad in one float64 vector [P] (a missing .grad counts as zeros)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double() for p in params])
+def flat_grad(params, dtype=torch.float64):
+    """Every parameter's .grad in one vector [P] of dtype (a missing .grad counts as zeros)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype) for p in params])
 
 
-def gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None):
-    """For each segment of traj (segment_bounds; the paper's windows by default), the cosine of its
-    gradient by JAGG between its two end steps, as opts trains it (interior, weights, max_drift),
-    to its exact gradient; 1.0 for a segment of one step. Leaves the parameters' .grad None."""
+def _segment_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None, dtype=torch.float64):
+    """For each segment of traj (segment_bounds), (exact, JAGG as opts trains it) flat gradients
+    [P] of dtype, or None for a segment of one step (always exact), one segment at a time (a
+    generator); leaves the parameters' .grad None."""
     check_options(opts)
-    params, cosines, velocity_fn = list(params), [], jagg.checked(velocity_fn)
+    velocity_fn = jagg.checked(velocity_fn)
     for start, stop in segment_bounds(traj.z.shape[0], opts.window, opts.anchors):
-        if stop - start < 2:  # one step: always exact
-            cosines.append(1.0)
+        if stop - start < 2:
+            yield None
             continue
         z, t = traj.z[start:stop], traj.t[start:stop]  # [S, B, *D], [S, B]
         options = {"v_rollout": traj.v[start:stop] if opts.interior == "rollout" else None, "weights": opts.weights}
@@ -515,11 +515,68 @@ def gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_veloc
                 p.grad = None
             v_ref = reference_velocities(ref_velocity_fn, z, t, **ref_options) if cfg.beta > 0 else None
             backward(velocity_fn, z, t, jagg.make_step_loss(traj, advantages, start, stop, cfg, v_ref), **kwargs)
-            grads.append(flat_grad(params))  # [P]
-        cosines.append(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item())
-    for p in params:
-        p.grad = None
-    return cosines
+            grads.append(flat_grad(params, dtype))  # [P]
+        for p in params:
+            p.grad = None
+        yield grads
+
+
+def gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None):
+    """For each segment of traj (segment_bounds; the paper's windows by default), the cosine of its
+    gradient by JAGG between its two end steps, as opts trains it (interior, weights, max_drift),
+    to its exact gradient; 1.0 for a segment of one step. Leaves the parameters' .grad None."""
+    params = list(params)
+    return [1.0 if pair is None else torch.nn.functional.cosine_similarity(pair[0], pair[1], dim=0).item()
+            for pair in _segment_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn)]
+
+
+# The probe in units of the batch's own noise. A cosine of 0.94 matters or not depending on how
+# noisy the batch's exact gradient already is. The probe batch's two halves give two independent
+# exact gradients g_1, g_2 of n_1 and n_2 samples; their difference estimates the per-sample
+# covariance's trace, Sigma = |g_1 - g_2|^2 / (1/n_1 + 1/n_2), and so the noise of an optimizer
+# step's gradient of N samples, Sigma / N. JAGG's error on the probe batch, e = j - g, over it:
+#     error_to_noise = |e|^2 / (Sigma / N)
+# 0.05: JAGG's error weighs as much as the noise of a batch about 5 % smaller, were it unbiased;
+# 1: as much as the batch's noise itself. The halves run the rows the whole batch would: no more
+# cost than the cosine alone. |e|^2 is measured on the probe batch, so its sampling part is
+# counted at the probe batch's size: for a training batch larger than it, an upper bound.
+
+
+def _dot(a, b):
+    """a . b in float64, chunk by chunk: no float64 copy of a vector of billions of parameters."""
+    return sum(torch.dot(x.double(), y.double()).item() for x, y in zip(a.split(1 << 24), b.split(1 << 24)))
+
+
+def probe_segments(fns, params, traj, advantages, cfg, opts, train_batch):
+    """The probe per segment on the batch traj (its samples, advantages [B]): {"cosine": JAGG's
+    gradient to exact (gradient_cosines'), "error_to_noise": |j - g|^2 over an optimizer step's
+    noise at train_batch samples}. fns(idx) -> (velocity_fn, ref_velocity_fn) of the samples idx
+    (their conditioning sliced alike); the batch is split into two halves. A one-step segment
+    reports cosine 1 and error 0. Holds four float32 gradient vectors at once (the two halves'
+    exact and JAGG ones), the memory of gradient_cosines' two float64 ones. Leaves .grad None."""
+    params, B = list(params), advantages.shape[0]
+    _check(B >= 2 and train_batch >= 1, f"the probe needs >= 2 samples and train_batch >= 1, got {B} and {train_batch}")
+    halves = [torch.arange(B, device=advantages.device)[i::2] for i in (0, 1)]  # [n_1], [n_2]
+    w = [len(idx) / B for idx in halves]  # the halves' shares of the batch's mean gradient
+    per_half = []  # two generators, one per half, run segment by segment side by side
+    for idx in halves:
+        velocity_fn, ref_velocity_fn = fns(idx)
+        per_half.append(_segment_gradients(velocity_fn, params, traj.subset(idx), advantages[idx], cfg, opts,
+                                           ref_velocity_fn, torch.float32))
+    cosines, ratios = [], []
+    for first, second in zip(*per_half):  # each: [exact g_h, JAGG j_h] of one segment, or None
+        if first is None:
+            cosines.append(1.0), ratios.append(0.0)
+            continue
+        (g_1, j_1), (g_2, j_2) = first, second  # [P] each
+        # g = w_1 g_1 + w_2 g_2 and j alike, the whole probe batch's; every term from dot products.
+        gg = w[0] ** 2 * _dot(g_1, g_1) + 2 * w[0] * w[1] * _dot(g_1, g_2) + w[1] ** 2 * _dot(g_2, g_2)
+        jj = w[0] ** 2 * _dot(j_1, j_1) + 2 * w[0] * w[1] * _dot(j_1, j_2) + w[1] ** 2 * _dot(j_2, j_2)
+        gj = (w[0] ** 2 * _dot(g_1, j_1) + w[0] * w[1] * (_dot(g_1, j_2) + _dot(g_2, j_1)) + w[1] ** 2 * _dot(g_2, j_2))
+        sigma = (_dot(g_1, g_1) - 2 * _dot(g_1, g_2) + _dot(g_2, g_2)) / (1 / len(halves[0]) + 1 / len(halves[1]))
+        cosines.append(gj / math.sqrt(gg * jj) if gg * jj > 0 else 0.0)
+        ratios.append(max(jj - 2 * gj + gg, 0.0) / (sigma / train_batch) if sigma > 0 else math.inf)
+    return {"cosine": cosines, "error_to_noise": ratios}
 
 
 def probe_average(average, cosines, decay):

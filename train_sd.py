@@ -48,7 +48,7 @@ from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed,
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
 from common import bench_modes, benchmark_trajectory, benchmark_window, chart, compare_summary, font, save_png, step_metrics
 from common import trained_steps, training_step_bars, writable_folder_check
-from common import JaggConfig, probe_cosine_by_position, probe_counts_as_training, write_json, write_jsonl
+from common import JaggConfig, probe_cosine_by_position, probe_counts_as_training, probe_report, write_json, write_jsonl
 
 SHAPES_REWARDS = ("geneval", "shapes", "shapes_cover", "cover")  # mini_sd3.py's rewards: its prompts only
 # --preset mini: the mini SD3's documented setting on a CPU (docs/mini_sd3.md), the one its tables use.
@@ -783,6 +783,9 @@ def train(cfg):
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     opts = cfg.jagg_options(cfg.method)  # exact: every window exact (jagg_frac 0)
     n_train = trained_steps(cfg)  # Flow-GRPO's int(T * timestep_fraction): the first steps, in order
+    # The samples an optimizer step's gradient averages, all ranks: the probe's error_to_noise is in its noise.
+    step_batch = cfg.train_batch * world if not cfg.steps_per_epoch else max(
+        1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch)
     eval_prompts = evaluation_prompts(cfg, prompts_all)
     evaluated = {}  # epoch -> (images, rewards) of the evaluations: the first and the last are drawn
 
@@ -843,10 +846,11 @@ def train(cfg):
         if cfg.probe_every and epoch % cfg.probe_every == 0:
             start = time.perf_counter()
             idx_d = perm[: cfg.probe_batch].to(device)
-            velocity_fn, ref_fn = fns(idx_d, transformer)
-            row["probe/grad_cosine"] = mean_over_ranks(jagg_options.gradient_cosines(
-                velocity_fn, params, traj.subset(idx_d).first_steps(n_train), adv[idx_d], loss_cfg, cfg.jagg_options(),
-                ref_fn), device)
+            probe = jagg_options.probe_segments(lambda i: fns(idx_d[i], transformer), params,
+                                                traj.subset(idx_d).first_steps(n_train), adv[idx_d], loss_cfg,
+                                                cfg.jagg_options(), step_batch)
+            row["probe/grad_cosine"] = mean_over_ranks(probe["cosine"], device)
+            row["probe/error_to_noise"] = mean_over_ranks(probe["error_to_noise"], device)
             probe_avg = jagg_options.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
             row["time/probe_seconds"] = time.perf_counter() - start
 
@@ -929,6 +933,7 @@ def summarize(cfg, rows):
         "skipped_steps": sum(r["train/skipped_steps"] for r in trained),
         "window": cfg.window, "epochs": cfg.epochs,
         "probe_cosine_by_position": probe_cosine_by_position(trained),
+        "probe_error_to_noise_by_position": probe_cosine_by_position(trained, "probe/error_to_noise"),
         "config": dataclasses.asdict(cfg),
     }
 
@@ -1128,7 +1133,7 @@ def compare(cfg):
           f"training (rollouts included) {comparison['train_speedup']:.2f}x, "
           f"{comparison['grad_steps_ratio']:.2f}x fewer network rows with grad")
     if jg["probe_cosine_by_position"]:
-        print("gradient cosine JAGG vs exact per segment: " + " ".join(f"{c:.3f}" for c in jg["probe_cosine_by_position"]))
+        print(probe_report(jg))
     print(f"wrote {cfg.out}/: summary.json, reward_curves.png, samples.png, "
           + (f"jagg/ (exact: {cfg.exact_from})" if cfg.exact_from else "exact/, jagg/"))
     return comparison

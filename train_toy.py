@@ -37,7 +37,8 @@ from common import init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
 from common import report_trajectory, save_png, step_metrics, torch_save, trained_steps, training_step_bars
 from common import writable_folder_check
-from common import JaggConfig, compare_summary, probe_cosine_by_position, probe_counts_as_training, write_json, write_jsonl
+from common import JaggConfig, compare_summary, probe_cosine_by_position, probe_counts_as_training, probe_report
+from common import write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
 
 
@@ -53,7 +54,8 @@ class Config(JaggConfig):
     # --- JAGG: common.JaggConfig's flags, the probe on by default here
     probe_every: int = arg(10, "every N GRPO steps (and at step 1), measure the cosine of JAGG's gradient to the exact one "
                                "per window on --probe-batch samples, before training on the batch (0: off)", valid=">= 0")
-    probe_batch: int = arg(8, "samples the probe measures on", valid=">= 1")
+    probe_batch: int = arg(8, "samples the probe measures on; its two halves give the batch's own noise, which "
+                              "error_to_noise is measured in", valid=">= 2")
     # --- GRPO
     steps: int = arg(80, "GRPO steps (each: one batch of rollouts, --minibatches optimizer steps)", valid=">= 1")
     num_steps: int = arg(16, "T, sampling steps of a rollout", valid=">= 2")
@@ -342,9 +344,11 @@ def train(cfg, method, base, rank, world):
             t0 = time.perf_counter()
             idx = perm[: cfg.probe_batch]
             sub = traj.subset(idx).first_steps(n_train)
-            row["probe/grad_cosine"] = mean_over_ranks(jagg_options.gradient_cosines(
-                make_velocity_fn(model, labels[idx]), model.parameters(), sub, adv[idx], loss_cfg, cfg.jagg_options(),
-                ref_velocity_fn=ref_fn(idx)))
+            probe = jagg_options.probe_segments(lambda i: (make_velocity_fn(model, labels[idx[i]]), ref_fn(idx[i])),
+                                                model.parameters(), sub, adv[idx], loss_cfg, cfg.jagg_options(),
+                                                train_batch=B // cfg.minibatches * world)
+            row["probe/grad_cosine"] = mean_over_ranks(probe["cosine"])
+            row["probe/error_to_noise"] = mean_over_ranks(probe["error_to_noise"])
             row["probe/velocity_score"] = [jagg.linearity_score(sub.v[a:b], sub.t[a:b])
                                            for a, b in jagg_options.segment_bounds(n_train, cfg.window, cfg.anchors)]
             probe_avg = jagg_options.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
@@ -408,6 +412,7 @@ def train(cfg, method, base, rank, world):
         "jagg_frac": jagg_frac,
         # per segment position: the mean measured cosine, and how often JAGG took it
         "probe_cosine_by_position": probe_cosine_by_position(rows),
+        "probe_error_to_noise_by_position": probe_cosine_by_position(rows, "probe/error_to_noise"),
         "routed_frac_by_position": [c / opt_steps for c in routed_count],
         "cosine_routed": mean_cosine(True),  # mean probe cosine of the segments JAGG took in that step
         "cosine_kept_exact": mean_cosine(False),
@@ -512,9 +517,7 @@ def main(argv=None):
               f"training (rollouts included) {comparison['train_speedup']:.2f}x, "
               f"{comparison['grad_steps_ratio']:.2f}x fewer network rows with grad")
         if jg["probe_cosine_by_position"]:
-            print("gradient cosine JAGG vs exact per segment: "
-                  + " ".join(f"{c:.3f}" for c in jg["probe_cosine_by_position"])
-                  + "; routed to JAGG: " + " ".join(f"{f:.2f}" for f in jg["routed_frac_by_position"]))
+            print(probe_report(jg) + "\nrouted to JAGG per segment: " + " ".join(f"{f:.2f}" for f in jg["routed_frac_by_position"]))
     print(f"wrote {cfg.out}/: " + ", ".join(written))
     return summaries
 

@@ -75,11 +75,15 @@ def main(epochs=20, seed=0):
         adv = jagg.group_advantages(r, c)  # per-prompt statistics: group ids are the prompt ids
         history.append(r.mean().item())
         perm = torch.randperm(len(c))
-        if epoch % 5 == 0:  # the probe: JAGG's gradient against the exact one, per window, on 4 samples
-            idx = perm[:4]
-            cos = jagg_options.gradient_cosines(make_velocity_fn(model, c[idx]), model.parameters(), traj.subset(idx),
-                                        adv[idx], cfg, opts, make_velocity_fn(ref, c[idx]))
-            probe_avg = jagg_options.probe_average(probe_avg, cos, decay=0.5)
+        if epoch % 5 == 0:  # the probe: JAGG's gradient against the exact one, per window, on 8 samples
+            idx = perm[:8]
+            probe = jagg_options.probe_segments(  # fns(i): the velocity_fns of the probe's samples i (two halves)
+                lambda i: (make_velocity_fn(model, c[idx[i]]), make_velocity_fn(ref, c[idx[i]])), model.parameters(),
+                traj.subset(idx), adv[idx], cfg, opts, train_batch=MINIBATCH)
+            # error_to_noise: JAGG's error over an optimizer step's own sampling noise (below ~0.1: lost in it)
+            print(f"probe: cosine {[round(x, 3) for x in probe['cosine']]}, "
+                  f"error_to_noise {[round(x, 3) for x in probe['error_to_noise']]}")
+            probe_avg = jagg_options.probe_average(probe_avg, probe["cosine"], decay=0.5)
         for idx in perm.split(MINIBATCH):  # minibatches: slice the trajectories AND their conditioning alike
             stats, routed = jagg_options.train_step(
                 make_velocity_fn(model, c[idx]), model.parameters(), opt, traj.subset(idx), adv[idx], cfg, opts,

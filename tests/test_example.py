@@ -21,7 +21,7 @@ def load_example():
 def test_example_raises_its_reward_and_routes_by_the_probe(monkeypatch):
     example = load_example()
     calls = {"probe": 0, "train_step": []}
-    probe, train_step = jagg_options.gradient_cosines, jagg_options.train_step
+    probe, train_step = jagg_options.probe_segments, jagg_options.train_step
 
     def counting_probe(*args, **kwargs):
         calls["probe"] += 1
@@ -32,7 +32,7 @@ def test_example_raises_its_reward_and_routes_by_the_probe(monkeypatch):
         calls["train_step"].append(dict(kwargs, opts=args[6]))
         return train_step(*args, **kwargs)
 
-    monkeypatch.setattr(jagg_options, "gradient_cosines", counting_probe)
+    monkeypatch.setattr(jagg_options, "probe_segments", counting_probe)
     monkeypatch.setattr(jagg_options, "train_step", recording_train_step)
     history, routed = example.main(epochs=12)
     first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3

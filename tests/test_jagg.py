@@ -1091,3 +1091,47 @@ def test_python_jagg_py_runs_its_self_check():
     assert passes == [(10, 10), (4, 6), (7, 8)], out
     assert routed == ["[False, False, False]", "[True, True, False]", "[False, True, False]"], out
     assert approx_kl[0] < 1e-20 and len(approx_kl) == 3 and min(approx_kl[1:]) > 0 and out.strip().endswith("ok"), out
+
+
+@pytest.mark.parametrize("beta, options", [(0.0, {}), (0.05, {"anchors": "shared", "interior": "rollout"})])
+def test_probe_reports_the_error_in_units_of_the_batchs_own_noise(beta, options):
+    """probe_segments against a direct computation in float64: the whole probe batch's exact and
+    JAGG gradients g, j per segment, the halves' exact ones g_1, g_2 (samples 0, 2, .. and 1, 3, ..),
+    Sigma = |g_1 - g_2|^2 / (1/n_1 + 1/n_2), error_to_noise = |j - g|^2 / (Sigma / N)."""
+    torch.manual_seed(21)
+    model, ref = MLPFlow(), MLPFlow()
+    traj, adv = _toy_batch(model, T=7, B=7)  # 7 samples: halves of 4 and 3
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
+    opts = jagg_options.JaggOptions(3, 1.0, **options)
+    fns = lambda idx: (as_velocity_fn(model), as_velocity_fn(ref))  # noqa: E731  no conditioning to slice
+    out = jagg_options.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=32)
+    bounds = jagg_options.segment_bounds(7, 3, opts.anchors)
+    assert len(out["cosine"]) == len(out["error_to_noise"]) == len(bounds)
+
+    def grad(backward, idx, start, stop, **kwargs):
+        model.zero_grad(set_to_none=True)
+        sub, v_ref = traj.subset(idx), None
+        if beta > 0:  # the reference's interiors as the mode trains them: interpolated with rollout interiors
+            v_rollout = sub.v[start:stop] if "v_rollout" in kwargs else None
+            v_ref = jagg_options.reference_velocities(as_velocity_fn(ref), sub.z[start:stop], sub.t[start:stop],
+                                                      v_rollout=v_rollout)
+        backward(as_velocity_fn(model), sub.z[start:stop], sub.t[start:stop],
+                 jagg.make_step_loss(sub, adv[idx], start, stop, cfg, v_ref), **kwargs)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    every, halves = torch.arange(7), (torch.arange(0, 7, 2), torch.arange(1, 7, 2))
+    for (start, stop), cos, ratio in zip(bounds, out["cosine"], out["error_to_noise"]):
+        if stop - start < 2:
+            assert (cos, ratio) == (1.0, 0.0)
+            continue
+        rollout = {"v_rollout": traj.v[start:stop]} if opts.interior == "rollout" else {}
+        g = grad(jagg.backward_exact, every, start, stop)
+        j = grad(jagg_options.backward_jagg, every, start, stop, max_drift=opts.max_drift, **rollout,
+                 drift_fn=lambda k, v_k, s=start: jagg_options.ratio_drift(traj, cfg, s + k, v_k))
+        g_1, g_2 = (grad(jagg.backward_exact, idx, start, stop) for idx in halves)
+        sigma = (g_1 - g_2).square().sum() / (1 / 4 + 1 / 3)
+        assert cos == pytest.approx(cosine(j, g), abs=1e-6)
+        assert ratio == pytest.approx(((j - g).square().sum() / (sigma / 32)).item(), rel=1e-4)
+        assert 0 < ratio < math.inf
+    doubled = jagg_options.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=64)
+    assert doubled["error_to_noise"] == pytest.approx([2 * r for r in out["error_to_noise"]], rel=1e-9)

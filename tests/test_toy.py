@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,6 +54,8 @@ def test_short_grpo_run_raises_reward_for_both_methods(base_ckpt, tmp_path):
     for s in (ex, jg):  # the probe is a diagnostic in both runs: JAGG vs exact per window
         cos = s["probe_cosine_by_position"]
         assert len(cos) == 4 and all(0.3 < c < 1.0 for c in cos)
+        err = s["probe_error_to_noise_by_position"]  # JAGG's error in units of the step's own noise
+        assert len(err) == 4 and all(0 < e < math.inf for e in err)
     assert jg["routed_frac_by_position"] == [1.0] * 4 and ex["routed_frac_by_position"] == [0.0] * 4
     for picture in ("samples.png", "reward_curves.png", "trajectories.png", "probe.png", "score_vs_cosine.png"):
         assert (tmp_path / picture).stat().st_size > 1000
@@ -159,7 +162,7 @@ def test_benchmark_prints_ratios_and_writes_json(base_ckpt, tmp_path, capsys):
     (["--jagg-frac", "-0.5"], r"--jagg-frac must be in \[0, 1\]"),
     (["--base-ckpt", "/nonexistent/base.pt"], "does not exist"),
     (["--route", "probe", "--probe-every", "0"], "--route probe routes by the probe's measurements"),
-    (["--probe-batch", "0"], "--probe-batch must be >= 1"),
+    (["--probe-batch", "1"], "--probe-batch must be >= 2"),
     (["--min-cosine", "2"], r"--min-cosine must be in \[-1, 1\]"),
 ])
 def test_bad_input_fails_before_touching_files(tmp_path, args, message):
