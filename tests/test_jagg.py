@@ -323,6 +323,32 @@ def test_rollout_interiors_equal_forward_interiors_on_policy_then_follow_the_for
 
 
 
+@pytest.mark.parametrize("anchors", ["window", "shared"])
+def test_rollout_interiors_are_exact_at_the_rollouts_parameters_but_the_reference_stays_interpolated(anchors):
+    """On-policy (the first optimizer step after a rollout) rollout interiors train what forward
+    interiors train when beta = 0, and with the KL term when the reference's velocities differ from
+    the rollout's affinely (here: the reference is the rollout's own model). With another
+    reference the reference's interiors stay interpolated, so the two differ, by that alone."""
+    torch.manual_seed(17)
+    model, other = MLPFlow(), MLPFlow()
+    same = MLPFlow()
+    same.load_state_dict(model.state_dict())
+    traj, adv = _toy_batch(model, T=10, B=6)
+
+    def grads(interior, beta, ref):
+        model.zero_grad(set_to_none=True)
+        cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
+        jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg,
+                                      jagg_options.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
+                                      as_velocity_fn(ref))
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    for beta, ref in ((0.0, other), (0.1, same)):
+        torch.testing.assert_close(grads("rollout", beta, ref), grads("forward", beta, ref), rtol=1e-10, atol=1e-12)
+    forward, rollout = grads("forward", 0.1, other), grads("rollout", 0.1, other)
+    assert (rollout - forward).norm() > 1e-6 * forward.norm()
+
+
 def _off_policy_run(seed, lr, steps):
     """A rollout, then `steps` exact AdamW steps on it (clip 0.2, the policy drifting from the
     rollout's): yields (model, traj, adv, cfg, clipfrac) before each step, the first on-policy."""

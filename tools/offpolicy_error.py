@@ -17,6 +17,8 @@ j on the same batch and parameters. It reports, per checkpoint, inner step and m
   were about 5 % smaller, were the error unbiased;
 - projection <j, g> / |g|^2 and norm_ratio |j| / |g|: whether JAGG's gradient is biased along
   exact's direction (shorter or longer), beside the cosine;
+- for rollout interiors, vs_forward: |j - j_twin| / |j_twin| to the same anchors with forward
+  interiors; on-policy (step 1) it is the KL reference's interpolated interiors alone (0 at beta 0);
 - for rollout interiors, ratio_error: the mean over interior steps and samples of the error of
   the interior log-probability ratio, |log r(rollout rule) - log r(fresh forward)|, over the
   clip range (1: an error the size of the clip), and refreshed: the segments the drift guard
@@ -52,6 +54,10 @@ MODES = {
     "shared_rollout": {"anchors": "shared", "interior": "rollout"},
     "shared_rollout_unguarded": {"anchors": "shared", "interior": "rollout", "max_drift": None},
 }
+
+# each rollout mode's twin with forward interiors (listed before it in --modes' default order)
+FORWARD_TWIN = {"rollout": "paper", "rollout_unguarded": "paper", "shared_rollout": "shared",
+                "shared_rollout_unguarded": "shared"}
 
 
 @dataclasses.dataclass
@@ -180,11 +186,13 @@ def measure(task, args, generator, optimizer):
             g, st = gradient(task, batch, jagg_options.JaggOptions(task.window, 0.0))
             if i == 0:
                 on_policy.append(g)
+            js = {}  # this step's gradient per mode, for the rollout modes' difference to their forward twins
             for name in args.modes:
                 fields = MODES[name]
                 opts = jagg_options.JaggOptions(task.window, 1.0, **fields)
                 timings = {}
                 j, _ = gradient(task, batch, opts, timings)
+                js[name] = j
                 rec = {"batch": b, "step": i + 1, "mode": name, "clipfrac": st["clipfrac"],
                        "rel_error": ((j - g).norm() / g.norm()).item(), "err2": (j - g).pow(2).sum().item(),
                        "cosine": torch.nn.functional.cosine_similarity(j, g, dim=0).item(),
@@ -194,6 +202,9 @@ def measure(task, args, generator, optimizer):
                     rec["anchor_drift"] = timings.get("anchor_drift", 0.0)
                     if fields.get("max_drift", "default") is None:  # the rule itself, without the guard
                         rec["ratio_error"] = ratio_error(task, batch, opts)
+                twin = FORWARD_TWIN.get(name)
+                if twin in js:  # on-policy, with beta > 0, the reference's interpolated interiors alone
+                    rec["vs_forward"] = ((j - js[twin]).norm() / js[twin].norm()).item()
                 records.append(rec)
             # exact GRPO's own step on this batch: the policy moves off the rollout's
             for p, gp in zip(task.params, g.split([p.numel() for p in task.params])):
@@ -292,11 +303,12 @@ def main(argv=None):
         print(f"\n{args.model_kind}, {task.setting}: epoch {c}, {args.batches} batches of {args.batch}; batch "
               f"agreement {results[c]['batch_agreement']:.3f}; per optimizer step after the rollout, means over batches")
         print(f"{'step':>4} {'mode':>25} {'clipfrac':>8} {'rel err':>8} {'cosine':>7} {'err/noise':>9} "
-              f"{'proj':>6} {'|j|/|g|':>7} {'ratio err':>9} {'refreshed':>9}")
+              f"{'proj':>6} {'|j|/|g|':>7} {'ratio err':>9} {'refreshed':>9} {'vs forward':>10}")
         for (step, mode), m in sorted(table.items()):
             print(f"{step:>4} {mode:>25} {m['clipfrac']:8.3f} {m['rel_error']:8.3f} {m['cosine']:7.3f} "
                   f"{m['error_to_noise']:9.4f} {m['projection']:6.3f} {m['norm_ratio']:7.3f} "
-                  f"{m.get('ratio_error', float('nan')):9.3f} {m.get('refreshed', float('nan')):9.2f}")
+                  f"{m.get('ratio_error', float('nan')):9.3f} {m.get('refreshed', float('nan')):9.2f} "
+                  f"{m.get('vs_forward', float('nan')):10.2e}")
     write_json(args.out or os.path.join("runs", f"offpolicy_{args.model_kind}.json"),
                {"args": vars(args), "setting": task.setting, "checkpoints": {str(c): r for c, r in results.items()}})
     return results

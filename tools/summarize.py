@@ -8,6 +8,7 @@
     python tools/summarize.py curves runs/a runs/b ... [--last 3] [--png F] # single runs: their evaluation curves
     python tools/summarize.py gains runs/mini_geneval/paper_seed*/exact     # one method over seeds: does it raise the reward
     python tools/summarize.py paired runs/noise_seed*.json                  # tools/eval_noise.py's draws: the spread's sources
+    python tools/summarize.py retention runs/toy_quality                    # tools/toy_quality.sh: every mode over seeds
 """
 
 import argparse
@@ -428,10 +429,38 @@ def paired(paths):
               f"| {needed(u, 0.10, draws=k)}, {needed(clean, 0.10, draws=k)} | {needed(u, 0.10, seeds=n)} |")
 
 
+def retention(folder):
+    """tools/toy_quality.sh's table: OUT/<mode>/seed<S>/summary.json for exact and each JAGG mode. Per
+    mode over the seeds every mode finished: the gain kept (JAGG's reward gain over exact's of the
+    same seed), its mean with a 95 % t interval, the ratio of mean gains with its interval, the
+    paired difference to the paper's mode with its interval, and the worst seed."""
+    modes = sorted(os.listdir(folder), key=lambda m: (m != "exact", m != "paper", m))
+    runs = {m: {int(s[4:]): load(os.path.join(folder, m, s)) for s in os.listdir(os.path.join(folder, m))
+                if s.startswith("seed") and os.path.isfile(os.path.join(folder, m, s, "summary.json"))} for m in modes}
+    seeds = sorted(set.intersection(*(set(r) for r in runs.values())))
+    exact = {s: runs["exact"][s]["reward_gain"] for s in seeds}
+    kept = {m: {s: runs[m][s]["reward_gain"] / exact[s] for s in seeds} for m in modes}
+    print(f"{len(seeds)} seeds ({seeds[0]}-{seeds[-1]}); exact GRPO's gain {sum(exact.values()) / len(seeds):+.3f} "
+          f"(from {min(exact.values()):+.3f} to {max(exact.values()):+.3f})")
+    print()
+    print("| mode | rows with grad | gain kept, mean (95 % interval) | ratio of mean gains (95 % interval) "
+          "| minus the paper's mode, paired (95 % interval) | worst seed |")
+    print("|---|---|---|---|---|---|")
+    for m in modes:
+        mean, half = mean_interval(list(kept[m].values()))
+        ratio, rhalf, _ = ratio_interval([(exact[s], runs[m][s]["reward_gain"]) for s in seeds])
+        diff, dhalf = mean_interval([kept[m][s] - kept["paper"][s] for s in seeds])
+        worst = min(seeds, key=lambda s: kept[m][s])
+        paired_text = "-" if m == "paper" else f"{100 * diff:+.1f} ({100 * (diff - dhalf):+.1f} to {100 * (diff + dhalf):+.1f}) points"
+        print(f"| {m} | {runs[m][seeds[0]]['grad_steps'] // (80 * 4)} | {100 * mean:.1f} % ({100 * (mean - half):.1f}-"
+              f"{100 * (mean + half):.1f} %) | {100 * ratio:.1f} % ({100 * (ratio - rhalf):.1f}-{100 * (ratio + rhalf):.1f} %) "
+              f"| {paired_text} | {100 * kept[m][worst]:.1f} % (seed {worst}) |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window", "curves", "gains",
-                                          "paired"],
+                                          "paired", "retention"],
                         help="which table: compare runs, routing runs, SD benchmark (training step, settings side by "
                              "side, or window level), toy benchmark, single runs' evaluation curves, one "
                              "method's gain over seeds, eval_noise.py's paired draws of exact and JAGG")
@@ -457,6 +486,8 @@ def main():
         gains(args.paths)
     elif args.table == "paired":
         paired(args.paths)
+    elif args.table == "retention":
+        retention(args.paths[0])
     else:
         window_level(args.paths)
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The toy's retention table (docs/quality.md): exact GRPO and five JAGG modes, seeds 0-19, every
+# run from the seed-0 base model, two runs at a time with one thread each (about 40 s a run, 120
+# runs: about 45 minutes on 2 idle cores). A run that has finished before is skipped, so an
+# interrupted table resumes.
+#
+#   tools/toy_quality.sh [OUT]                                     # default OUT: runs/toy_quality
+#   SEEDS="0 1 2" tools/toy_quality.sh runs/toy_quality_try         # fewer seeds
+#   python tools/summarize.py retention runs/toy_quality            # the table: gain kept per mode, 95 % intervals,
+#                                                                   # paired difference to the paper's mode, worst seed
+#
+# The setting is train_toy.py's defaults (W = 4, T = 16, 80 GRPO steps of 4 optimizer steps),
+# without the probe (--probe-every 0: it changes nothing that trains, and costs time).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-runs/toy_quality}
+seeds=${SEEDS:-$(seq -s ' ' 0 19)}
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+base=runs/cache/toy_dit_h64_d3_s2000_seed0.pt
+[ -f "$base" ] || python3 -c "import train_toy; train_toy.base_model(train_toy.Config(seed=0), rank=0)"
+mkdir -p "$out"
+# name and flags of each mode; the folders are OUT/<name>/seed<S>
+modes=(
+  "exact|--method exact"
+  "paper|--method jagg"
+  "shared_forward|--method jagg --anchors shared"
+  "rollout|--method jagg --interior rollout"
+  "shared_rollout|--method jagg --anchors shared --interior rollout"
+  "shared_rollout_unguarded|--method jagg --anchors shared --interior rollout --max-drift -1"
+)
+jobs_file=$(mktemp)
+trap 'rm -f "$jobs_file"' EXIT
+for s in $seeds; do
+  for m in "${modes[@]}"; do
+    name=${m%%|*} flags=${m#*|}
+    dir="$out/$name/seed$s"
+    [ -f "$dir/summary.json" ] && continue
+    echo "mkdir -p $out/$name && python3 train_toy.py $flags --seed $s --probe-every 0 --base-ckpt $base --out $dir > $dir.log 2>&1 && tail -n 1 $dir.log" >> "$jobs_file"
+  done
+done
+echo "$(wc -l < "$jobs_file") runs to do in $out"
+xargs -P 2 -I{} bash -c {} < "$jobs_file"
+python3 tools/summarize.py retention "$out"
