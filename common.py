@@ -144,8 +144,10 @@ class JaggConfig:
 
 
 def trained_steps(cfg):
-    """How many of a rollout's --num-steps steps training takes, Flow-GRPO's int(T * timestep_fraction):
-    the first ones, in order (0.99 at T = 10: steps 0-8)."""
+    """How many of a rollout's --num-steps steps training takes: an SDE window's (--sde-window), or
+    Flow-GRPO's int(T * timestep_fraction), the first ones in order (0.99 at T = 10: steps 0-8)."""
+    if getattr(cfg, "sde_window", 0):
+        return cfg.sde_window
     return int(cfg.num_steps * cfg.timestep_fraction)  # as Flow-GRPO computes it, float rounding included
 
 
@@ -157,8 +159,10 @@ def jagg_flag_checks(cfg):
          f"--timestep-fraction {cfg.timestep_fraction} must train at least one of the --num-steps {cfg.num_steps} "
          f"steps: raise it"),
         (cfg.window <= max(trained_steps(cfg), 2),
-         f"--window {cfg.window} is longer than the {trained_steps(cfg)} trained steps (--num-steps {cfg.num_steps} x "
-         f"--timestep-fraction {cfg.timestep_fraction}); use --window <= {trained_steps(cfg)}"),
+         f"--window {cfg.window} is longer than the {trained_steps(cfg)} trained steps ("
+         + ("--sde-window" if getattr(cfg, "sde_window", 0) else
+            f"--num-steps {cfg.num_steps} x --timestep-fraction {cfg.timestep_fraction}")
+         + f"); use --window <= {trained_steps(cfg)}"),
         (cfg.route != "probe" or cfg.probe_every >= 1,
          "--route probe routes by the probe's measurements: give it --probe-every N >= 1"),
         (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= jagg_options.min_graph_rows(cfg.interior),

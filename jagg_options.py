@@ -587,7 +587,57 @@ def probe_average(average, cosines, decay):
     return [decay * m + (1 - decay) * c for m, c in zip(average, cosines)]
 
 
-# === 6. train_step for real runs: averaged over ranks, clipped, and a step if it is finite ===
+# === 6. An SDE window: only a few steps of each trajectory are stochastic and trained ===
+# Flow-GRPO-Fast and MixGRPO sample K consecutive steps with the SDE and the rest with the
+# deterministic ODE (Euler, noise level 0, no log-probability), and train the K steps alone. The
+# window's steps are then a trajectory of K steps like any other: the loss, the KL, routing, the
+# probe and every JAGG mode see them and nothing else. JAGG inside a window of K steps at W = K
+# runs 2 rows with grad where exact runs K. Where the window sits, epoch by epoch:
+# - "random" (Flow-GRPO-Fast): its first step uniform in [low, high - K], drawn anew each epoch;
+# - "slide" (MixGRPO): it starts at low and moves one step later every `every` epochs, then stays
+#   at high - K once it gets there.
+
+PLACEMENTS = ("random", "slide")
+
+
+def window_start(placement, epoch, size, low, high, every=1, seed=0):
+    """The first SDE step of epoch's rollouts (epochs count from 1), the same on every rank: a
+    window of size steps within steps low .. high - 1 of the schedule."""
+    _check(placement in PLACEMENTS, f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    _check(0 <= low and size >= 1 and low + size <= high,
+           f"an SDE window of {size} steps does not fit in steps {low} to {high - 1}")
+    if placement == "random":
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        return low + int(torch.randint(high - size - low + 1, (1,), generator=g))
+    return min(low + (epoch - 1) // every, high - size)
+
+
+@torch.no_grad()
+def window_rollout(velocity_fn, noise, sigmas, noise_level, start, size, generator=None):
+    """Sample B trajectories of T = len(sigmas) - 1 steps from the noise [B, *D]: steps start ..
+    start + size - 1 by the SDE at noise_level, the others by the ODE. Returns (traj, sample): the
+    window's steps as a jagg.Trajectory of size steps (its .t holds their sigmas) and the final
+    clean samples z_T [B, *D] to reward. start 0 and size T is jagg.rollout, bit for bit."""
+    T = len(sigmas) - 1
+    _check(0 <= start and size >= 1 and start + size <= T, f"an SDE window of {size} steps from step {start} does not "
+                                                           f"fit in a trajectory of {T} steps")
+    velocity_fn, z = jagg.checked(velocity_fn), noise
+
+    def ode(z, k):  # Euler, the SDE step's mean at noise level 0: z + v dt, in fp32 at least like jagg.sde_step
+        v = velocity_fn(z[None], sigmas[k].expand(1, z.shape[0]).to(z.device))[0]  # [B, *D]
+        dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)
+        return z.to(dtype) + v.to(dtype) * (sigmas[k + 1] - sigmas[k]).to(z.device, dtype)  # [B, *D]
+
+    for k in range(start):
+        z = ode(z, k)
+    traj = jagg.rollout(velocity_fn, z, sigmas[start : start + size + 1], noise_level, generator)
+    z = traj.sample
+    for k in range(start + size, T):
+        z = ode(z, k)
+    return traj, z
+
+
+# === 7. train_step for real runs: averaged over ranks, clipped, and a step if it is finite ===
 # Why DDP must not all-reduce by itself: its reducer pairs each forward with graph with the
 # next backward, and the bounded path with rollout interiors runs the next chunk's forward
 # before this chunk's backward: the ranks would drift apart silently. So every backward runs

@@ -115,6 +115,20 @@ class Config(JaggConfig):
     timestep_fraction: float = arg(0.99, "train the first int(T x this) steps of each rollout, in order (Flow-GRPO's "
                                          "timestep_fraction: 0.99 trains steps 0-8 of 10; the last, sigma 0.009 -> 0 "
                                          "in SD3's schedule, gets no gradient); 1: every step", valid="(0, 1]")
+    sde_window: int = arg(0, "train an SDE window of this many consecutive steps (Flow-GRPO-Fast, MixGRPO): they are "
+                             "sampled by the SDE and trained, every other step by the ODE (noise 0, no log-probability, "
+                             "no gradient); --timestep-fraction is then unused, and --window must be at most this. 0: "
+                             "every trained step is an SDE step, as Flow-GRPO", valid=">= 0")
+    sde_placement: str = arg("random", "where the SDE window sits each epoch: random (Flow-GRPO-Fast: its first step "
+                                       "uniform in the range, drawn each epoch) or slide (MixGRPO: from the range's "
+                                       "start, one step later every --sde-slide-every epochs, then staying at its end)",
+                             choices=list(jagg_options.PLACEMENTS))
+    sde_range_start: int = arg(0, "the SDE window lies within steps --sde-range-start .. --sde-range-end - 1",
+                               valid=">= 0")
+    sde_range_end: int = arg(0, "end of the SDE window's range (exclusive); 0: --num-steps - 1 (the last step, to "
+                                "sigma 0, is never stochastic)", valid=">= 0")
+    sde_slide_every: int = arg(1, "--sde-placement slide: epochs between one-step moves (MixGRPO's shift interval)",
+                               valid=">= 1")
     sigma_schedule: str = arg("scheduler", "the sampling steps' sigmas: scheduler (SD3's FlowMatchEulerDiscreteScheduler, "
                                            "as Flow-GRPO samples: 1, 0.960, ..., 0.278, 0.009, 0 at T = 10) or linear "
                                            "(jagg.sigma_schedule: the shifted linspace 1, ..., 0.25, 0)",
@@ -183,6 +197,11 @@ class Config(JaggConfig):
     def validate(self):
         """Every bad value is reported before any model is loaded; the output folder is checked last."""
         checks = jagg_flag_checks(self) + [
+            (not self.sde_window or self.sde_range_start + self.sde_window <= self.sde_range(),
+             f"--sde-window {self.sde_window} does not fit in steps {self.sde_range_start} to {self.sde_range() - 1} "
+             f"(--sde-range-start, --sde-range-end; --num-steps {self.num_steps}): use a smaller window or a wider range"),
+            (self.sde_range_end <= self.num_steps, f"--sde-range-end must be at most --num-steps {self.num_steps}, got "
+                                                   f"{self.sde_range_end}"),
             (self.resolution % 16 == 0,
              f"--resolution must be a multiple of 16 (the VAE's 8x times the transformer's 2x2 patches), got "
              f"{self.resolution}: use {max(16, round(self.resolution / 16) * 16)}, or 0 for the model's own"),
@@ -215,6 +234,17 @@ class Config(JaggConfig):
         if self.resume and not self.benchmark:
             fail_on(self.resume_checks())
         fail_on([writable_folder_check(self.out)])
+
+    def sde_range(self):
+        """The end (exclusive) of the steps an SDE window may cover."""
+        return self.sde_range_end or self.num_steps - 1
+
+    def sde_window_start(self, epoch):
+        """The first SDE step of epoch's rollouts (the same on every rank), or None without a window."""
+        if not self.sde_window:
+            return None
+        return jagg_options.window_start(self.sde_placement, epoch, self.sde_window, self.sde_range_start,
+                                         self.sde_range(), self.sde_slide_every, self.seed)
 
     def shapes_prompt_check(self):
         """--reward shapes scores prompts of mini_sd3.py's grammar only: say which one is not."""
@@ -458,11 +488,12 @@ def decode(pipe, latents):
 
 
 @torch.no_grad()
-def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16):
-    """Roll out the SDE sampler for prompts in chunks of cfg.rollout_batch.
+def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_start=None):
+    """Roll out the SDE sampler for prompts in chunks of cfg.rollout_batch; with window_start, an
+    SDE window of cfg.sde_window steps from that step and the ODE elsewhere.
 
-    Returns (traj, cond, uncond, images): trajectories over all B samples, their text embeddings
-    and the decoded images."""
+    Returns (traj, cond, uncond, images): trajectories over all B samples (the window's steps
+    only, with a window), their text embeddings and the decoded images."""
     device = sigmas.device
     C, h = pipe.transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
     trajs, conds, unconds, images = [], [], [], []
@@ -470,10 +501,15 @@ def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16):
         chunk = prompts[s : s + cfg.rollout_batch]
         cond, uncond = encode(pipe, chunk, device)
         noise = torch.randn(len(chunk), C, h, h, generator=generator, device=device)  # [b, C, h, w]
-        traj = jagg.rollout(make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16),
-                            noise, sigmas, cfg.noise_level, generator=generator)
+        velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)
+        if window_start is None:
+            traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level, generator=generator)
+            final = traj.sample
+        else:
+            traj, final = jagg_options.window_rollout(velocity_fn, noise, sigmas, cfg.noise_level, window_start,
+                                                      cfg.sde_window, generator=generator)
         trajs.append(traj), conds.append(cond), unconds.append(uncond)
-        images += decode(pipe, traj.sample)
+        images += decode(pipe, final)
     traj = jagg.Trajectory.cat(trajs)  # [T, B, C, h, w] and the like
     cond = tuple(torch.cat([c[i] for c in conds]) for i in range(2))  # ([B, L, E], [B, P])
     uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
@@ -823,7 +859,8 @@ def train(cfg):
         prompt_ids = pick.repeat_interleave(cfg.group_size)  # [B]
         prompts = [prompts_all[i] for i in prompt_ids.tolist()]
         transformer.eval()
-        traj, cond, uncond, images = sample(pipe, transformer, prompts, cfg, sigmas, noise_gen, use_bf16)
+        window_start = cfg.sde_window_start(epoch)  # None: every trained step an SDE step
+        traj, cond, uncond, images = sample(pipe, transformer, prompts, cfg, sigmas, noise_gen, use_bf16, window_start)
         rewards = reward_fn(images, prompts).to(device)  # [B]
         # --- advantages over groups gathered from all ranks, then this rank's slice
         all_rewards, all_ids = all_gather_cat(rewards), all_gather_cat(prompt_ids.to(device))
@@ -833,6 +870,8 @@ def train(cfg):
         row = {"epoch": epoch, "method": cfg.method, "mode": mode_name(cfg.method, cfg.anchors, cfg.interior),
                "rollout/reward_mean": all_rewards.mean().item(),
                "rollout/reward_std": all_rewards.std().item()}
+        if window_start is not None:
+            row["rollout/sde_window_start"] = window_start
         perm = torch.randperm(len(prompts), generator=prompt_gen)
 
         def fns(idx_d, model):
@@ -1009,13 +1048,18 @@ def benchmark(cfg):
                                       repeats=cfg.bench_repeats,
                                            modes=bench_modes(cfg.max_graph_rows),
                                            rollout_fn=lambda: jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level))
-        return t_window, t_traj
+        # JAGG or an SDE window: a window of K steps trained exactly, and with JAGG inside it at W = K.
+        # Its rollout calls the network at the same T steps as a full one (the ODE steps too).
+        t_sde = {K: benchmark_trajectory(velocity_fn, params, traj.first_steps(K), adv, loss_cfg, K, ref_fn,
+                                         repeats=cfg.bench_repeats, modes=("exact", "jagg", "jagg_shared_rollout"))
+                 for K in SDE_WINDOWS if K <= T}
+        return t_window, t_traj, t_sde
 
     # No gradient checkpointing unless the largest joint anchor batch does not fit: the benchmark
     # times the plain forward and backward passes where it can.
     checkpointing = cfg.bench_checkpointing
     try:
-        t, t_traj = measure()
+        t, t_traj, t_sde = measure()
     except torch.cuda.OutOfMemoryError:
         if device.type != "cuda" or checkpointing:
             raise
@@ -1025,7 +1069,7 @@ def benchmark(cfg):
             p.grad = None
         torch.cuda.empty_cache()
         transformer.enable_gradient_checkpointing()
-        t, t_traj = measure()
+        t, t_traj, t_sde = measure()
     result = {
         "window": W, "trained_steps": trained_steps(cfg), "params": sum(p.numel() for p in transformer.parameters()),
         "trained_params": sum(p.numel() for p in params), "train": cfg.bench_train,
@@ -1050,6 +1094,9 @@ def benchmark(cfg):
         print(f"\n-- one training step: a whole trajectory (T = {T}, the first {trained_steps(cfg)} trained, "
               f"CFG {cfg.guidance_scale}, beta {cfg.beta}, W = {W})")
         result.update(report_trajectory(t_traj, W))
+        print(f"\n-- JAGG or an SDE window: a window of K steps trained (--sde-window K), exact and with JAGG at W = K; "
+              f"its rollout takes the same T = {T} network calls")
+        result["sde_windows"] = report_sde_windows(result, t_sde)
     write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
     save_png(os.path.join(cfg.out, "benchmark.png"), training_step_bars(
         {W: result}, 1.0, "s", f"SD3 '{size}' on {result['device']}: one GRPO training step "
@@ -1057,6 +1104,29 @@ def benchmark(cfg):
     if cfg.json:
         print(json.dumps(result))
     return result
+
+
+SDE_WINDOWS = (3, 4)  # the benchmark's SDE windows: Flow-GRPO-Fast's 3 (geneval), MixGRPO's 4
+
+
+def report_sde_windows(result, t_sde):
+    """Print the full trajectory's modes beside each SDE window's, as one table of what an epoch
+    costs: rows with grad, training step, epoch (rollout + step), activations saved for backward.
+    Returns {"<setting>": {those}}."""
+    rollout = result["rollout_s"]
+    rows = {f"all {result['trained_steps']} steps, {m}": (result["backward_rows"][m], result["train_s"][m],
+                                                          result["saved_gb"][m])
+            for m in ("exact", "jagg", "jagg_shared_rollout") if m in result["train_s"]}
+    for K, t in t_sde.items():
+        rows.update({f"window of {K}, {m}": (int(t[m]["backward_rows"]), t[m]["train_s"], t[m]["saved_gb"]) for m in t})
+    base = rows[f"all {result['trained_steps']} steps, exact"]
+    print(f"{'setting':>36} {'rows':>5} {'step (s)':>9} {'x step':>7} {'epoch (s)':>10} {'x epoch':>8} {'saved MiB':>10}")
+    out = {}
+    for name, (n, step, saved) in rows.items():
+        out[name] = {"rows": n, "train_s": step, "epoch_s": rollout + step, "saved_gb": saved}
+        print(f"{name:>36} {n:>5} {step:>9.3f} {base[1] / step:>6.2f}x {rollout + step:>10.3f} "
+              f"{(rollout + base[1]) / (rollout + step):>7.2f}x {1024 * saved:>10.1f}")
+    return out
 
 
 def load_run(folder, trained=True):

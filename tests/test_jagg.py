@@ -1161,3 +1161,62 @@ def test_probe_reports_the_error_in_units_of_the_batchs_own_noise(beta, options)
         assert 0 < ratio < math.inf
     doubled = jagg_options.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=64)
     assert doubled["error_to_noise"] == pytest.approx([2 * r for r in out["error_to_noise"]], rel=1e-9)
+
+
+# ------------------------------------------------------------------ an SDE window (Flow-GRPO-Fast, MixGRPO)
+
+
+def test_window_rollout_is_the_sde_inside_and_the_ode_outside():
+    torch.manual_seed(23)
+    model = MLPFlow()
+    fn, sigmas, noise = as_velocity_fn(model), jagg.sigma_schedule(8), torch.randn(5, 3)
+    full = jagg.rollout(fn, noise, sigmas, 0.7, generator=torch.Generator().manual_seed(1))
+    whole, sample = jagg_options.window_rollout(fn, noise, sigmas, 0.7, 0, 8, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(getattr(full, n), getattr(whole, n)) for n in jagg.Trajectory.TENSORS)  # bit for bit
+    assert torch.equal(sample, full.sample)
+    traj, sample = jagg_options.window_rollout(fn, noise, sigmas, 0.7, 2, 3, generator=torch.Generator().manual_seed(1))
+    assert traj.z.shape == (3, 5, 3) and torch.equal(traj.t[:, 0], sigmas[2:5])
+    z = noise.clone()
+    with torch.no_grad():
+        for k in range(2):  # the ODE before the window: Euler, no noise drawn
+            z = z + fn(z[None], sigmas[k].expand(1, 5))[0] * (sigmas[k + 1] - sigmas[k])
+        torch.testing.assert_close(traj.z[0], z, rtol=1e-12, atol=1e-12)
+        z = traj.z_next[-1]
+        for k in range(5, 8):  # and after it, to the clean sample
+            z = z + fn(z[None], sigmas[k].expand(1, 5))[0] * (sigmas[k + 1] - sigmas[k])
+    torch.testing.assert_close(sample, z, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="does not fit"):
+        jagg_options.window_rollout(fn, noise, sigmas, 0.7, 6, 3)
+
+
+def test_window_placements_follow_flow_grpo_fast_and_mixgrpo():
+    starts = [jagg_options.window_start("random", e, 3, 1, 7) for e in range(1, 200)]
+    assert set(starts) == {1, 2, 3, 4} and starts == [jagg_options.window_start("random", e, 3, 1, 7) for e in range(1, 200)]
+    assert [jagg_options.window_start("slide", e, 3, 1, 7, every=2) for e in range(1, 12)] == [1, 1, 2, 2, 3, 3, 4, 4, 4, 4, 4]
+    with pytest.raises(ValueError, match="does not fit in steps 0 to 2"):
+        jagg_options.window_start("slide", 1, 4, 0, 3)
+
+
+@pytest.mark.parametrize("options, anchors", [({}, (0, 3)), ({"anchors": "shared", "interior": "rollout"}, (0, 3))])
+def test_exact_and_jagg_inside_a_window_against_autograd_and_explicit_jacobians(options, anchors):
+    """A window of 4 SDE steps in 10: exact training on it is autograd of the window's summed loss,
+    and JAGG on it (W = 4, one segment) is the explicit interpolation of Jacobians."""
+    torch.manual_seed(24)
+    model = MLPFlow()
+    traj, sample = jagg_options.window_rollout(as_velocity_fn(model), torch.randn(6, 3), jagg.sigma_schedule(10), 0.7,
+                                               3, 4, generator=torch.Generator().manual_seed(2))
+    adv = jagg.group_advantages(-sample.norm(dim=-1), torch.arange(6) // 3)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+
+    def grad(frac):
+        model.zero_grad(set_to_none=True)
+        jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, frac, **options))
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    step_loss = jagg.make_step_loss(traj, adv, 0, 4, cfg)
+    _, expected_exact = reference_gradient(model, traj.z, traj.t, step_loss)
+    torch.testing.assert_close(grad(0.0), expected_exact, rtol=1e-10, atol=1e-12)
+    v_old = traj.v if options.get("interior") == "rollout" else None
+    expected = explicit_anchor_gradient(model, traj.z, traj.t, step_loss, anchors, v_old)
+    torch.testing.assert_close(grad(1.0), expected, rtol=1e-9, atol=1e-10)
+    assert (expected - expected_exact).norm() > 1e-6 * expected_exact.norm()

@@ -621,3 +621,24 @@ def test_benchmark_in_the_users_configuration_lora_and_checkpointing(tmp_path, c
     assert result["backward_rows"]["jagg_shared_rollout"] == 4 and result["train_s"]["exact"] > 0
     saved = json.load(open(tmp_path / "benchmark.json"))
     assert saved["config"]["bench_train"] == "lora" and saved["config"]["bench_checkpointing"] is True
+
+
+def test_sde_window_trains_its_steps_alone_and_the_whole_trajectory_is_todays_run(tiny_sd3, tmp_path):
+    """--sde-window K: the rollout is stochastic and trained on K steps only, the window placed per
+    epoch; a window over the whole trajectory (T = 4, range 0-3) is today's run, bit for bit."""
+    from safetensors.torch import load_file
+
+    today = train_sd.main(run_args(tiny_sd3, tmp_path / "today", "--epochs", "1", "--window", "4"))
+    whole = train_sd.main(run_args(tiny_sd3, tmp_path / "whole", "--epochs", "1", "--window", "4", "--sde-window", "4",
+                                   "--sde-range-end", "4"))
+    for key in ("rollout/reward_mean", "train/loss", "train/grad_rows", "eval/reward"):
+        assert today[1][key] == whole[1][key], key
+    a, b = load_file(tmp_path / "today" / "lora.safetensors"), load_file(tmp_path / "whole" / "lora.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = train_sd.main(run_args(tiny_sd3, tmp_path / "slide", "--epochs", "2", "--window", "3", "--sde-window", "3",
+                                  "--num-steps", "6", "--sde-placement", "slide", "--anchors", "shared",
+                                  "--interior", "rollout", "--probe-every", "1"))
+    assert [r["rollout/sde_window_start"] for r in rows[1:]] == [0, 1]  # MixGRPO's slide, one step an epoch
+    assert rows[1]["train/grad_rows"] == 2 * 2 and len(rows[1]["probe/grad_cosine"]) == 1  # one segment: 2 anchors
+    with pytest.raises(SystemExit, match="--sde-window 6 does not fit in steps 0 to 4"):
+        train_sd.main(run_args(tiny_sd3, tmp_path / "bad", "--num-steps", "6", "--sde-window", "6"))
