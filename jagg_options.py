@@ -1,36 +1,52 @@
 """Beyond the paper: our options for JAGG, and the training step for real runs.
 
 jagg.py is the paper alone; this module builds on it (it imports jagg, never the reverse). Every
-option defaults to the paper's behaviour, so JaggOptions() trains exactly what jagg.py's
+option defaults to the paper's behaviour, so JaggOptions() trains what jagg.py's
 paper_gradients does, bit for bit. Read jagg.py first: the notation is its own.
 
-The options (a JaggOptions field each), what they do, and when they are exact:
-    anchors="shared"     Adjacent windows share their end step: anchors every W - 1 steps, all
-                         back-propagated in ONE forward with graph and one backward (T = 10,
-                         W = 4: anchors 0, 3, 6, 9, 4 rows with grad instead of 6). Exact when
-                         the paper's window is: J(z, t) affine along each segment between
-                         anchors and the states on a straight line there. Costs memory: all
-                         anchor rows in one graph (max_graph_rows bounds it).
-    interior="rollout"   An interior step's velocity is the rollout's, moved by its anchors'
-                         change: v_k ~= v_old_k + sum_j H[k, j] (v_{a_j} - v_old_{a_j}). No
-                         network call between anchors, the KL reference's included. Exact at
-                         the rollout's parameters (theta = theta_old: the first optimizer step
-                         after each rollout) when beta = 0; with beta > 0 the reference's
-                         interiors stay interpolated there too (exact when the reference's and
-                         the rollout's velocities differ affinely in t across each segment).
-                         First order after that.
-    max_drift            The drift guard for rollout interiors: a segment whose anchors' GRPO
-                         ratios moved by more than this share of the clip range takes forward
-                         interiors instead (section 2). Exact as forward interiors are, there.
-    weights="index"      alpha_k = k / (W - 1), as the authors' early code; equal to the paper's
-                         t-weights only when t is linear in the step index.
-    max_graph_rows       At most this many anchor rows in a graph at once: always exact (the
-                         same gradient to round-off), less memory, some speed lost.
-    route="probe"        Route by the probe's measured cosines (gradient_cosines, section 5)
-                         instead of the velocities' linearity; min_cosine keeps any segment
-                         below it exact. Routing changes which segments are approximated, not how.
-Then the real-run step (section 6): many ranks (DDP, with one all-reduce per optimizer step),
-gradient accumulation, and non-finite steps skipped on every rank alike.
+Two meanings of "exact" below: EXACT, the gradient exact per-step back-propagation gives
+(Flow-GRPO's, jagg.backward_exact); and PAPER, the gradient the paper's JAGG gives on the same
+anchors (jagg.backward_jagg_window, whose interior velocities come from a no-graph forward:
+"forward interiors"). The paper's JAGG is EXACT when the Jacobian J(z, t) is affine along a window
+and the states lie on the straight line between its end steps, each at its t-weight alpha_k.
+
+The options (a JaggOptions field each; defaults in brackets are the paper's), and when each is exact:
+    anchors="shared"     ["window"] Adjacent windows share their end step: anchors every W - 1
+                         steps, all back-propagated in ONE forward with graph and one backward
+                         (T = 10, W = 4: anchors 0, 3, 6, 9, 4 rows with grad instead of 6).
+                         EXACT under the paper's condition, segment by segment between anchors.
+                         Costs memory: all anchor rows in one graph (max_graph_rows bounds it).
+    interior="rollout"   ["forward"] An interior step's velocity is the rollout's, moved by its
+                         two anchors' change since the rollout:
+                             v_k ~= v_old_k + sum_j H[k, j] (v_{a_j} - v_old_{a_j}),
+                         and the KL reference's interiors take the same rule with its own anchor
+                         velocities. No network call between anchors (but in refreshed segments,
+                         below). PAPER at the rollout's parameters (theta = theta_old: the first
+                         optimizer step after each rollout) when beta = 0. With beta > 0, PAPER
+                         there only if the reference's velocities differ from the rollout's
+                         affinely in the interpolation variable (t, or the step index with
+                         weights="index") across each segment, e.g. a reference equal to the
+                         rollout's model; otherwise the interpolated reference moves g_k even on
+                         the first step. After the first step, its error is the part of each
+                         interior's change since the rollout that is not affine between its
+                         anchors (zero if v_theta changes affinely in (z, t) there), and the GRPO
+                         clip can turn a small ratio error into a large gradient error: hence
+    max_drift            [0.5] the drift guard: a segment whose anchors' ratios moved by more than
+                         this share of the clip range takes the POLICY's interiors from a no-graph
+                         forward, as forward interiors do; the reference's stay interpolated. So a
+                         refreshed segment is PAPER when beta = 0. None: the rollout rule at any drift.
+    weights="index"      ["time"] alpha_k = k / (W - 1), as the authors' early code; PAPER when t
+                         is linear in the step index (not under SD3's shifted schedule), EXACT when
+                         the Jacobian is affine in the step index along the window.
+    max_graph_rows       [None: no bound] At most this many anchor rows in a graph at once: always
+                         the same gradient as without the bound, to round-off; less memory, some
+                         speed lost. With rollout interiors at least 2 (chunks of bound // 2 anchors).
+    route="probe"        ["velocity", jagg.linearity_score] Route by the probe's measured cosines
+                         (gradient_cosines, probe_segments, section 5) instead; min_cosine [None]
+                         trains any segment measured below it EXACT. Routing chooses which segments
+                         are approximated, not how.
+Then the SDE window (section 6) and the real-run step (section 7): many ranks (DDP, one all-reduce
+per optimizer step), gradient accumulation, and non-finite steps skipped on every rank alike.
 
 Notation beyond jagg.py's
     anchors    a_0 = 0 < a_1 < ... < a_m = S - 1, the steps whose Jacobians are back-propagated
@@ -267,9 +283,10 @@ def backward_jagg(velocity_fn, z, t, step_loss, record=None, anchors=None, v_rol
     max_graph_rows: at most this many anchor rows in a graph at once (None: all M in one), the
     same gradient up to the order of floating-point sums. drift_fn(k, v_k) -> float, max_drift:
     with v_rollout, a segment with an anchor whose drift (ratio_drift, as the training step
-    passes it) is above max_drift takes forward interiors (stale_segments, whose counts record
-    receives); None: the rollout rule at any drift. Exact under section 1's conditions; with
-    v_rollout, also while theta = theta_old.
+    passes it) is above max_drift takes the policy's interiors from a no-graph forward
+    (stale_segments, whose counts record receives); None: the rollout rule at any drift.
+    EXACT under the paper's condition between each pair of anchors; with v_rollout, PAPER (the
+    same with forward interiors) while theta = theta_old (the header: when each option is exact).
     """
     _check_window(z, t)
     S = z.shape[0]
