@@ -294,11 +294,21 @@ def probe_report(summary):
             "5 % smaller batch): " + " ".join(f"{e:.3f}" for e in summary["probe_error_to_noise_by_position"]))
 
 
-def probe_cosine_by_position(rows, key="probe/grad_cosine"):
-    """The mean of the probes' cosines (or of another per-segment key) per segment position over
-    the metrics rows; None without probes."""
-    probes = [r[key] for r in rows if key in r]
+def probe_cosine_by_position(rows):
+    """The mean of the probes' cosines per segment position over the metrics rows; None without probes."""
+    probes = [r["probe/grad_cosine"] for r in rows if "probe/grad_cosine" in r]
     return [sum(c) / len(probes) for c in zip(*probes)] if probes else None
+
+
+def probe_error_to_noise_by_position(rows):
+    """JAGG's error over the batch's noise per segment position, over all the run's probes: their
+    errors summed over their noises summed (a mean of the ratios would be biased high, each
+    probe's noise being one pair of halves); None without probes."""
+    probes = [(r["probe/error"], r["probe/noise"]) for r in rows if "probe/error" in r]
+    if not probes:
+        return None
+    return [sum(e[j] for e, _ in probes) / n if (n := sum(v[j] for _, v in probes)) > 0 else 0.0
+            for j in range(len(probes[0][0]))]
 
 
 def step_metrics(step_stats):

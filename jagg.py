@@ -4,47 +4,52 @@ The paper's algorithm alone, in one file to read top to bottom: JAGG (Jacobian-A
 Gradient), from "JAGG: Jacobian-Aggregated Group Gradient for Efficient GRPO Training of
 Diffusion Models" (arXiv 2607.17572, 2026), on top of Flow-GRPO's SDE sampler and loss
 (Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv 2505.05470).
+We follow the paper's abstract; where it is silent, our choices are marked OURS.
 
-Exact GRPO on a diffusion model back-propagates through the transformer at every sampling step,
-because every step's loss depends on that step's velocity. JAGG splits the steps into windows
-of W, assumes the parameter-Jacobian of the velocity moves linearly in t across a window, and so
-collapses the window's W backward passes into ONE, over its two end steps run as one double
-batch [z_a; z_b]. We follow the paper's abstract; where it is silent, our choices say OURS.
-Options that go beyond the paper (shared anchors, rollout interiors, the probe) and the
-training step for real runs (many ranks, accumulation, non-finite steps) live beside this file,
-in jagg_options.py; nothing here needs them.
+JAGG in brief (section 6 derives it). The gradient of GRPO's loss over a window of W steps is
+    grad = sum_k g_k^T J_k,   g_k = dL_k/dv_k (cheap: a few elementwise ops), J_k = dv_k/dtheta
+and every J_k costs a transformer backward. JAGG interpolates the Jacobians linearly in t between
+the window's end steps a and b, J_k ~= (1 - alpha_k) J_a + alpha_k J_b, so that
+    grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,   G_b = sum_k alpha_k g_k,
+ONE backward over the double batch [z_a; z_b]. Only the Jacobians are approximated: every g_k,
+and so every step's loss, ratio and clip, comes from the step's true velocity, the interior ones
+from a forward without graph. Per window: W backward passes over one step each become one over two.
 
 Notation (code name -> symbol)
-    T          number of sampling steps of a rollout; k indexes them (k = 0 starts from noise)
-    W          window length (steps); a window runs from its first step a to its last b = a + W - 1
-               (both included; in code, the Python range start:stop with stop = b + 1)
+    T          the steps a trajectory holds: a rollout's, or the first ones of it that are trained
+    W          window length; a window runs from its first step a to its last b = a + W - 1, both
+               included (code ranges are start:stop, stop = b + 1). k numbers a window's steps:
+               JAGG's sums run over k = a..b, and a window's tensors start at a (index 0 is a)
     B          batch size (number of samples, all prompts and groups together)
     z[k]       z_k, the latent state before step k;  z_next[k] = z_{k+1}
-    t[k]       t_k, the flow time of step k; we use t = sigma (noise level, 1 = pure noise)
+    t[k]       t_k = sigma_k, the flow time of step k (1 = pure noise, 0 = data)
     v_k        v_theta(z_k, t_k), the velocity the network predicts at step k (v = noise - data)
     g_k        dL_k / dv_k, the upstream gradient of step k's loss (cheap, no network)
     J_k        d v_k / d theta, the Jacobian of the network at step k (expensive)
     alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the window's first step a, 1 at its last b
-    G_a, G_b   sum_k (1 - alpha_k) g_k  and  sum_k alpha_k g_k: the composite upstream signals
+    G_a, G_b   sum_k (1 - alpha_k) g_k  and  sum_k alpha_k g_k (k = a..b): the composite signals
     J_a, J_b   the Jacobians at the window's end steps, the only two JAGG back-propagates
-Inside a window's functions, tensors hold the window's steps only, so their index 0 is step a.
+    noise_level  the SDE's stochasticity a (Flow-GRPO: 0.7), not a sigma
 
 Letters in shape comments: T steps, W window steps, S any number of steps, B samples, *D the
-shape of one sample (C, H, W for an image; [seq, C] for packed latents; 2 for the toy), P parameters.
-A "row" is one step's B samples through the network: exact runs T rows with grad, JAGG 2 a window.
+shape of one sample (channels, height, width for an image; [seq, C] for packed latents; 2 for the
+toy), P parameters. A "row" is one step's B samples through the network: the unit of cost, exact
+runs T rows with grad, JAGG two a window.
 
 The whole contract with a model is one function:
     velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D], same shape as z
-with t = sigma in [0, 1] (1 = pure noise) and v = d z / d sigma = noise - data, the rectified
-flow of SD3, Flux, Qwen-Image and Flow-GRPO. Take the sigmas from your own pipeline's scheduler
-and convert t inside velocity_fn to the time your transformer takes (diffusers: SD3's takes
-sigma * 1000; Flux's and Qwen-Image's take sigma and multiply by 1000 inside). The function owns
-any conditioning (prompts, classifier-free guidance): its rows are step-major, so repeat the
-conditioning as a block (c.repeat(S), never repeat_interleave). check_velocity_fn (section 2)
-catches the mistakes that would otherwise train silently; call it once before training.
+with t = sigma and v = d z / d sigma = noise - data, the rectified flow of SD3, Flux, Qwen-Image
+and Flow-GRPO. Take the sigmas from your pipeline's scheduler and convert t inside velocity_fn to
+your transformer's time (diffusers: SD3's takes sigma * 1000; Flux's and Qwen-Image's take sigma
+and multiply by 1000 inside). The function owns any conditioning (prompts, classifier-free
+guidance), step-major: flattened to [S * B, *D], entry s * B + b is sample b at step s, so repeat
+the conditioning as a block (c.repeat(S), never repeat_interleave). check_velocity_fn (section 9)
+catches what would otherwise train silently; call it once before training.
+Options beyond the paper (for one, reusing the rollout's velocities instead of the interior
+forwards) and the training step for real runs (many ranks, accumulation) are in jagg_options.py.
 
 Run it:
-    python jagg.py               # the self-check: what each part computes and costs, in seconds
+    python jagg.py               # the self-check, a few seconds: what each part computes and costs
     python train_toy.py          # the CPU demo: exact GRPO vs JAGG on a toy 2-D DiT
     python -m pytest -q          # the checks: JAGG vs exact vs explicit Jacobians
 """
@@ -69,11 +74,8 @@ def _check(ok, message):
 
 
 def sigma_schedule(num_steps, shift=3.0):
-    """Noise levels sigma_0 = 1 > sigma_1 > ... > sigma_T = 0, shifted like SD3's scheduler.
-
-    shift > 1 spends more steps at high noise: sigma' = shift * s / (1 + (shift - 1) * s).
-    Returns a float32 tensor of shape [T + 1].
-    """
+    """The sigmas sigma_0 = 1 > ... > sigma_T = 0 [T + 1], float32, shifted like SD3's scheduler:
+    sigma' = shift * s / (1 + (shift - 1) * s), more steps at high noise for shift > 1."""
     _check(num_steps >= 1, f"num_steps must be >= 1, got {num_steps}")
     _check(shift > 0, f"shift must be > 0, got {shift}")
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
@@ -81,15 +83,11 @@ def sigma_schedule(num_steps, shift=3.0):
 
 
 def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=None):
-    """One SDE step from z at sigma to sigma_next, and the log-probability of the result.
-
-    v, z: [B, *D]; sigma, sigma_next: [B]. If prev_sample (z_{k+1}, [B, *D]) is given it is
-    scored instead of sampled. Returns (prev_sample, log_prob [B], mean [B, *D], std [B, 1..]):
-    the next state, its Gaussian log-density averaged over the non-batch dimensions (Flow-GRPO's
-    convention), and the mean and standard deviation of the Gaussian it was drawn from. All four
-    are fp32 (fp64 if given fp64), whatever v's dtype: the state is stored exactly as it was
-    scored, so a bf16 network on fp32 latents still gives a first ratio of exactly 1.
-    """
+    """One SDE step from z at sigma to sigma_next (v, z: [B, *D]; sigma, sigma_next: [B]);
+    prev_sample (z_{k+1}, [B, *D]), if given, is scored instead of sampled. Returns (prev_sample,
+    log_prob [B], mean [B, *D], std [B, 1..]): the next state, its Gaussian log-density averaged
+    over the non-batch dimensions (Flow-GRPO's), the Gaussian's mean and standard deviation. All
+    in fp32 (fp64 if given fp64), so a bf16 network on fp32 latents gives a first ratio of 1."""
     # Why fp32: log-probabilities of near-identical policies are subtracted and exponentiated
     # in the GRPO ratio; bf16 rounding alone would move the ratio by more than the clip range.
     dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)  # fp32, or fp64 if given fp64
@@ -108,15 +106,11 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     # The Gaussian's standard deviation: std_t * sqrt(-dt).
     std = std_t * torch.sqrt(-dt)  # [B, 1, ...]
     if prev_sample is None:
-        eps = torch.randn(z.shape, generator=generator, device=z.device, dtype=z.dtype)
-        prev_sample = mean + std * eps  # [B, *D]
+        noise = torch.randn(z.shape, generator=generator, device=z.device, dtype=z.dtype)
+        prev_sample = mean + std * noise  # [B, *D]
     prev_sample = prev_sample.to(dtype)
     # log N(x; mu, std^2) = -(x - mu)^2 / (2 std^2) - log std - log sqrt(2 pi), per element.
-    log_prob = (
-        -((prev_sample.detach() - mean) ** 2) / (2 * std**2)
-        - torch.log(std)
-        - 0.5 * math.log(2 * math.pi)
-    )  # [B, *D]
+    log_prob = -((prev_sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)  # [B, *D]
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))  # [B]
     return prev_sample, log_prob, mean, std
 
@@ -144,8 +138,8 @@ class Trajectory:
         return self.z_next[-1]
 
     def first_steps(self, n):
-        """The first n steps, the ones Flow-GRPO trains (int(T * timestep_fraction) = 9 of T = 10:
-        the last step, to sigma 0, barely changes the image). .sample is then z_n: reward the full one."""
+        """The first n steps, the ones Flow-GRPO trains (its config's timestep_fraction: 9 of T = 10;
+        the last step, to sigma 0, barely changes the image). Reward the full trajectory's .sample."""
         _check(1 <= n <= self.z.shape[0], f"a trajectory of {self.z.shape[0]} steps has no first {n} steps to train")
         return Trajectory(**{name: getattr(self, name)[:n] for name in self.TENSORS}, noise_level=self.noise_level)
 
@@ -162,25 +156,11 @@ class Trajectory:
                           noise_level=levels.pop())
 
 
-def checked(velocity_fn):
-    """velocity_fn, refusing at once a velocity whose shape is not z's: a broadcast would train
-    silently on sample 0's velocity, or fail steps later with no word of velocity_fn."""
-    def velocity(z, t):
-        v = velocity_fn(z, t)
-        _check(isinstance(v, torch.Tensor) and v.shape == z.shape,
-               f"velocity_fn(z {tuple(z.shape)}, t {tuple(t.shape)}) returned {getattr(v, 'shape', type(v))}: it must "
-               f"return v of z's shape [S, B, *D]; end it with .reshape(z.shape)")
-        return v
-    return velocity
-
-
 @torch.no_grad()
 def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
-    """Sample B trajectories of T = len(sigmas) - 1 SDE steps from the noise z_0: [B, *D].
-
-    The velocities are stored because JAGG's routing score (section 7) reads them for free.
-    """
-    velocity_fn = checked(velocity_fn)
+    """Sample B trajectories of T = len(sigmas) - 1 SDE steps from the noise z_0: [B, *D]. The
+    velocities are kept: JAGG's routing score (section 7) reads them for free."""
+    velocity_fn = checked(velocity_fn)  # v must have z's shape (section 9)
     B, T, z = noise.shape[0], len(sigmas) - 1, noise
     zs, z_nexts, log_probs, vs = [], [], [], []
     for k in range(T):
@@ -195,35 +175,6 @@ def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
     return Trajectory(z=torch.stack(zs), z_next=torch.stack(z_nexts),  # [T, B, *D] each
                       t=t.contiguous(), t_next=t_next.contiguous(), log_prob=torch.stack(log_probs),  # [T, B] each
                       v=torch.stack(vs), noise_level=noise_level)  # [T, B, *D]
-
-
-@torch.no_grad()
-def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
-    """Check a model's velocity_fn once, before training, on a batch of noise z: [B, *D] and the
-    schedule sigmas: [T + 1]. Raises a ValueError that names the mistake and its fix. Checks that
-    v has z's shape and is finite; that two equal calls agree (dropout); and that one call on S
-    steps equals S one-step calls (a rollout calls one step at a time, JAGG several at once:
-    conditioning repeated in the wrong order, or a batch-dependent model, differs only there). Give z
-    samples with different conditioning, as a training batch has. rtol: the tolerance, relative
-    to |v|; None: 1e-4 in fp32, 2e-2 in bf16 / fp16 or under autocast. Returns the largest error."""
-    S = min(3, len(sigmas) - 1)
-    t = sigmas[torch.linspace(0, len(sigmas) - 2, S).round().long()].to(z.device)[:, None].expand(S, z.shape[0])  # [S, B]
-    zs = torch.stack([z * (1 - 0.1 * s) for s in range(S)])  # [S, B, *D]: a different state at each step
-    v = checked(velocity_fn)(zs, t)  # [S, B, *D]
-    _check(v.dtype.is_floating_point and bool(torch.isfinite(v).all()), "velocity_fn returned non-finite values")
-    low = v.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(z.device.type)
-    rtol = (2e-2 if low else 1e-4) if rtol is None else rtol
-    scale = v.float().norm().item()
-    again = (checked(velocity_fn)(zs, t).float() - v.float()).norm().item() / scale
-    _check(again <= rtol, f"two equal calls of velocity_fn differ by {again:.1e} of |v|: put the model in eval mode "
-                          f"(no dropout) for rollouts and training alike, or the first ratio is not 1")
-    one = torch.stack([checked(velocity_fn)(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
-    error = (v.float() - one.float()).norm().item() / scale
-    _check(error <= rtol, f"velocity_fn on {S} steps at once differs from {S} one-step calls by {error:.1e} of |v| "
-                          f"(rtol {rtol:.0e}): its rows are step-major (row s * B + b is sample b at step s), so repeat "
-                          f"the conditioning as a block, c.repeat(S) or .repeat(S, 1, 1), never repeat_interleave; "
-                          f"and make no row depend on the others (batch statistics)")
-    return max(error, again)
 
 
 # === 3. Group-relative advantages (GRPO) ===
@@ -264,7 +215,7 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
     """Clipped GRPO surrogate of one step, plus beta * KL to the reference policy.
 
     All per-sample inputs are [B] (mean, mean_ref: [B, *D]; std_t: [B, 1..]).
-    ratio = exp(logp - logp_old);  L = mean_B max(-A ratio, -A clip(ratio, 1 -/+ eps))
+    ratio = exp(logp - logp_old);  L = mean_B max(-A ratio, -A clip(ratio, 1 - clip_range, 1 + clip_range))
     KL term = mean_B mean_D ||mu - mu_ref||^2 / (2 std_t^2)   (Flow-GRPO's train_sd3.py)
     with std_t the SDE's noise scale of section 1, not the transition's std_t sqrt(|dt|): the KL
     of the two Gaussian transitions times |dt|, so beta means what it means in Flow-GRPO's configs.
@@ -278,14 +229,10 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
     if beta > 0:
         kl = ((mean - mean_ref) ** 2 / (2 * std_t**2)).mean(dim=tuple(range(1, mean.ndim))).mean()
         loss = loss + beta * kl
-    with torch.no_grad():
-        stats = {
-            "clipfrac": (torch.abs(ratio - 1.0) > clip_range).float().mean().item(),
-            # approx_kl = E[(logp - logp_old)^2] / 2, the k2 estimator (Schulman, "Approximating
-            # KL divergence", 2020), as Flow-GRPO logs it (CleanRL's ppo.py logs k1 and k3).
-            "approx_kl": 0.5 * ((log_prob - log_prob_old) ** 2).mean().item(),
-            "kl": kl.item(),
-        }
+    # approx_kl = E[(logp - logp_old)^2] / 2, the k2 estimator (Schulman, "Approximating KL
+    # divergence", 2020), as Flow-GRPO logs it (CleanRL's ppo.py logs k1 and k3).
+    stats = {"clipfrac": (torch.abs(ratio - 1.0) > clip_range).float().mean().item(),
+             "approx_kl": 0.5 * ((log_prob - log_prob_old) ** 2).mean().item(), "kl": kl.item()}
     return loss, stats
 
 
@@ -305,7 +252,8 @@ def make_step_loss(traj, advantages, start, stop, cfg, v_ref=None, log=None):
         if cfg.beta > 0:
             _, _, mean_ref, _ = sde_step(v_ref[k], traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
                                          prev_sample=traj.z_next[i])
-            std_t = std / (traj.t[i] - traj.t_next[i]).sqrt().reshape(std.shape)  # the transition's std / sqrt(|dt|)
+            # The KL's std_t is the SDE's noise scale of section 1: the transition's std over sqrt(|dt|).
+            std_t = std / (traj.t[i] - traj.t_next[i]).sqrt().reshape(std.shape)  # [B, 1..]
         loss, stats = grpo_step_loss(log_prob, traj.log_prob[i], advantages, cfg.clip_range,
                                      mean=mean, mean_ref=mean_ref, std_t=std_t, beta=cfg.beta)
         if log is not None:
@@ -317,9 +265,8 @@ def make_step_loss(traj, advantages, start, stop, cfg, v_ref=None, log=None):
 
 # === 5. Exact per-step backward: the baseline (what Flow-GRPO does) ===
 # The backward functions (here and in section 6) take one window's W steps, z [W, B, *D] and
-# t [W, B], and step_loss(k, v_k) -> scalar, the loss of the window's k-th step given its
-# velocity [B, *D]. They accumulate parameter gradients like loss.backward() and return the
-# window's summed loss.
+# t [W, B], and step_loss(k, v_k) -> scalar, the loss of its k-th step given the velocity
+# [B, *D]; they accumulate gradients like loss.backward() and return the window's summed loss.
 
 
 def check_batch(traj, advantages, cfg):
@@ -351,7 +298,8 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # === 6. JAGG: interpolate the Jacobians, back-propagate once ===
 # The gradient of a window a..b is a sum of vector-Jacobian products:
 #     grad = sum_k g_k^T J_k,      g_k = dL_k/dv_k,   J_k = dv_theta(z_k, t_k)/dtheta.
-# g_k is cheap (the loss is a few elementwise ops on v_k); each J_k costs a full backward.
+# g_k is cheap (the loss is a few elementwise ops on v_k); each J_k costs a full backward. The
+# g_k stay exact (each step's own velocity; the logged loss is exact too): only J is approximated.
 # Training-free DiT accelerators (Delta-DiT, ScalingCache) exploit that a DiT's features and
 # velocities change smoothly, nearly linearly, along a trajectory. JAGG bets the Jacobians do
 # too, and interpolates them between the window's end steps, weighted by t:
@@ -364,12 +312,15 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # What it costs, per window of W steps: exact runs W rows with grad (W forwards with graph, W
 # backward passes of one row); JAGG runs 2 (one forward with graph over the double batch, one
 # backward over it) plus W - 2 interior rows forward without graph, which store no activations.
-# Memory: the double batch keeps 2 rows of activations alive at once, twice exact's one.
-# Windows tile the trained steps from the first: T = 10 at W = 4 gives windows of 4, 4 and 2
-# steps (6 rows with grad, not 10), Flow-GRPO's 9 trained steps give 4, 4 and 1 (5, not 9).
-# A window of 1 step is exact training; one of 2 has no interior and costs 2 rows either way.
+# With a backward costing about two forwards, W = 4 is 2 x 3 + 2 = 8 forward-units against
+# exact's 4 x 3 = 12, about 1.5x on what JAGG touches (CFG's and the KL reference's forwards,
+# which JAGG leaves alone, dilute it: docs/benchmarks.md). Memory: the double batch keeps 2 rows
+# of activations alive at once, twice exact's one. OURS: windows tile the trained steps from the
+# first, the last one shorter: T = 10 at W = 4 gives windows of 4, 4 and 2 steps (6 rows with
+# grad, not 10), Flow-GRPO's 9 trained steps 4, 4 and 1 (5, not 9). A window of 1 step is exact
+# training; one of 2 has no interior and costs 2 rows either way.
 #
-# When it is exact: if J(z, t) is affine in (z, t) along the window (e.g. v_theta linear in
+# When it is exact: if J(z, t) is affine in (z, t) along the window (e.g. v_theta affine in
 # (z, t), whatever its dependence on theta) and the states lie on the straight segment
 # z_k = (1 - alpha_k) z_a + alpha_k z_b, then J_k = (1 - alpha_k) J_a + alpha_k J_b exactly and
 # so is JAGG's gradient. With W = 2 there is no interior step, so it is always exact.
@@ -424,9 +375,10 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # which cosine, and what jagg_frac counts. The score of a window is the cosine similarity
 # between its interior velocities and their interpolation between its end steps: the velocities
 # come from the rollout, so it costs no network call, and if v moves linearly in t the features
-# (and, JAGG bets, the Jacobians) likely do too. jagg_frac is the share of windows, the highest
-# scores first, that JAGG takes; the rest train exactly. A window of 2 steps or fewer takes no
-# share: it has no interior, so JAGG would save nothing on it.
+# (and, JAGG bets, the Jacobians) likely do too. Velocities along a trajectory point much the same
+# way, so scores sit near 1: 0.88 against 0.98 is a wide gap. jagg_frac is the share of windows,
+# the highest scores first, that JAGG takes (rounded half to even, Python's round); the rest train
+# exactly. A window of 2 steps or fewer takes no share: with no interior, JAGG saves nothing there.
 
 
 def linearity_score(v, t):
@@ -463,18 +415,15 @@ def route_windows(scores, lengths, jagg_frac):
 
 
 # === 8. One training step over a batch of trajectories ===
-# A batch's gradient, window by window: the windows routing gives to JAGG run
-# backward_jagg_window (section 6), the others backward_exact (section 5). With the KL term, the
-# frozen reference model's velocities are needed at every step too; they need no graph. One
-# optimizer step is then what it is in any PyTorch loop, on each minibatch of the rollout
-# (traj.subset(idx)): the first on-policy (ratio 1), the next ones off-policy, their ratio clipped.
+# Window by window: those routing gives to JAGG run backward_jagg_window, the others
+# backward_exact; the KL term's reference velocities need no graph. Then a plain optimizer step,
+# on each minibatch of the rollout (traj.subset(idx)): the first on-policy, the next off-policy.
 
 
 def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_velocity_fn=None):
-    """Accumulate the gradient of the batch's GRPO loss (the mean over its T steps and B samples)
-    into the parameters' .grad, window by window, routed between exact and the paper's JAGG.
-    traj: T steps of B samples; advantages: [B]; cfg: LossConfig. Returns (stats, routed):
-    routed[i] is True when window i went to JAGG."""
+    """Accumulate the gradient of the batch's GRPO loss (the mean over traj's T steps and B
+    samples; advantages: [B]) into .grad, window by window, routed between exact and the paper's
+    JAGG. Returns (stats, routed): routed[i] is True when window i went to JAGG."""
     check_batch(traj, advantages, cfg)
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
     velocity_fn = checked(velocity_fn)
@@ -512,6 +461,51 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
     return stats, routed
 
 
+# === 9. Before training: check the model's velocity_fn ===
+# Three mistakes train silently: a velocity of another shape than z (broadcast onto the batch),
+# conditioning repeated in the wrong order (rollouts and exact training call one step at a time
+# and look right; only JAGG's several steps at once pair states with other samples' prompts),
+# and dropout (the first ratio is not 1). rollout and the training step refuse the first.
+
+
+def checked(velocity_fn):
+    """velocity_fn, refusing at once a velocity whose shape is not z's."""
+    def velocity(z, t):
+        v = velocity_fn(z, t)
+        _check(isinstance(v, torch.Tensor) and v.shape == z.shape,
+               f"velocity_fn(z {tuple(z.shape)}, t {tuple(t.shape)}) returned {getattr(v, 'shape', type(v))}: it must "
+               f"return v of z's shape [S, B, *D]; end it with .reshape(z.shape)")
+        return v
+    return velocity
+
+
+@torch.no_grad()
+def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
+    """Check velocity_fn once before training, on noise z: [B, *D] of samples with different
+    conditioning and the schedule sigmas: [T + 1]: v of z's shape and finite, two equal calls
+    equal, one call on S steps equal to S one-step calls. A ValueError names the mistake and its
+    fix. rtol, relative to |v|; None: 1e-4 in fp32, 2e-2 in bf16 / fp16 or under autocast (pass
+    2e-2 if velocity_fn autocasts inside). Returns the largest relative difference."""
+    S = min(3, len(sigmas) - 1)
+    t = sigmas[torch.linspace(0, len(sigmas) - 2, S).round().long()].to(z.device)[:, None].expand(S, z.shape[0])  # [S, B]
+    zs = torch.stack([z * (1 - 0.1 * s) for s in range(S)])  # [S, B, *D]: a different state at each step
+    v = checked(velocity_fn)(zs, t)  # [S, B, *D]
+    _check(v.dtype.is_floating_point and bool(torch.isfinite(v).all()), "velocity_fn returned non-finite values")
+    low = v.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(z.device.type)
+    rtol = (2e-2 if low else 1e-4) if rtol is None else rtol
+    scale = v.float().norm().item()
+    again = (checked(velocity_fn)(zs, t).float() - v.float()).norm().item() / scale
+    _check(again <= rtol, f"two equal calls of velocity_fn differ by {again:.1e} of |v|: put the model in eval mode "
+                          f"(no dropout) for rollouts and training alike, or the first ratio is not 1")
+    one = torch.stack([checked(velocity_fn)(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
+    error = (v.float() - one.float()).norm().item() / scale
+    _check(error <= rtol, f"velocity_fn on {S} steps at once differs from {S} one-step calls by {error:.1e} of |v| "
+                          f"(rtol {rtol:.0e}): it is step-major (entry s * B + b is sample b at step s), so repeat "
+                          f"the conditioning as a block, c.repeat(S) or .repeat(S, 1, 1), never repeat_interleave; "
+                          f"and make no row depend on the others (batch statistics)")
+    return max(error, again)
+
+
 # === Run it: python jagg.py (tests/test_jagg.py checks the rest against autograd and torch.func) ===
 
 
@@ -519,8 +513,7 @@ def _self_check():
     """What a learner should see, each line checked."""
     torch.set_default_dtype(torch.float64)  # exactness shows as ~1e-16, not fp32's ~1e-7
     torch.manual_seed(0)
-    T, W, B, D = 10, 4, 16, 3  # windows of 4, 4 and 2 steps
-    calls = []  # (model, rows, grad enabled) of every network call
+    T, W, B, D, calls = 10, 4, 16, 3, []  # windows of 4, 4 and 2 steps; calls: (model, rows, grad enabled)
 
     def velocity_fn_of(net, name="policy"):  # velocity_fn(z [S, B, D], t [S, B]) -> [S, B, D], recording its calls
         def velocity_fn(z, t):
@@ -533,10 +526,9 @@ def _self_check():
         out = backward(velocity_fn_of(net), *args)
         return torch.cat([p.grad.flatten() for p in net.parameters()]), out
 
-    def cosine(a, b):
-        return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+    cosine = lambda a, b: torch.nn.functional.cosine_similarity(a, b, dim=0).item()  # noqa: E731
 
-    # 1. v linear in (z, t), nonlinear in theta (two layers multiplied), on a straight window: J is
+    # A. v affine in (z, t), nonlinear in theta (two layers multiplied), on a straight window: J is
     #    affine along it, so JAGG's gradient is exact (section 6).
     linear = torch.nn.Sequential(torch.nn.Linear(D + 1, D + 1), torch.nn.Linear(D + 1, D))
     t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B]
@@ -547,50 +539,57 @@ def _self_check():
     (exact, _), (approx, _) = (grad(linear, f, z, t, step_loss) for f in (backward_exact, backward_jagg_window))
     rel = ((approx - exact).norm() / exact.norm()).item()
     assert rel < 1e-12, rel
-    print(f"1. v linear in (z, t), one straight window of W = {W}: |JAGG - exact| / |exact| = {rel:.1e}: equal")
+    print(f"A. v affine in (z, t), nonlinear in theta, one straight window of W = {W}: "
+          f"|JAGG - exact| / |exact| = {rel:.1e}: equal")
 
-    # 2. A small nonlinear network on its own rollouts, GRPO's loss with the KL to a frozen copy
-    #    (groups of 4 samples): each window's routing score beside its measured gradient cosine.
+    # B. A small nonlinear network on its own rollouts, GRPO's loss with the KL to a frozen copy
+    #    (groups of 4 samples): each window's routing score (section 7) beside its gradient cosine.
     net = torch.nn.Sequential(torch.nn.Linear(D + 1, 32), torch.nn.Tanh(), torch.nn.Linear(32, D))
     ref = velocity_fn_of(copy.deepcopy(net).requires_grad_(False), "reference")
-    check_velocity_fn(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T))  # shape, batching, determinism
+    check_velocity_fn(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T))  # shape, batching, dropout
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4)  # [B]
     cfg = LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04)
-    print(f"2. T = {T}, W = {W}: windows {window_bounds(T, W)} (start, stop); a window's cost in rows with grad")
+    print(f"B. T = {T}, W = {W}: windows {window_bounds(T, W)} (start, stop); rows with grad = the cost")
     for start, stop in window_bounds(T, W):
         z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, D], [W, B]
         g = [grad(net, f, z, t, make_step_loss(traj, advantages, start, stop, cfg, ref(z, t)))[0]
              for f in (backward_exact, backward_jagg_window)]
         score, cos = linearity_score(traj.v[start:stop], traj.t[start:stop]), cosine(*g)
         assert cos > 0.9 if stop - start > 2 else abs(cos - 1) < 1e-12, (cos, score)
-        print(f"   steps {start}-{stop - 1}: score {score:.5f}, gradient cosine to exact {cos:.5f}, "
+        print(f"   steps {start}-{stop - 1}: routing score {score:.5f}, JAGG's gradient cosine to exact {cos:.5f}; "
               f"rows with grad: exact {stop - start}, JAGG 2 (+ {stop - start - 2} forwards without graph)")
+    print("   the score ranks the windows as their measured cosines do; the 2-step window is exact either way")
 
-    # 3. The batch's gradient at jagg_frac 0 (exact), 1 and 0.5: what each ran, and how close it is.
+    # C. The batch's gradient at jagg_frac 0 (exact), 1 and 0.5: what each ran, and how close it is.
     grads = {}
     for frac, rows in ((0.0, T), (1.0, 6), (0.5, 8)):  # the 2-step window never takes JAGG's share
         calls.clear()
         grads[frac], (stats, routed) = grad(net, paper_gradients, traj, advantages, cfg, W, frac, ref)
         graph = [n for name, n, g in calls if g]  # the forwards with graph: one backward pass each
         assert sum(graph) == stats["grad_rows"] == rows, (graph, rows)
-        print(f"3. jagg_frac {frac}: windows to JAGG {routed}: {len(graph)} backward passes over {sum(graph)} rows "
+        print(f"C. jagg_frac {frac}: windows to JAGG {routed}: {len(graph)} backward passes over {sum(graph)} rows "
               f"with grad, {sum(n for name, n, g in calls if name == 'policy' and not g)} interior rows without "
               f"graph (+ the KL reference's {sum(n for name, n, _ in calls if name == 'reference')} rows, no graph), "
               f"gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}")
 
-    # 4. Training: Flow-GRPO trains the first 9 of T = 10 steps (windows of 4, 4 and 1) on minibatches
+    # D. Training: Flow-GRPO trains the first 9 of T = 10 steps (windows of 4, 4 and 1) on minibatches
     #    of the rollout (here two of 2 groups each), the first optimizer step on-policy, the next off it.
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    print(f"D. training on the first 9 of {T} steps: windows {window_bounds(9, W)}, the last (1 step) exact")
+    lessons = ["on-policy: ratio 1 and the policy still its frozen copy, so loss, approx_kl and kl are 0",
+               "samples 8-15, after one update: off-policy, ratios move, the KL to the reference grows",
+               "samples 0-7 again, after two: the ratios reach the clip range 0.2, clipfrac > 0"]
     for step in range(1, 4):
         idx = torch.arange(B).split(B // 2)[(step - 1) % 2]  # [B / 2]: samples 0-7, 8-15, 0-7
         stats, routed = paper_train_step(velocity_fn_of(net), optimizer, traj.subset(idx).first_steps(9),
                                          advantages[idx], cfg, W, 1.0, ref)
-        print(f"4. optimizer step {step}: loss {stats['loss']:+.5f}, clipfrac {stats['clipfrac']:.3f}, "
-              f"approx_kl {stats['approx_kl']:.2e}, kl {stats['kl']:.2e}, windows to JAGG {routed}")
+        print(f"   step {step}: loss {stats['loss']:+.5f}, clipfrac {stats['clipfrac']:.3f}, "
+              f"approx_kl {stats['approx_kl']:.2e}, kl {stats['kl']:.2e}, windows to JAGG {routed}: {lessons[step - 1]}")
         assert (abs(stats["loss"]) < 1e-6 and stats["approx_kl"] < 1e-20) if step == 1 else stats["approx_kl"] > 0
-    print("   step 1's loss is 0: on the rollout's own policy every ratio is 1, and a group's advantages sum to 0;")
-    print("   its gradient is not 0. Its approx_kl is 0 (to round-off) only if velocity_fn batches the steps correctly.")
+    assert stats["clipfrac"] > 0
+    print("   step 1's loss is 0 as a group's advantages sum to 0 (its gradient is not); its approx_kl is 0 only if")
+    print("   velocity_fn batches the steps as the rollout did (section 9)")
     print("ok")
 
 

@@ -567,7 +567,9 @@ def _dot(a, b):
 def probe_segments(fns, params, traj, advantages, cfg, opts, train_batch):
     """The probe per segment on the batch traj (its samples, advantages [B]): {"cosine": JAGG's
     gradient to exact (gradient_cosines'), "error_to_noise": |j - g|^2 over an optimizer step's
-    noise at train_batch samples}. fns(idx) -> (velocity_fn, ref_velocity_fn) of the samples idx
+    noise at train_batch samples, and its two parts "error" and "noise"}. One probe's noise comes
+    from one pair of halves, so its ratio scatters widely; over several probes, sum the parts
+    before dividing (a mean of ratios is biased high, E[1 / noise] > 1 / E[noise]). fns(idx) -> (velocity_fn, ref_velocity_fn) of the samples idx
     (their conditioning sliced alike); the batch is split into two halves. A one-step segment
     reports cosine 1 and error 0. Holds four float32 gradient vectors at once (the two halves'
     exact and JAGG ones), the memory of gradient_cosines' two float64 ones. Leaves .grad None."""
@@ -580,10 +582,10 @@ def probe_segments(fns, params, traj, advantages, cfg, opts, train_batch):
         velocity_fn, ref_velocity_fn = fns(idx)
         per_half.append(_segment_gradients(velocity_fn, params, traj.subset(idx), advantages[idx], cfg, opts,
                                            ref_velocity_fn, torch.float32))
-    cosines, ratios = [], []
+    cosines, ratios, errors, noises = [], [], [], []
     for first, second in zip(*per_half):  # each: [exact g_h, JAGG j_h] of one segment, or None
         if first is None:
-            cosines.append(1.0), ratios.append(0.0)
+            cosines.append(1.0), ratios.append(0.0), errors.append(0.0), noises.append(0.0)
             continue
         (g_1, j_1), (g_2, j_2) = first, second  # [P] each
         # g = w_1 g_1 + w_2 g_2 and j alike, the whole probe batch's; every term from dot products.
@@ -592,8 +594,9 @@ def probe_segments(fns, params, traj, advantages, cfg, opts, train_batch):
         gj = (w[0] ** 2 * _dot(g_1, j_1) + w[0] * w[1] * (_dot(g_1, j_2) + _dot(g_2, j_1)) + w[1] ** 2 * _dot(g_2, j_2))
         sigma = (_dot(g_1, g_1) - 2 * _dot(g_1, g_2) + _dot(g_2, g_2)) / (1 / len(halves[0]) + 1 / len(halves[1]))
         cosines.append(gj / math.sqrt(gg * jj) if gg * jj > 0 else 0.0)
-        ratios.append(max(jj - 2 * gj + gg, 0.0) / (sigma / train_batch) if sigma > 0 else math.inf)
-    return {"cosine": cosines, "error_to_noise": ratios}
+        errors.append(max(jj - 2 * gj + gg, 0.0)), noises.append(sigma / train_batch)
+        ratios.append(errors[-1] / noises[-1] if sigma > 0 else math.inf)
+    return {"cosine": cosines, "error_to_noise": ratios, "error": errors, "noise": noises}
 
 
 def probe_average(average, cosines, decay):

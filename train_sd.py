@@ -48,7 +48,8 @@ from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed,
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
 from common import bench_modes, benchmark_trajectory, benchmark_window, chart, compare_summary, font, save_png, step_metrics
 from common import trained_steps, training_step_bars, writable_folder_check
-from common import JaggConfig, probe_cosine_by_position, probe_counts_as_training, probe_report, write_json, write_jsonl
+from common import JaggConfig, probe_cosine_by_position, probe_counts_as_training, probe_error_to_noise_by_position
+from common import probe_report, write_json, write_jsonl
 
 SHAPES_REWARDS = ("geneval", "shapes", "shapes_cover", "cover")  # mini_sd3.py's rewards: its prompts only
 # --preset mini: the mini SD3's documented setting on a CPU (docs/mini_sd3.md), the one its tables use.
@@ -889,7 +890,8 @@ def train(cfg):
                                                 traj.subset(idx_d).first_steps(n_train), adv[idx_d], loss_cfg,
                                                 cfg.jagg_options(), step_batch)
             row["probe/grad_cosine"] = mean_over_ranks(probe["cosine"], device)
-            row["probe/error_to_noise"] = mean_over_ranks(probe["error_to_noise"], device)
+            for key in ("error_to_noise", "error", "noise"):  # the ratio, and its two parts for averages over probes
+                row[f"probe/{key}"] = mean_over_ranks(probe[key], device)
             probe_avg = jagg_options.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
             row["time/probe_seconds"] = time.perf_counter() - start
 
@@ -972,7 +974,7 @@ def summarize(cfg, rows):
         "skipped_steps": sum(r["train/skipped_steps"] for r in trained),
         "window": cfg.window, "epochs": cfg.epochs,
         "probe_cosine_by_position": probe_cosine_by_position(trained),
-        "probe_error_to_noise_by_position": probe_cosine_by_position(trained, "probe/error_to_noise"),
+        "probe_error_to_noise_by_position": probe_error_to_noise_by_position(trained),
         "config": dataclasses.asdict(cfg),
     }
 

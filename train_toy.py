@@ -37,7 +37,8 @@ from common import init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
 from common import report_trajectory, save_png, step_metrics, torch_save, trained_steps, training_step_bars
 from common import writable_folder_check
-from common import JaggConfig, compare_summary, probe_cosine_by_position, probe_counts_as_training, probe_report
+from common import JaggConfig, compare_summary, probe_cosine_by_position, probe_counts_as_training
+from common import probe_error_to_noise_by_position, probe_report
 from common import write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
 
@@ -348,7 +349,8 @@ def train(cfg, method, base, rank, world):
                                                 model.parameters(), sub, adv[idx], loss_cfg, cfg.jagg_options(),
                                                 train_batch=B // cfg.minibatches * world)
             row["probe/grad_cosine"] = mean_over_ranks(probe["cosine"])
-            row["probe/error_to_noise"] = mean_over_ranks(probe["error_to_noise"])
+            for key in ("error_to_noise", "error", "noise"):  # the ratio, and its two parts for averages over probes
+                row[f"probe/{key}"] = mean_over_ranks(probe[key])
             row["probe/velocity_score"] = [jagg.linearity_score(sub.v[a:b], sub.t[a:b])
                                            for a, b in jagg_options.segment_bounds(n_train, cfg.window, cfg.anchors)]
             probe_avg = jagg_options.probe_average(probe_avg, row["probe/grad_cosine"], cfg.probe_decay)
@@ -412,7 +414,7 @@ def train(cfg, method, base, rank, world):
         "jagg_frac": jagg_frac,
         # per segment position: the mean measured cosine, and how often JAGG took it
         "probe_cosine_by_position": probe_cosine_by_position(rows),
-        "probe_error_to_noise_by_position": probe_cosine_by_position(rows, "probe/error_to_noise"),
+        "probe_error_to_noise_by_position": probe_error_to_noise_by_position(rows),
         "routed_frac_by_position": [c / opt_steps for c in routed_count],
         "cosine_routed": mean_cosine(True),  # mean probe cosine of the segments JAGG took in that step
         "cosine_kept_exact": mean_cosine(False),

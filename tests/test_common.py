@@ -111,3 +111,12 @@ def test_gradient_signal_stats_on_known_gradients():
     assert noisy["signal_kept_stderr"] < 0.1 and 0 < noisy["batch_agreement_stderr"] < 0.05
     wrong = signal_stats(exact, [-x for x in exact])  # the opposite direction loses the signal
     assert wrong["signal_kept"] == pytest.approx(-1.0)
+
+
+def test_probe_error_to_noise_pools_the_probes_parts():
+    """Summed errors over summed noises, per segment position: not the mean of the ratios, which one
+    small noise estimate would blow up."""
+    rows = [{"probe/error": [1.0, 0.0], "probe/noise": [10.0, 0.0]}, {"probe/error": [3.0, 0.0], "probe/noise": [0.1, 0.0]},
+            {"step": 3}]
+    assert common.probe_error_to_noise_by_position(rows) == pytest.approx([4.0 / 10.1, 0.0])
+    assert common.probe_error_to_noise_by_position([{"step": 1}]) is None

@@ -1108,15 +1108,17 @@ def test_python_jagg_py_runs_its_self_check():
     out = subprocess.run([sys.executable, "jagg.py"], capture_output=True, text=True, check=True, timeout=120,
                          cwd=common.__file__.rsplit("/", 1)[0]).stdout
     rel = float(re.search(r"\|JAGG - exact\| / \|exact\| = ([0-9.e+-]+)", out).group(1))
-    windows = [(float(s), float(c)) for s, c in re.findall(r"score (\S+), gradient cosine to exact (\S+),", out)]
+    windows = [(float(s), float(c)) for s, c in re.findall(r"routing score (\S+), JAGG's gradient cosine to exact (\S+);", out)]
     passes = [(int(p), int(r)) for p, r in re.findall(r"(\d+) backward passes over (\d+) rows", out)]
     routed = re.findall(r"jagg_frac \S+: windows to JAGG (\[.*?\])", out)
     approx_kl = [float(c) for c in re.findall(r"approx_kl (\S+),", out)]
+    clipfrac = [float(c) for c in re.findall(r"clipfrac (\S+),", out)]
     assert rel < 1e-12 and len(windows) == 3 and windows[2] == (1.0, 1.0), out
     assert all(0.5 < c < 1 - 1e-6 for _, c in windows[:2]), out
     assert passes == [(10, 10), (4, 6), (7, 8)], out
     assert routed == ["[False, False, False]", "[True, True, False]", "[False, True, False]"], out
     assert approx_kl[0] < 1e-20 and len(approx_kl) == 3 and min(approx_kl[1:]) > 0 and out.strip().endswith("ok"), out
+    assert clipfrac[0] == 0 and clipfrac[2] > 0 and "windows [(0, 4), (4, 8), (8, 9)]" in out, out
 
 
 @pytest.mark.parametrize("beta, options", [(0.0, {}), (0.05, {"anchors": "shared", "interior": "rollout"})])
@@ -1159,6 +1161,9 @@ def test_probe_reports_the_error_in_units_of_the_batchs_own_noise(beta, options)
         assert cos == pytest.approx(cosine(j, g), abs=1e-6)
         assert ratio == pytest.approx(((j - g).square().sum() / (sigma / 32)).item(), rel=1e-4)
         assert 0 < ratio < math.inf
+        i = bounds.index((start, stop))  # the ratio's two parts, for pooling probes (common.probe_error_to_noise_by_position)
+        assert out["error"][i] == pytest.approx((j - g).square().sum().item(), rel=1e-4)
+        assert out["noise"][i] == pytest.approx((sigma / 32).item(), rel=1e-4)
     doubled = jagg_options.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=64)
     assert doubled["error_to_noise"] == pytest.approx([2 * r for r in out["error_to_noise"]], rel=1e-9)
 

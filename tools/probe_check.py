@@ -1,0 +1,73 @@
+"""Does the probe's error_to_noise read what independent batches measure? docs/probe_check.md.
+
+    python tools/probe_check.py toy --batches 8 --batch 16     # train_toy.py's base model and setting
+    python tools/probe_check.py mini --batches 8 --batch 16    # the mini SD3 at train_sd.py --preset mini
+
+On the base model, for --batches independent rollout batches of --batch samples, per segment of
+the mode (the paper's windows by default): the probe's own figure, jagg_options.probe_segments on
+each batch alone (its two halves give the noise), and the same quantity from the independent
+batches, |j - g|^2 over the noise of one batch's exact gradient, mean |g_a - g_b|^2 / 2 over pairs
+of batches (tools/offpolicy_error.py's measure, per segment). One probe's figure scatters widely (its
+noise is one pair of halves); the probes' errors summed over their noises summed should match the
+independent batches' figure up to the sampling error of both.
+"""
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jagg_options  # noqa: E402
+from offpolicy_error import MODES, MiniTask, ToyTask  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model_kind", choices=["toy", "mini"], help="which model and setting")
+    parser.add_argument("--batches", type=int, default=8, help="independent rollout batches (>= 2)")
+    parser.add_argument("--batch", type=int, default=16, help="samples per batch (mini: a multiple of the group, 8)")
+    parser.add_argument("--mode", choices=list(MODES), default="paper", help="the JAGG mode to check")
+    parser.add_argument("--model", default="mini", help="mini: a saved mini pipeline folder, or mini (the cached one)")
+    parser.add_argument("--resolution", type=int, default=0, help="mini: image size (0: the model's own)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the rollouts")
+    args = parser.parse_args(argv)
+    if args.batches < 2:
+        parser.error(f"--batches must be >= 2 (the noise compares independent batches), got {args.batches}")
+    task = MiniTask(args) if args.model_kind == "mini" else ToyTask(args)
+    opts = jagg_options.JaggOptions(task.window, 1.0, **MODES[args.mode])
+    g = torch.Generator().manual_seed(args.seed)
+    probes, pairs = [], []  # per batch: the probe's figures; the (exact, JAGG) gradients per segment
+    for _ in range(args.batches):
+        batch = task.draw(args.batch, g)
+        ref = task.loss_cfg.beta > 0
+        fns = lambda idx, batch=batch: (batch.fns(idx)[0], batch.fns(idx)[1] if ref else None)  # noqa: E731
+        probes.append(jagg_options.probe_segments(fns, task.params, batch.traj, batch.adv, task.loss_cfg, opts,
+                                                  train_batch=args.batch))
+        fn, ref_fn = fns(torch.arange(args.batch))
+        pairs.append(list(jagg_options._segment_gradients(fn, task.params, batch.traj, batch.adv, task.loss_cfg, opts,
+                                                          ref_fn)))
+    segments = jagg_options.segment_bounds(batch.traj.z.shape[0], opts.window, opts.anchors)
+    print(f"{args.model_kind}, {task.setting}, mode {args.mode}: {args.batches} batches of {args.batch}, the base model")
+    print("| segment (steps) | one probe: error / noise, median (range) | probes: their errors' sum / their noises' sum "
+          "| independent batches: error / noise |")
+    print("|---|---|---|---|")
+    for s, (start, stop) in enumerate(segments):
+        if pairs[0][s] is None:
+            continue
+        exact = [p[s][0] for p in pairs]
+        noise = sum((a - b).square().sum().item() for a, b in itertools.combinations(exact, 2)) / 2 / (
+            len(exact) * (len(exact) - 1) / 2)
+        error = sum((p[s][1] - p[s][0]).square().sum().item() for p in pairs) / len(pairs)
+        figures = sorted(p["error_to_noise"][s] for p in probes)
+        pooled = sum(p["error"][s] for p in probes) / sum(p["noise"][s] for p in probes)
+        print(f"| {s} ({start}-{stop - 1}) | {figures[len(figures) // 2]:.4f} ({figures[0]:.4f}-{figures[-1]:.4f}) "
+              f"| {pooled:.4f} | {error / noise:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
