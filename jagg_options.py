@@ -65,6 +65,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import jagg
 from jagg import _check, _check_window
@@ -100,6 +101,25 @@ class JaggOptions:
         """True when a JAGG segment's backward is the paper's, jagg.backward_jagg_window."""
         return (self.anchors == "window" and self.interior == "forward" and self.weights == "time"
                 and (self.max_graph_rows is None or self.max_graph_rows >= 2))
+
+
+# Many ranks: every decision is taken on all ranks' samples, as one process on all of them would
+# take it, so that every rank takes it alike: routing by the velocities' linearity (the mean of
+# the ranks' scores) and the drift guard (the largest drift on any rank). Under FSDP the ranks
+# must also run the same forwards, since each gathers the sharded weights from all the others.
+
+
+def _distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _agreed(values, op, device=None):
+    """values (a list of floats) combined over ranks: op "mean" or "max"; themselves on one process."""
+    if not _distributed():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
+    return (t if op == "max" else t / torch.distributed.get_world_size()).tolist()
 
 
 # === 1. Anchors: windows that share their end steps ===
@@ -219,10 +239,12 @@ def interpolate_from_anchors(v_anchor, v_old, H, anchors):
 
 
 def ratio_drift(traj, cfg, k, v_k):
-    """drift at step k of traj with velocity v_k [B, *D]: max_b |ratio - 1| / cfg.clip_range."""
+    """drift at step k of traj with velocity v_k [B, *D]: max_b |ratio - 1| / cfg.clip_range, the
+    samples b of every rank."""
     _, log_prob, _, _ = jagg.sde_step(v_k, traj.z[k], traj.t[k], traj.t_next[k], cfg.noise_level,
                                       prev_sample=traj.z_next[k])
-    return ((log_prob - traj.log_prob[k]).exp() - 1).abs().max().item() / cfg.clip_range
+    drift = ((log_prob - traj.log_prob[k]).exp() - 1).abs().max().item() / cfg.clip_range
+    return _agreed([drift], "max", v_k.device)[0]
 
 
 def stale_segments(drifts, max_drift, record=None):
@@ -465,7 +487,8 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
     jagg.check_batch(traj, advantages, cfg)
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
     velocity_fn = jagg.checked(velocity_fn)
-    scores = [jagg.linearity_score(traj.v[start:stop], traj.t[start:stop]) for start, stop in bounds]
+    scores = _agreed([jagg.linearity_score(traj.v[start:stop], traj.t[start:stop]) for start, stop in bounds], "mean",
+                     traj.z.device)  # every rank's samples, so that all route alike
     by_probe = opts.route == "probe" and probe_cosines is not None
     routed = route_segments(probe_cosines if by_probe else scores, [stop - start for start, stop in bounds],
                             opts.jagg_frac, floor=opts.min_cosine if by_probe else None)
@@ -508,8 +531,10 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
 
 
 def flat_grad(params, dtype=torch.float64):
-    """Every parameter's .grad in one vector [P] of dtype (a missing .grad counts as zeros)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype) for p in params])
+    """Every parameter's .grad in one vector [P] of dtype (a missing .grad counts as zeros; FSDP's
+    sharded gradients gathered whole)."""
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)) for p in params]
+    return torch.cat([(g.full_tensor() if isinstance(g, DTensor) else g).flatten().to(dtype) for g in grads])
 
 
 def _segment_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None, dtype=torch.float64):
@@ -669,18 +694,22 @@ def window_rollout(velocity_fn, noise, sigmas, noise_level, start, size, generat
 # Gradient accumulation (Flow-GRPO's 2 optimizer steps per epoch over several micro-batches):
 # accumulate_gradients per micro-batch, then one optimizer_step, which averages over both the
 # micro-batches and the ranks; train_step is the two for a single batch.
-
-
-def _distributed():
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+# Under FSDP (fully_shard) the weights are sharded and every forward gathers them from all ranks,
+# so every rank runs the same forwards (the decisions above are agreed). FSDP's reduce-scatter in
+# the backward is linear, so it stays correct in any order of forwards and backwards: each
+# backward adds its averaged shard to .grad. Its own accumulation switch, fsdp_no_sync, keeps the
+# gradients unreduced through the micro-batches before an optimizer step's last, and
+# optimizer_step leaves the already averaged (DTensor) gradients alone: one mechanism for both.
 
 
 def _average_gradients_over_ranks(params):
     """Every rank's .grad becomes the mean over ranks, in ONE all-reduce per dtype (the gradients
-    flattened into one buffer). A parameter without a gradient counts as 0."""
+    flattened into one buffer). A parameter without a gradient counts as 0. FSDP's sharded
+    gradients (DTensors) were averaged by FSDP's own reduce-scatter in the backward: left alone."""
     if not _distributed():
         return
     world = torch.distributed.get_world_size()
+    params = [p for p in params if not isinstance(p.grad, DTensor)]
     for dtype in {p.dtype for p in params}:
         group = [p for p in params if p.dtype == dtype]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in group])  # [P]
@@ -697,6 +726,18 @@ def _agree_across_ranks(flag, device):
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return bool(t.item() > 0)
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(module):
+    """FSDP2's accumulation switch as DDP's no_sync is one: the backward passes inside keep their
+    gradients unreduced until a backward outside it, which reduces them with its own. Give it to
+    every micro-batch of an optimizer step but the last; the last runs with nullcontext."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
 
 
 def accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, *, ref_velocity_fn=None,
@@ -739,7 +780,7 @@ def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, opts, *, r
                max_grad_norm=1.0, no_sync=contextlib.nullcontext, probe_cosines=None, step=None):
     """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
     advantages: [B]; cfg: jagg.LossConfig; opts: JaggOptions): accumulate_gradients, then
-    optimizer_step (pass DDP's model.no_sync as no_sync). Returns (stats, routed)."""
+    optimizer_step (pass DDP's model.no_sync as no_sync; under FSDP, nothing). Returns (stats, routed)."""
     optimizer.zero_grad(set_to_none=True)
     stats, routed = accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=ref_velocity_fn,
                                          no_sync=no_sync, probe_cosines=probe_cosines)

@@ -1,0 +1,141 @@
+"""jagg_options.train_step under FSDP2 (fully_shard, every layer, then the root): two CPU ranks
+(gloo), every training mode, and gradient accumulation through FSDP's own switch.
+
+Each rank trains on its own rollouts. After two optimizer steps the ranks' full parameters must be
+identical to the last bit, and equal, to float64 round-off (atol 1e-12), to one process trained
+on both ranks' batches together; a NaN on one rank skips the step on both.
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import jagg
+import jagg_options
+from test_ddp import PROBE, W, flat, models, rank_data, velocity_fn_of
+
+GUARD = jagg_options.JaggOptions.max_drift
+# (anchors, interior, max_graph_rows, jagg_frac, beta, max_drift, route): exact, the paper's, shared
+# anchors, rollout interiors with the guard, the two bounds, probe routing, velocity routing.
+MODES = [
+    ("window", "forward", None, 0.0, 0.1, None, "velocity"),
+    ("window", "forward", None, 1.0, 0.1, None, "velocity"),
+    ("shared", "forward", None, 1.0, 0.0, None, "velocity"),
+    ("window", "rollout", None, 1.0, 0.1, GUARD, "velocity"),
+    ("shared", "rollout", None, 1.0, 0.1, GUARD, "velocity"),
+    ("shared", "rollout", 2, 1.0, 0.1, GUARD, "velocity"),
+    ("shared", "forward", 1, 1.0, 0.1, None, "velocity"),
+    ("window", "forward", 1, 0.5, 0.0, None, "probe"),
+    ("shared", "rollout", None, 0.5, 0.1, None, "velocity"),
+]
+
+
+def sharded(model):
+    """The model with every Linear sharded over the ranks, then the root (FSDP2)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def train(model, ref, batches, mode, shard=None, steps=2):
+    """steps optimizer steps, each accumulating the micro-batches `batches` [(traj, adv), ...];
+    shard: the FSDP module (its switch keeps all but the last micro-batch unreduced)."""
+    anchors, interior, rows, frac, beta, max_drift, route = mode
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opts = jagg_options.JaggOptions(W, frac, anchors=anchors, interior=interior, route=route, max_graph_rows=rows,
+                                    max_drift=max_drift)
+    skipped = []
+    for step in range(steps):  # the second step is off-policy: rollout interiors are then approximate
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        for n, (traj, adv) in enumerate(batches):
+            last = n == len(batches) - 1
+            no_sync = (lambda: jagg_options.fsdp_no_sync(shard)) if shard is not None and not last else None
+            stats, _ = jagg_options.accumulate_gradients(
+                velocity_fn_of(model), traj, adv, cfg, opts, ref_velocity_fn=velocity_fn_of(ref) if beta else None,
+                probe_cosines=PROBE[anchors] if route == "probe" else None,
+                **({"no_sync": no_sync} if no_sync else {}))
+            losses.append(stats["loss"])
+        out = jagg_options.optimizer_step(list(model.parameters()), opt, losses, micro_batches=len(batches),
+                                          max_grad_norm=1e9, step=step)
+        skipped.append(out["skipped"])
+    return skipped
+
+
+def full(model):
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten() for p in model.parameters()])
+
+
+def split(traj, adv):
+    """Two micro-batches of a rank's batch: samples 0..1 and 2."""
+    return [(traj.subset([0, 1]), adv[[0, 1]]), (traj.subset([2]), adv[[2]])]
+
+
+def worker(rank, world, init_file, out, nan_rank):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    results = {}
+    for i, mode in enumerate(MODES):
+        for case in ("plain", "accumulated", "nan"):
+            model, ref = models()
+            sharded(model)
+            traj, adv = rank_data(rank, nan=case == "nan" and rank == nan_rank)
+            batches = split(traj, adv) if case == "accumulated" else [(traj, adv)]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the skipped step's warning
+                skipped = train(model, ref, batches, mode, shard=model, steps=1 if case == "nan" else 2)
+            results[f"{i}_{case}"] = full(model)
+            results[f"{i}_{case}_skipped"] = torch.tensor(skipped)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ranks' full parameters after training in every mode: [rank0, rank1] of {key: tensor}."""
+    out = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(worker, args=(2, str(out / "init"), str(out), 1), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize("i", range(len(MODES)), ids=["-".join(map(str, m)) for m in MODES])
+def test_fsdp_ranks_agree_and_equal_one_process_on_both_batches(ranks, i):
+    mode = MODES[i]
+    (t0, a0), (t1, a1) = rank_data(0), rank_data(1)
+    both = jagg.Trajectory.cat([t0, t1])
+    model, ref = models()
+    train(model, ref, [(both, torch.cat([a0, a1]))], mode)  # one process, the mean over 2B samples
+    assert not torch.equal(flat(model), flat(models()[0]))  # it did train
+    for case in ("plain", "accumulated"):  # accumulated: compared with one process below
+        p0, p1 = ranks[0][f"{i}_{case}"], ranks[1][f"{i}_{case}"]
+        assert torch.equal(p0, p1), f"ranks drifted in mode {mode} ({case}): {(p0 - p1).abs().max().item():.3g}"
+    torch.testing.assert_close(ranks[0][f"{i}_plain"], flat(model), rtol=0, atol=1e-12)
+
+
+def test_fsdp_accumulation_equals_one_process_accumulating_alike(ranks):
+    """Accumulated micro-batches under FSDP's switch equal one process accumulating the same
+    micro-batches (the two ranks' first micro-batches, then their second)."""
+    for i, mode in enumerate(MODES):
+        (t0, a0), (t1, a1) = rank_data(0), rank_data(1)
+        (m00, m01), (m10, m11) = split(t0, a0), split(t1, a1)
+        micro = [(jagg.Trajectory.cat([m00[0], m10[0]]), torch.cat([m00[1], m10[1]])),
+                 (jagg.Trajectory.cat([m01[0], m11[0]]), torch.cat([m01[1], m11[1]]))]
+        model, ref = models()
+        train(model, ref, micro, mode)
+        torch.testing.assert_close(ranks[0][f"{i}_accumulated"], flat(model), rtol=0, atol=1e-12, msg=str(mode))
+
+
+@pytest.mark.parametrize("i", range(len(MODES)), ids=["-".join(map(str, m)) for m in MODES])
+def test_fsdp_one_ranks_nan_makes_every_rank_skip(ranks, i):
+    initial = flat(models()[0])
+    for r in range(2):
+        assert ranks[r][f"{i}_nan_skipped"].tolist() == [True], f"rank {r} did not skip in mode {MODES[i]}"
+        assert torch.equal(ranks[r][f"{i}_nan"], initial)
