@@ -250,9 +250,10 @@ def torch_save(path, obj):
 # ------------------------------------------------------------------ distributed
 
 
-def init_distributed():
-    """(rank, world_size), starting torch.distributed when run under torchrun (gloo on CPU)."""
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+def init_distributed(always=False):
+    """(rank, world_size), starting torch.distributed when run under torchrun (gloo on CPU); with
+    always, for one rank too (FSDP shards over a process group)."""
+    if "WORLD_SIZE" not in os.environ or (int(os.environ["WORLD_SIZE"]) == 1 and not always):
         return 0, 1
     if dist.is_initialized():  # a second run in the same process (train_sd.py --method compare)
         return dist.get_rank(), dist.get_world_size()
@@ -350,8 +351,10 @@ def compare_summary(ex, jg, config):
 
 
 def param_checksums(params):
-    """Each rank's sum of its parameters, gathered: equal values show the ranks stayed in sync."""
-    return all_gather_cat(torch.stack([p.detach().double().sum() for p in params]).sum()[None]).tolist()
+    """Each rank's sum of its parameters (FSDP's shards gathered whole), gathered: equal values
+    show the ranks stayed in sync."""
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
+    return all_gather_cat(torch.stack([p.detach().double().sum() for p in whole]).sum()[None]).tolist()
 
 
 # ------------------------------------------------------------------ benchmark reports

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
+from torch.distributed.tensor import DTensor, distribute_tensor
 from tqdm import tqdm
 
 import jagg
@@ -178,6 +179,10 @@ class Config(JaggConfig):
     final_evals: int = arg(1, "final reward in summary.json: the mean of the last N evaluations after training started", valid=">= 1")
     save_every: int = arg(10, "write a checkpoint every N epochs", valid=">= 1")
     device: str = arg("auto", "cuda, cpu, or auto")
+    fsdp: bool = arg(False, "under torchrun, shard the transformer over the ranks with FSDP2 (fully_shard every block, "
+                            "then the root; the frozen reference too), for models whose weights, gradients and optimizer "
+                            "state do not fit on one GPU each; without it, DistributedDataParallel. Every sample is "
+                            "trained (no zero-advantage drop): FSDP's ranks must run the same forwards")
     # --- benchmark
     benchmark: bool = arg(False, "time one window's gradient exact vs JAGG on the conditional branch, then one whole "
                                  "training step (--num-steps, CFG, KL reference at --beta, rollout) in every mode; "
@@ -198,6 +203,9 @@ class Config(JaggConfig):
     def validate(self):
         """Every bad value is reported before any model is loaded; the output folder is checked last."""
         checks = jagg_flag_checks(self) + [
+            (not self.fsdp or "WORLD_SIZE" in os.environ,
+             "--fsdp shards the transformer over torchrun's ranks: run it as torchrun --nproc_per_node N train_sd.py --fsdp ..."),
+            (not (self.fsdp and self.benchmark), "--benchmark times one process: leave out --fsdp"),
             (not self.sde_window or self.sde_range_start + self.sde_window <= self.sde_range(),
              f"--sde-window {self.sde_window} does not fit in steps {self.sde_range_start} to {self.sde_range() - 1} "
              f"(--sde-range-start, --sde-range-end; --num-steps {self.num_steps}): use a smaller window or a wider range"),
@@ -380,6 +388,18 @@ def load_pipeline(cfg, device, dtype):
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     return pipe, transformer
+
+
+def shard_transformer(transformer):
+    """FSDP2: each transformer block sharded over the ranks as one group, then the root (the
+    embeddings, the norms, the output layer). Parameter names stay the same; the root, too, is
+    sharded again after every forward, so that outside them every parameter is its shard (the EMA,
+    the checkpoints and the checksums read them there)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in transformer.transformer_blocks:
+        fully_shard(block)
+    return fully_shard(transformer, reshard_after_forward=True)
 
 
 def add_lora(transformer, rank, alpha):
@@ -626,8 +646,20 @@ def make_reward_fn(cfg, device):
 # =====================================================================================
 
 
+def full_state(tensors):
+    """{name: tensor} as whole fp32 CPU tensors, FSDP's shards gathered (a collective: every rank calls it)."""
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().contiguous()
+            for n, t in tensors.items()}
+
+
 def trainable_state(transformer):
-    return {n: p.detach().float().cpu().contiguous() for n, p in transformer.named_parameters() if p.requires_grad}
+    return full_state({n: p for n, p in transformer.named_parameters() if p.requires_grad})
+
+
+def as_param(w, p):
+    """A saved whole tensor w laid out as the parameter p: sharded like it under FSDP."""
+    w = w.to(p.device, p.dtype)
+    return distribute_tensor(w, p.device_mesh, p.placements) if isinstance(p, DTensor) else w
 
 
 def weights_path(folder, full_finetune):
@@ -645,7 +677,7 @@ def load_weights(transformer, weights):
                          f"same --lora-rank / --full-finetune as the run that saved them?")
     with torch.no_grad():
         for n, w in weights.items():
-            params[n].copy_(w)
+            params[n].copy_(as_param(w, params[n]))
 
 
 def save_weights(path, state):
@@ -654,15 +686,28 @@ def save_weights(path, state):
     atomic_write(path, lambda f: f.write(save(state)), mode="wb")
 
 
-def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
-    """Write out/checkpoint/ as a whole: into a temporary folder, then renamed into place."""
+def checkpoint_state(transformer, optimizer, ema):
+    """(weights, optimizer state, EMA) as whole tensors, FSDP's shards gathered through
+    torch.distributed.checkpoint's state-dict API (every rank calls it; rank 0 writes them): one
+    format for DDP, FSDP and one process, the optimizer's state keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    optim = get_optimizer_state_dict(transformer, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                       cpu_offload=True))
+    return trainable_state(transformer), optim, None if ema is None else full_state(ema)
+
+
+def save_checkpoint(out, state, epoch, rows, config, probe_average):
+    """Write out/checkpoint/ as a whole (state: checkpoint_state's): into a temporary folder, then
+    renamed into place."""
+    weights, optim, ema = state
     final, tmp = os.path.join(out, "checkpoint"), os.path.join(out, ".checkpoint.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_weights(os.path.join(tmp, "weights.safetensors"), trainable_state(transformer))
+    save_weights(os.path.join(tmp, "weights.safetensors"), weights)
     if ema is not None:
         save_weights(os.path.join(tmp, "ema.safetensors"), ema)
-    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    torch.save(optim, os.path.join(tmp, "optimizer.pt"))  # tensors and numbers only: loaded with weights_only
     write_jsonl(os.path.join(tmp, "metrics.jsonl"), rows)
     # --resume checks the config; the probe's average lets a resumed run route as an uninterrupted one would.
     write_json(os.path.join(tmp, "state.json"), {"epoch": epoch, "config": config, "probe_average": probe_average})
@@ -675,13 +720,21 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe
 
 
 def load_checkpoint(folder, transformer, optimizer):
+    """(epoch, EMA laid out as the parameters, metrics rows, probe average) of folder's checkpoint,
+    its weights and optimizer state loaded (sharded under FSDP). Safe: safetensors and
+    torch.load(weights_only=True)."""
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     ckpt = os.path.join(folder, "checkpoint")
     try:
         load_weights(transformer, load_file(os.path.join(ckpt, "weights.safetensors")))
-        optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
+        set_optimizer_state_dict(transformer, optimizer, options=StateDictOptions(full_state_dict=True),
+                                 optim_state_dict=torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
         ema = load_file(os.path.join(ckpt, "ema.safetensors")) if os.path.exists(os.path.join(ckpt, "ema.safetensors")) else None
+        if ema is not None:
+            params = dict(transformer.named_parameters())
+            ema = {n: as_param(w, params[n]) for n, w in ema.items()}
         state = json.load(open(os.path.join(ckpt, "state.json")))
         rows = [json.loads(line) for line in open(os.path.join(ckpt, "metrics.jsonl"))]
     except Exception as e:
@@ -775,7 +828,7 @@ def optimizer_steps(perm, adv, cfg, generator):
     samples would fill (a step left without samples still joins the ranks' all-reduce)."""
     n_steps = cfg.steps_per_epoch or math.ceil(len(perm) / cfg.train_batch)
     keep = perm
-    if cfg.drop_zero_advantage:
+    if cfg.drop_zero_advantage and not cfg.fsdp:  # FSDP: every rank must run as many micro-batches
         nonzero = adv[perm] != 0
         keep, dropped = perm[nonzero], perm[~nonzero]
         short = -len(keep) % n_steps if cfg.steps_per_epoch else 0
@@ -788,7 +841,7 @@ def optimizer_steps(perm, adv, cfg, generator):
 
 
 def train(cfg):
-    rank, world = init_distributed()
+    rank, world = init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
     device, use_bf16 = pick_device(cfg)
     prompts_all = default_prompts(cfg)
@@ -798,10 +851,20 @@ def train(cfg):
     ref_transformer = None
     if cfg.full_finetune and cfg.beta > 0:  # a frozen copy, in the pipeline's precision (bf16 on GPU)
         ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
+    if cfg.fsdp:  # weights, gradients and optimizer state sharded; the reference too
+        shard_transformer(transformer)
+        if ref_transformer is not None:
+            shard_transformer(ref_transformer)
     params = [p for p in transformer.parameters() if p.requires_grad]
-    net = torch.nn.parallel.DistributedDataParallel(transformer, device_ids=[device.index] if device.type == "cuda" else None) \
-        if world > 1 else transformer
-    no_sync = net.no_sync if world > 1 else contextlib.nullcontext
+    net = transformer if cfg.fsdp or world == 1 else torch.nn.parallel.DistributedDataParallel(
+        transformer, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def no_sync(i, n):
+        """The engine's accumulation switch for micro-batch i of n of an optimizer step: DDP's no_sync
+        around all of them (jagg_options all-reduces once per step), FSDP's around all but the last."""
+        if world > 1 and not cfg.fsdp:
+            return net.no_sync
+        return (lambda: jagg_options.fsdp_no_sync(transformer)) if cfg.fsdp and i < n - 1 else contextlib.nullcontext
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     ema = {n: p.detach().clone() for n, p in transformer.named_parameters() if p.requires_grad} if cfg.ema else None
 
@@ -831,6 +894,8 @@ def train(cfg):
         with ema_weights(transformer, ema):
             images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn, use_bf16)
         evaluated[epoch] = (images, rewards.tolist())
+        if rank != 0:  # under FSDP every rank draws the evaluation (its forwards gather the weights)
+            return
         save_png(os.path.join(cfg.out, f"samples_{epoch:04d}.png"),
                  sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16]))
         row["eval/reward"] = rewards.mean().item()
@@ -842,7 +907,8 @@ def train(cfg):
             return cfg.lr * 0.5 * (1 + math.cos(math.pi * (epoch - 1) / cfg.epochs))
         return cfg.lr
 
-    if rank == 0 and start_epoch == 0:
+    evaluates = rank == 0 or cfg.fsdp  # FSDP: every rank runs the evaluation's forwards, rank 0 keeps it
+    if evaluates and start_epoch == 0:
         rows.append({"epoch": 0})
         evaluate(0, rows[-1])
     # The prompts of an epoch are the same on every rank (shared seed); the noise differs per rank,
@@ -905,12 +971,12 @@ def train(cfg):
             step = (epoch - 1) * len(steps) + i + 1
             optimizer.zero_grad(set_to_none=True)
             micro_stats = []
-            for idx in micro:
+            for j, idx in enumerate(micro):
                 idx_d = idx.to(device)
                 velocity_fn, ref_fn = fns(idx_d, net)
                 stats, routed = jagg_options.accumulate_gradients(
                     velocity_fn, traj.subset(idx_d).first_steps(n_train), adv[idx_d], loss_cfg, opts,
-                    ref_velocity_fn=ref_fn, no_sync=no_sync, probe_cosines=probe_avg)
+                    ref_velocity_fn=ref_fn, no_sync=no_sync(j, len(micro)), probe_cosines=probe_avg)
                 micro_stats.append(stats)
             done = jagg_options.optimizer_step(params, optimizer, [s["loss"] for s in micro_stats], micro_batches=len(micro),
                                        max_grad_norm=cfg.max_grad_norm, step=step)
@@ -932,14 +998,15 @@ def train(cfg):
         bar.set_postfix(reward=f"{row['rollout/reward_mean']:.3f}", kl=f"{row['train/kl']:.4f}",
                         clipfrac=f"{row['train/clipfrac']:.3f}", bwd=f"{row['time/backward_seconds']:.1f}s",
                         **({"skipped": row["train/skipped_steps"]} if row["train/skipped_steps"] else {}))
+        if evaluates and (epoch % cfg.eval_every == 0 or epoch == cfg.epochs):
+            evaluate(epoch, row)
+        if epoch % cfg.save_every == 0 or epoch == cfg.epochs:
+            state = checkpoint_state(transformer, optimizer, ema)  # every rank: FSDP gathers the shards
+            if rank == 0:
+                save_checkpoint(cfg.out, state, epoch, rows, dataclasses.asdict(cfg), probe_avg)
+                save_weights(weights_path(cfg.out, cfg.full_finetune), state[2] if ema is not None else state[0])
         if rank == 0:
-            if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
-                evaluate(epoch, row)
             write_jsonl(os.path.join(cfg.out, "metrics.jsonl"), rows)
-            if epoch % cfg.save_every == 0 or epoch == cfg.epochs:
-                save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, dataclasses.asdict(cfg), probe_avg)
-                save_weights(weights_path(cfg.out, cfg.full_finetune),
-                             ema if ema is not None else trainable_state(transformer))
     if dist.is_initialized():
         dist.barrier()
     summary = summarize(cfg, rows) if rank == 0 else None
