@@ -6,20 +6,23 @@ Diffusion Models" (arXiv 2607.17572, 2026), on top of Flow-GRPO's SDE sampler an
 (Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv 2505.05470).
 We follow the paper's abstract; where it is silent, our choices are marked OURS.
 
-JAGG in brief (section 6 derives it). The gradient of GRPO's loss over a window of W steps is
+JAGG in brief (section 6 derives it). A step's GRPO loss L_k depends on the weights theta only
+through that step's velocity v_k (the states and the reference are fixed), so the gradient of a
+window of W steps is
     grad = sum_k g_k^T J_k,   g_k = dL_k/dv_k (cheap: a few elementwise ops), J_k = dv_k/dtheta
 and every J_k costs a transformer backward. JAGG interpolates the Jacobians linearly in t between
 the window's end steps a and b, J_k ~= (1 - alpha_k) J_a + alpha_k J_b, so that
     grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,   G_b = sum_k alpha_k g_k,
 ONE backward over the double batch [z_a; z_b]. Only the Jacobians are approximated: every g_k,
-and so every step's loss, ratio and clip, comes from the step's true velocity, the interior ones
-from a forward without graph. Per window: W backward passes over one step each become one over two.
+and so every step's loss, ratio and clip, comes from the step's true velocity (the paper runs the
+interior steps forward, without a graph). W backward passes of one step each become one of two.
 
 Notation (code name -> symbol)
-    T          the steps a trajectory holds: a rollout's, or the first ones of it that are trained
+    T          the number of steps of the trajectories at hand: a rollout's, or its trained first ones
     W          window length; a window runs from its first step a to its last b = a + W - 1, both
-               included (code ranges are start:stop, stop = b + 1). k numbers a window's steps:
-               JAGG's sums run over k = a..b, and a window's tensors start at a (index 0 is a)
+               included (code ranges are start:stop, stop = b + 1)
+    k          a step. JAGG's sums run over a window's steps, k = a..b. Code that handles one
+               window holds only its steps and counts them from 0: there z[k] is z_{a+k}
     B          batch size (number of samples, all prompts and groups together)
     z[k]       z_k, the latent state before step k;  z_next[k] = z_{k+1}
     t[k]       t_k = sigma_k, the flow time of step k (1 = pure noise, 0 = data)
@@ -29,24 +32,23 @@ Notation (code name -> symbol)
     alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the window's first step a, 1 at its last b
     G_a, G_b   sum_k (1 - alpha_k) g_k  and  sum_k alpha_k g_k (k = a..b): the composite signals
     J_a, J_b   the Jacobians at the window's end steps, the only two JAGG back-propagates
-    noise_level  the SDE's stochasticity a (Flow-GRPO: 0.7), not a sigma
+    noise_level  eta, the SDE's stochasticity (Flow-GRPO: 0.7); not a sigma
 
 Letters in shape comments: T steps, W window steps, S any number of steps, B samples, *D the
 shape of one sample (channels, height, width for an image; [seq, C] for packed latents; 2 for the
-toy), P parameters. A "row" is one step's B samples through the network: the unit of cost, exact
-runs T rows with grad, JAGG two a window.
+toy), P parameters. A "row" is one step's B samples through the network, the unit of cost:
+exact training runs T rows with grad, JAGG two per window.
 
 The whole contract with a model is one function:
-    velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D], same shape as z
-with t = sigma and v = d z / d sigma = noise - data, the rectified flow of SD3, Flux, Qwen-Image
-and Flow-GRPO. Take the sigmas from your pipeline's scheduler and convert t inside velocity_fn to
-your transformer's time (diffusers: SD3's takes sigma * 1000; Flux's and Qwen-Image's take sigma
-and multiply by 1000 inside). The function owns any conditioning (prompts, classifier-free
-guidance), step-major: flattened to [S * B, *D], entry s * B + b is sample b at step s, so repeat
-the conditioning as a block (c.repeat(S), never repeat_interleave). check_velocity_fn (section 9)
-catches what would otherwise train silently; call it once before training.
-Options beyond the paper (for one, reusing the rollout's velocities instead of the interior
-forwards) and the training step for real runs (many ranks, accumulation) are in jagg_options.py.
+    velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D], the same shape as z
+with t = sigma and v = d z / d sigma = noise - data (the rectified flow of SD3, Flux and
+Flow-GRPO; convert to your transformer's own time inside it). It owns any conditioning (prompts,
+classifier-free guidance). JAGG calls it on several steps at once, so a row-wise model must see,
+at entry s * B + b of z.reshape(S * B, *D), sample b's conditioning: repeat it as a block,
+c.repeat(S), never repeat_interleave. check_velocity_fn (section 9) catches that mistake and two
+more that would otherwise train silently; call it once before training.
+Options beyond the paper (reusing the rollout's velocities for the interior steps, among others)
+and the training step for real runs (many ranks, accumulation) are in jagg_options.py.
 
 Run it:
     python jagg.py               # the self-check, a few seconds: what each part computes and costs
@@ -61,8 +63,7 @@ from dataclasses import dataclass
 import torch
 
 
-def _check(ok, message):
-    """Raise a ValueError that tells the user what is wrong and how to fix it."""
+def _check(ok, message):  # a ValueError that says what is wrong and how to fix it
     if not ok:
         raise ValueError(message)
 
@@ -181,12 +182,9 @@ def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
 
 
 def group_advantages(rewards, group_ids, eps=1e-4, global_std=False, clip=5.0):
-    """A_i = (r_i - mean_group(i)) / (std + eps), clipped to [-clip, clip].
-
-    rewards, group_ids: [B]; samples with the same group id were drawn for the same prompt.
-    std is the group's own (per-prompt statistics, as in GRPO) or, with global_std, the std of
-    all rewards (Flow-GRPO's option, steadier when a group's rewards are nearly equal).
-    """
+    """A_i = (r_i - mean_group(i)) / (std + eps), clipped to [-clip, clip]; rewards, group_ids: [B]
+    (a group: the samples drawn for one prompt). std is the group's own, as in GRPO, or with
+    global_std all rewards' (Flow-GRPO's option, steadier when a group's rewards are nearly equal)."""
     _check(rewards.shape == group_ids.shape and rewards.ndim == 1,
            f"rewards and group_ids must both be [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
     rewards = rewards.float()
@@ -217,8 +215,8 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
     All per-sample inputs are [B] (mean, mean_ref: [B, *D]; std_t: [B, 1..]).
     ratio = exp(logp - logp_old);  L = mean_B max(-A ratio, -A clip(ratio, 1 - clip_range, 1 + clip_range))
     KL term = mean_B mean_D ||mu - mu_ref||^2 / (2 std_t^2)   (Flow-GRPO's train_sd3.py)
-    with std_t the SDE's noise scale of section 1, not the transition's std_t sqrt(|dt|): the KL
-    of the two Gaussian transitions times |dt|, so beta means what it means in Flow-GRPO's configs.
+    with std_t the SDE's noise scale of section 1 (the transition's std is std_t sqrt(|dt|)): the
+    KL of the two Gaussian transitions times |dt|, so beta means what it means in Flow-GRPO's configs.
     Returns (loss, stats) where stats holds detached per-step diagnostics.
     """
     ratio = torch.exp(log_prob - log_prob_old)  # [B]
@@ -237,10 +235,10 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
 
 
 def make_step_loss(traj, advantages, start, stop, cfg, v_ref=None, log=None):
-    """step_loss(k, v_k) for the steps start..stop-1 of traj (a window; k counts from its first
-    step, so k = 0 is step start), each weighted 1/T so that a whole trajectory's loss is the
-    mean over its steps. v_ref: [stop - start, B, *D] the reference's velocities (needed when
-    cfg.beta > 0). Each call appends its stats dict to the list log."""
+    """step_loss(k, v_k) for the steps start..stop-1 of traj, a window (section 7 tiles them): k
+    counts from its first step, k = 0 is step start. Each is weighted 1/T, so that a trajectory's
+    loss is the mean over its steps (as Flow-GRPO averages them). v_ref: [stop - start, B, *D] the
+    reference's velocities (when cfg.beta > 0). Each call appends its stats dict to the list log."""
     T = traj.z.shape[0]
 
     def step_loss(k, v_k):
@@ -267,15 +265,6 @@ def make_step_loss(traj, advantages, start, stop, cfg, v_ref=None, log=None):
 # The backward functions (here and in section 6) take one window's W steps, z [W, B, *D] and
 # t [W, B], and step_loss(k, v_k) -> scalar, the loss of its k-th step given the velocity
 # [B, *D]; they accumulate gradients like loss.backward() and return the window's summed loss.
-
-
-def check_batch(traj, advantages, cfg):
-    """A batch's trajectories, advantages and loss agree (before any work)."""
-    _check(traj.noise_level is None or traj.noise_level == cfg.noise_level,
-           f"the trajectories were drawn at noise_level {traj.noise_level} but the loss scores them at "
-           f"{cfg.noise_level}: pass the same noise level to rollout and LossConfig")
-    _check(advantages.shape == traj.log_prob.shape[1:],
-           f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
 
 
 def _check_window(z, t):
@@ -344,8 +333,8 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
     alpha = interpolation_weights(t.to(acc_dtype))  # [W, B]: 0 at a, 1 at b
     alpha = alpha.reshape(alpha.shape + (1,) * (z.ndim - 2))  # [W, B, 1..]
 
-    # The interior velocities are needed only for g_k = dL_k/dv_k, never back-propagated through
-    # the network, so they need no graph: all W - 2 of them in one forward that stores no activations.
+    # The paper's interior velocities: needed only for g_k = dL_k/dv_k, never back-propagated
+    # through the network, so they need no graph: all W - 2 in one forward that stores no activations.
     with torch.no_grad():
         v_mid = velocity_fn(z[1:-1], t[1:-1]) if W > 2 else z[:0]  # [W-2, B, *D]; W = 2: none, an empty [0, B, *D]
 
@@ -420,6 +409,15 @@ def route_windows(scores, lengths, jagg_frac):
 # on each minibatch of the rollout (traj.subset(idx)): the first on-policy, the next off-policy.
 
 
+def check_batch(traj, advantages, cfg):
+    """A batch's trajectories, advantages and loss agree (before any work)."""
+    _check(traj.noise_level is None or traj.noise_level == cfg.noise_level,
+           f"the trajectories were drawn at noise_level {traj.noise_level} but the loss scores them at "
+           f"{cfg.noise_level}: pass the same noise level to rollout and LossConfig")
+    _check(advantages.shape == traj.log_prob.shape[1:],
+           f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
+
+
 def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_velocity_fn=None):
     """Accumulate the gradient of the batch's GRPO loss (the mean over traj's T steps and B
     samples; advantages: [B]) into .grad, window by window, routed between exact and the paper's
@@ -446,6 +444,7 @@ def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0,
     # grad_rows: network rows run with grad, the cost JAGG cuts (exact: T; JAGG: 2 per window).
     grad_rows = sum(2 if use_jagg else stop - start for (start, stop), use_jagg in zip(bounds, routed))
     stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}  # means over steps
+    # routed_frac: the share of all windows JAGG took (of windows of 2 steps or fewer, never any).
     stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_rows=grad_rows, window_scores=scores)
     return stats, routed
 
@@ -462,10 +461,8 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
 
 
 # === 9. Before training: check the model's velocity_fn ===
-# Three mistakes train silently: a velocity of another shape than z (broadcast onto the batch),
-# conditioning repeated in the wrong order (rollouts and exact training call one step at a time
-# and look right; only JAGG's several steps at once pair states with other samples' prompts),
-# and dropout (the first ratio is not 1). rollout and the training step refuse the first.
+# Three mistakes train silently: a velocity not of z's shape (broadcast), conditioning repeated in
+# the wrong order (only JAGG's several steps at once show it: rollouts run one) and dropout.
 
 
 def checked(velocity_fn):
@@ -493,12 +490,11 @@ def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
     _check(v.dtype.is_floating_point and bool(torch.isfinite(v).all()), "velocity_fn returned non-finite values")
     low = v.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(z.device.type)
     rtol = (2e-2 if low else 1e-4) if rtol is None else rtol
-    scale = v.float().norm().item()
-    again = (checked(velocity_fn)(zs, t).float() - v.float()).norm().item() / scale
+    again = (checked(velocity_fn)(zs, t).float() - v.float()).norm().item() / v.float().norm().item()
     _check(again <= rtol, f"two equal calls of velocity_fn differ by {again:.1e} of |v|: put the model in eval mode "
                           f"(no dropout) for rollouts and training alike, or the first ratio is not 1")
     one = torch.stack([checked(velocity_fn)(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
-    error = (v.float() - one.float()).norm().item() / scale
+    error = (v.float() - one.float()).norm().item() / v.float().norm().item()
     _check(error <= rtol, f"velocity_fn on {S} steps at once differs from {S} one-step calls by {error:.1e} of |v| "
                           f"(rtol {rtol:.0e}): it is step-major (entry s * B + b is sample b at step s), so repeat "
                           f"the conditioning as a block, c.repeat(S) or .repeat(S, 1, 1), never repeat_interleave; "
@@ -551,6 +547,7 @@ def _self_check():
     advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4)  # [B]
     cfg = LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04)
     print(f"B. T = {T}, W = {W}: windows {window_bounds(T, W)} (start, stop); rows with grad = the cost")
+    ranked = []  # (routing score, gradient cosine) per window
     for start, stop in window_bounds(T, W):
         z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, D], [W, B]
         g = [grad(net, f, z, t, make_step_loss(traj, advantages, start, stop, cfg, ref(z, t)))[0]
@@ -558,8 +555,10 @@ def _self_check():
         score, cos = linearity_score(traj.v[start:stop], traj.t[start:stop]), cosine(*g)
         assert cos > 0.9 if stop - start > 2 else abs(cos - 1) < 1e-12, (cos, score)
         print(f"   steps {start}-{stop - 1}: routing score {score:.5f}, JAGG's gradient cosine to exact {cos:.5f}; "
-              f"rows with grad: exact {stop - start}, JAGG 2 (+ {stop - start - 2} forwards without graph)")
-    print("   the score ranks the windows as their measured cosines do; the 2-step window is exact either way")
+              f"rows with grad: exact {stop - start}, JAGG 2 (+ {stop - start - 2} rows without graph)")
+        ranked.append((score, cos))
+    assert sorted(ranked[:2]) == sorted(ranked[:2], key=lambda sc: sc[1])  # the same order by score and by cosine
+    print("   the routing score orders the 4-step windows as their cosines do; the 2-step one scores 1 by convention")
 
     # C. The batch's gradient at jagg_frac 0 (exact), 1 and 0.5: what each ran, and how close it is.
     grads = {}
@@ -575,7 +574,7 @@ def _self_check():
 
     # D. Training: Flow-GRPO trains the first 9 of T = 10 steps (windows of 4, 4 and 1) on minibatches
     #    of the rollout (here two of 2 groups each), the first optimizer step on-policy, the next off it.
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    optimizer, kl = torch.optim.AdamW(net.parameters(), lr=1e-2), 0.0  # a large step: clipping shows by step 3
     print(f"D. training on the first 9 of {T} steps: windows {window_bounds(9, W)}, the last (1 step) exact")
     lessons = ["on-policy: ratio 1 and the policy still its frozen copy, so loss, approx_kl and kl are 0",
                "samples 8-15, after one update: off-policy, ratios move, the KL to the reference grows",
@@ -586,10 +585,12 @@ def _self_check():
                                          advantages[idx], cfg, W, 1.0, ref)
         print(f"   step {step}: loss {stats['loss']:+.5f}, clipfrac {stats['clipfrac']:.3f}, "
               f"approx_kl {stats['approx_kl']:.2e}, kl {stats['kl']:.2e}, windows to JAGG {routed}: {lessons[step - 1]}")
-        assert (abs(stats["loss"]) < 1e-6 and stats["approx_kl"] < 1e-20) if step == 1 else stats["approx_kl"] > 0
+        assert (abs(stats["loss"]) < 1e-6 and stats["approx_kl"] < 1e-20 and stats["kl"] < 1e-20) if step == 1 \
+            else stats["approx_kl"] > 0 and stats["kl"] > kl
+        kl = stats["kl"]
     assert stats["clipfrac"] > 0
-    print("   step 1's loss is 0 as a group's advantages sum to 0 (its gradient is not); its approx_kl is 0 only if")
-    print("   velocity_fn batches the steps as the rollout did (section 9)")
+    print("   step 1's loss is 0 as a group's advantages sum to 0 (its gradient is not); its approx_kl is 0 only")
+    print("   if velocity_fn gives each sample its own conditioning on several steps at once (section 9)")
     print("ok")
 
 
