@@ -5,12 +5,15 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 
 import jagg
+import jagg_options
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import offpolicy_error  # noqa: E402
+import probe_check  # noqa: E402
 
 
 class TinyTask:
@@ -26,10 +29,15 @@ class TinyTask:
     def velocity_fn(self, z, t):
         return self.model(torch.cat([z, t[..., None]], dim=-1))
 
-    def draw(self, n, generator):
-        traj = jagg.rollout(self.velocity_fn, torch.randn(n, 3, generator=generator, dtype=torch.float64),
-                            jagg.sigma_schedule(10).double(), 0.7, generator=generator)
-        adv = jagg.group_advantages(-traj.sample.norm(dim=-1), torch.arange(n) // 4)
+    def draw(self, n, generator, window_start=None):
+        noise, sigmas = torch.randn(n, 3, generator=generator, dtype=torch.float64), jagg.sigma_schedule(10).double()
+        if window_start is None:
+            traj = jagg.rollout(self.velocity_fn, noise, sigmas, 0.7, generator=generator)
+            sample = traj.sample
+        else:  # an SDE window of self.window steps
+            traj, sample = jagg_options.window_rollout(self.velocity_fn, noise, sigmas, 0.7, window_start, self.window,
+                                                       generator=generator)
+        adv = jagg.group_advantages(-sample.norm(dim=-1), torch.arange(n) // 4)
         return offpolicy_error.Batch(traj, adv, lambda idx: (self.velocity_fn, None))
 
 
@@ -53,3 +61,24 @@ def test_measure_on_policy_modes_agree_and_the_rule_drifts_off_policy(tmp_path):
     path.write_text(json.dumps({"args": {**vars(args)}, "setting": task.setting, "checkpoints": {"0": result}}))
     lines = offpolicy_error.report(str(path))
     assert len([line for line in lines if line.startswith("| 0 | ")]) == 5  # 4 steps and the agreement row
+
+
+def test_probe_check_pools_probes_and_measures_independent_batches():
+    """tools/probe_check.py's figures on a tiny task: the independent-batch figure is |j - g|^2 over
+    the noise of pairs of batches, computed here again; an SDE window gives one segment."""
+    task = TinyTask()
+    opts = jagg_options.JaggOptions(task.window, 1.0)
+    rows = probe_check.check(task, opts, 3, 8, torch.Generator().manual_seed(2))
+    assert [r["steps"] for r in rows] == [(0, 4), (4, 8), (8, 10)]
+    for r in rows[:2]:
+        assert len(r["probes"]) == 3 and r["probes"] == sorted(r["probes"]) and r["pooled"] > 0 and r["independent"] > 0
+    assert rows[2]["pooled"] == 0 and rows[2]["independent"] < 1e-20  # a 2-step window: JAGG is exact there
+    g = torch.Generator().manual_seed(2)
+    batches = [task.draw(8, g) for _ in range(3)]
+    pairs = [list(jagg_options._segment_gradients(task.velocity_fn, task.params, b.traj, b.adv, task.loss_cfg, opts))[0]
+             for b in batches]
+    noise = sum((pairs[i][0] - pairs[j][0]).square().sum() for i, j in ((0, 1), (0, 2), (1, 2))) / 2 / 3
+    error = sum((j - e).square().sum() for e, j in pairs) / 3
+    assert rows[0]["independent"] == pytest.approx((error / noise).item(), rel=1e-9)
+    windowed = probe_check.check(task, opts, 2, 8, torch.Generator().manual_seed(3), window_start=3)
+    assert [r["steps"] for r in windowed] == [(0, 4)]

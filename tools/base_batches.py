@@ -30,15 +30,17 @@ def toy_batches(args):
         yield fn, list(model.parameters()), traj, adv, cfg.num_steps
 
 
-def draw_groups(pipe, transformer, cfg, prompts_all, n_prompts, group, generator):
+def draw_groups(pipe, transformer, cfg, prompts_all, n_prompts, group, generator, window_start=None):
     """train_sd.py's rollouts for n_prompts prompts drawn from prompts_all, group samples each, at
-    cfg's T, CFG and noise level. Returns (prompt ids [B], prompts, traj, cond, uncond, images)."""
+    cfg's T, CFG and noise level (with window_start, an SDE window of cfg.sde_window steps there).
+    Returns (prompt ids [B], prompts, traj, cond, uncond, images)."""
     import train_sd
 
     ids = torch.randint(len(prompts_all), (n_prompts,), generator=generator).repeat_interleave(group)  # [B]
     prompts = [prompts_all[i] for i in ids.tolist()]
     sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler.config.get("shift", 3.0))
-    traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16=False)
+    traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16=False,
+                                                 window_start=window_start)
     return ids, prompts, traj, cond, uncond, images
 
 

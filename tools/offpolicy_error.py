@@ -31,7 +31,6 @@ import argparse
 import copy
 import dataclasses
 import itertools
-import math
 import os
 import sys
 
@@ -88,9 +87,10 @@ class MiniTask:
         self.lr, self.window, self.minibatch, self.group = cfg.lr, cfg.window, cfg.train_batch, cfg.group_size
         self.setting = "train_sd.py --preset mini (darkness)"
 
-    def draw(self, n, generator):
+    def draw(self, n, generator, window_start=None):
+        """n samples' rollouts (with window_start, an SDE window of self.cfg.sde_window steps there)."""
         ids, prompts, traj, cond, uncond, images = self.draw_groups(self.pipe, self.model, self.cfg, self.prompts,
-                                                                    n // self.group, self.group, generator)
+                                                                    n // self.group, self.group, generator, window_start)
         adv = jagg.group_advantages(self.reward_fn(images, prompts), ids, global_std=self.cfg.global_std,
                                     clip=self.cfg.adv_clip)
         sd, cfg = self.train_sd, self.cfg
@@ -116,15 +116,20 @@ class ToyTask:
         self.sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)
         self.loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
         self.lr, self.window, self.minibatch = cfg.lr, cfg.window, None
-        self.noise_level, self.setting = cfg.noise_level, "train_toy.py defaults"
+        self.noise_level, self.setting, self.sde_window = cfg.noise_level, "train_toy.py defaults", 0
 
-    def draw(self, n, generator):
+    def draw(self, n, generator, window_start=None):
+        """n samples' rollouts (with window_start, an SDE window of self.sde_window steps there)."""
         tt = self.train_toy
         labels = torch.arange(len(tt.PROMPTS)).repeat_interleave(n // len(tt.PROMPTS))  # [B]
-        with torch.no_grad():
-            traj = jagg.rollout(tt.make_velocity_fn(self.model, labels), torch.randn(len(labels), 2, generator=generator),
-                                self.sigmas, self.noise_level, generator=generator)
-        adv = jagg.group_advantages(tt.reward_fn(traj.sample, labels), labels)
+        fn, noise = tt.make_velocity_fn(self.model, labels), torch.randn(len(labels), 2, generator=generator)
+        if window_start is None:
+            traj = jagg.rollout(fn, noise, self.sigmas, self.noise_level, generator=generator)
+            sample = traj.sample
+        else:
+            traj, sample = jagg_options.window_rollout(fn, noise, self.sigmas, self.noise_level, window_start,
+                                                       self.sde_window, generator=generator)
+        adv = jagg.group_advantages(tt.reward_fn(sample, labels), labels)
         return Batch(traj, adv, lambda idx: (tt.make_velocity_fn(self.model, labels[idx]), None))
 
 

@@ -13,6 +13,7 @@ independent batches' figure up to the sampling error of both.
 """
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -35,38 +36,63 @@ def main(argv=None):
     parser.add_argument("--model", default="mini", help="mini: a saved mini pipeline folder, or mini (the cached one)")
     parser.add_argument("--resolution", type=int, default=0, help="mini: image size (0: the model's own)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the rollouts")
+    parser.add_argument("--sde-window", type=int, default=0,
+                        help="an SDE window of this many steps from --sde-start, trained with JAGG at W = K (0: none)")
+    parser.add_argument("--sde-start", type=int, default=0, help="the SDE window's first step")
     args = parser.parse_args(argv)
     if args.batches < 2:
         parser.error(f"--batches must be >= 2 (the noise compares independent batches), got {args.batches}")
+    if args.sde_window == 1 or args.sde_window < 0:
+        parser.error(f"--sde-window must be 0 (none) or >= 2 (JAGG needs two end steps), got {args.sde_window}")
     task = MiniTask(args) if args.model_kind == "mini" else ToyTask(args)
+    window_start = None
+    if args.sde_window:
+        window_start, task.window = args.sde_start, args.sde_window
+        if args.model_kind == "mini":
+            task.cfg = dataclasses.replace(task.cfg, sde_window=args.sde_window)
+        else:
+            task.sde_window = args.sde_window
     opts = jagg_options.JaggOptions(task.window, 1.0, **MODES[args.mode])
-    g = torch.Generator().manual_seed(args.seed)
-    probes, pairs = [], []  # per batch: the probe's figures; the (exact, JAGG) gradients per segment
-    for _ in range(args.batches):
-        batch = task.draw(args.batch, g)
-        ref = task.loss_cfg.beta > 0
-        fns = lambda idx, batch=batch: (batch.fns(idx)[0], batch.fns(idx)[1] if ref else None)  # noqa: E731
-        probes.append(jagg_options.probe_segments(fns, task.params, batch.traj, batch.adv, task.loss_cfg, opts,
-                                                  train_batch=args.batch))
-        fn, ref_fn = fns(torch.arange(args.batch))
-        pairs.append(list(jagg_options._segment_gradients(fn, task.params, batch.traj, batch.adv, task.loss_cfg, opts,
-                                                          ref_fn)))
-    segments = jagg_options.segment_bounds(batch.traj.z.shape[0], opts.window, opts.anchors)
-    print(f"{args.model_kind}, {task.setting}, mode {args.mode}: {args.batches} batches of {args.batch}, the base model")
+    rows = check(task, opts, args.batches, args.batch, torch.Generator().manual_seed(args.seed), window_start)
+    window = f", an SDE window of {args.sde_window} steps from step {args.sde_start}" if args.sde_window else ""
+    print(f"{args.model_kind}, {task.setting}{window}, mode {args.mode} at W = {task.window}: {args.batches} batches of "
+          f"{args.batch}, the base model")
     print("| segment (steps) | one probe: error / noise, median (range) | probes: their errors' sum / their noises' sum "
           "| independent batches: error / noise |")
     print("|---|---|---|---|")
-    for s, (start, stop) in enumerate(segments):
+    for r in rows:
+        figures = r["probes"]
+        print(f"| {r['segment']} ({r['steps'][0]}-{r['steps'][1] - 1}) | {figures[len(figures) // 2]:.4f} "
+              f"({figures[0]:.4f}-{figures[-1]:.4f}) | {r['pooled']:.4f} | {r['independent']:.4f} |")
+    return rows
+
+
+def check(task, opts, batches, batch_size, generator, window_start=None):
+    """Per segment of more than one step: {"segment", "steps", "probes" (each batch's probe figure,
+    sorted), "pooled" (their errors' sum over their noises' sum), "independent" (mean |j - g|^2
+    over the noise of one batch's exact gradient, from pairs of batches)}."""
+    probes, pairs = [], []  # per batch: the probe's figures; the (exact, JAGG) gradients per segment
+    for _ in range(batches):
+        batch = task.draw(batch_size, generator, window_start)
+        ref = task.loss_cfg.beta > 0
+        fns = lambda idx, batch=batch: (batch.fns(idx)[0], batch.fns(idx)[1] if ref else None)  # noqa: E731
+        probes.append(jagg_options.probe_segments(fns, task.params, batch.traj, batch.adv, task.loss_cfg, opts,
+                                                  train_batch=batch_size))
+        fn, ref_fn = fns(torch.arange(batch_size))
+        pairs.append(list(jagg_options._segment_gradients(fn, task.params, batch.traj, batch.adv, task.loss_cfg, opts,
+                                                          ref_fn)))
+    rows = []
+    for s, (start, stop) in enumerate(jagg_options.segment_bounds(batch.traj.z.shape[0], opts.window, opts.anchors)):
         if pairs[0][s] is None:
             continue
         exact = [p[s][0] for p in pairs]
         noise = sum((a - b).square().sum().item() for a, b in itertools.combinations(exact, 2)) / 2 / (
             len(exact) * (len(exact) - 1) / 2)
         error = sum((p[s][1] - p[s][0]).square().sum().item() for p in pairs) / len(pairs)
-        figures = sorted(p["error_to_noise"][s] for p in probes)
-        pooled = sum(p["error"][s] for p in probes) / sum(p["noise"][s] for p in probes)
-        print(f"| {s} ({start}-{stop - 1}) | {figures[len(figures) // 2]:.4f} ({figures[0]:.4f}-{figures[-1]:.4f}) "
-              f"| {pooled:.4f} | {error / noise:.4f} |")
+        rows.append({"segment": s, "steps": (start, stop), "probes": sorted(p["error_to_noise"][s] for p in probes),
+                     "pooled": sum(p["error"][s] for p in probes) / sum(p["noise"][s] for p in probes),
+                     "independent": error / noise})
+    return rows
 
 
 if __name__ == "__main__":
