@@ -14,13 +14,15 @@ and every J_k costs a transformer backward. JAGG interpolates the Jacobians line
 the window's end steps a and b, J_k ~= (1 - alpha_k) J_a + alpha_k J_b, so that
     grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,   G_b = sum_k alpha_k g_k,
 ONE backward over the double batch [z_a; z_b]. Only the Jacobians are approximated: every g_k,
-and so every step's loss, ratio and clip, comes from the step's true velocity (the paper runs the
-interior steps forward, without a graph). W backward passes of one step each become one of two.
+and so every step's loss, ratio and clip, comes from the step's true velocity at the current
+weights (the paper removes backward passes only: its interior steps still run forward, without
+a graph; the rollout's stored velocities go stale after the first update). Per window, W backward
+passes over one row each become one backward pass over two rows.
 
 Notation (code name -> symbol)
     T          the number of steps of the trajectories at hand: a rollout's, or its trained first ones
-    W          window length; a window runs from its first step a to its last b = a + W - 1, both
-               included (code ranges are start:stop, stop = b + 1)
+    W          window length (a trajectory's last window may be shorter); a window runs from its first
+               step a to its last b = a + W - 1, both included (code ranges are start:stop, stop = b + 1)
     k          a step. JAGG's sums run over a window's steps, k = a..b. Code that handles one
                window holds only its steps and counts them from 0: there z[k] is z_{a+k}
     B          batch size (number of samples, all prompts and groups together)
@@ -34,19 +36,17 @@ Notation (code name -> symbol)
     J_a, J_b   the Jacobians at the window's end steps, the only two JAGG back-propagates
     noise_level  eta, the SDE's stochasticity (Flow-GRPO: 0.7); not a sigma
 
-Letters in shape comments: T steps, W window steps, S any number of steps, B samples, *D the
-shape of one sample (channels, height, width for an image; [seq, C] for packed latents; 2 for the
-toy), P parameters. A "row" is one step's B samples through the network, the unit of cost:
-exact training runs T rows with grad, JAGG two per window.
+Shapes: T steps, W window steps, S any number of steps, B samples, *D one sample's shape (C, H, W
+of an image, [seq, C] packed, 2 for the toy), P parameters; [B, 1..]: B, then ones over *D. A "row"
+is one step's B samples through the network, the unit of cost: exact runs T with grad, JAGG 2 a window.
 
 The whole contract with a model is one function:
     velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D], the same shape as z
 with t = sigma and v = d z / d sigma = noise - data (the rectified flow of SD3, Flux and
 Flow-GRPO; convert to your transformer's own time inside it). It owns any conditioning (prompts,
-classifier-free guidance). JAGG calls it on several steps at once, so a row-wise model must see,
-at entry s * B + b of z.reshape(S * B, *D), sample b's conditioning: repeat it as a block,
-c.repeat(S), never repeat_interleave. check_velocity_fn (section 9) catches that mistake and two
-more that would otherwise train silently; call it once before training.
+CFG). JAGG calls it on several steps at once: entry s * B + b of z.reshape(S * B, *D) needs sample
+b's conditioning, so repeat it as a block, c.repeat(S), never repeat_interleave.
+check_velocity_fn (section 9) catches that and two more silent mistakes; call it once first.
 Options beyond the paper (reusing the rollout's velocities for the interior steps, among others)
 and the training step for real runs (many ranks, accumulation) are in jagg_options.py.
 
@@ -66,6 +66,17 @@ import torch
 def _check(ok, message):  # a ValueError that says what is wrong and how to fix it
     if not ok:
         raise ValueError(message)
+
+
+def checked(velocity_fn):
+    """velocity_fn, refusing a v not of z's shape (broadcast, it would train silently; section 9)."""
+    def velocity(z, t):
+        v = velocity_fn(z, t)
+        _check(isinstance(v, torch.Tensor) and v.shape == z.shape,
+               f"velocity_fn(z {tuple(z.shape)}, t {tuple(t.shape)}) returned {getattr(v, 'shape', type(v))}: it must "
+               f"return v of z's shape [S, B, *D]; end it with .reshape(z.shape)")
+        return v
+    return velocity
 
 
 # === 1. SDE step: the Gaussian policy of one sampling step (Flow-GRPO) ===
@@ -129,7 +140,7 @@ class Trajectory:
     t_next: torch.Tensor  # sigma_{k+1} of each step            [T, B]
     log_prob: torch.Tensor  # log p_old(z_{k+1} | z_k)           [T, B]
     v: torch.Tensor  # v_k under the sampling policy             [T, B, *D]
-    noise_level: float = None  # the SDE's noise level that drew it (the loss must score at the same)
+    noise_level: float | None = None  # the SDE's noise level that drew it (the loss must score at the same)
 
     TENSORS = ("z", "z_next", "t", "t_next", "log_prob", "v")
 
@@ -161,7 +172,7 @@ class Trajectory:
 def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
     """Sample B trajectories of T = len(sigmas) - 1 SDE steps from the noise z_0: [B, *D]. The
     velocities are kept: JAGG's routing score (section 7) reads them for free."""
-    velocity_fn = checked(velocity_fn)  # v must have z's shape (section 9)
+    velocity_fn = checked(velocity_fn)  # v must have z's shape
     B, T, z = noise.shape[0], len(sigmas) - 1, noise
     zs, z_nexts, log_probs, vs = [], [], [], []
     for k in range(T):
@@ -333,8 +344,8 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
     alpha = interpolation_weights(t.to(acc_dtype))  # [W, B]: 0 at a, 1 at b
     alpha = alpha.reshape(alpha.shape + (1,) * (z.ndim - 2))  # [W, B, 1..]
 
-    # The paper's interior velocities: needed only for g_k = dL_k/dv_k, never back-propagated
-    # through the network, so they need no graph: all W - 2 in one forward that stores no activations.
+    # The paper's interior velocities, at the current weights: needed only for g_k = dL_k/dv_k, never
+    # back-propagated through the network, so no graph: all W - 2 in one forward that stores nothing.
     with torch.no_grad():
         v_mid = velocity_fn(z[1:-1], t[1:-1]) if W > 2 else z[:0]  # [W-2, B, *D]; W = 2: none, an empty [0, B, *D]
 
@@ -360,14 +371,13 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 
 
 # === 7. Routing: which windows are linear enough for JAGG ===
-# The abstract routes windows by a cosine-similarity rule and names the knob jagg_frac. OURS:
-# which cosine, and what jagg_frac counts. The score of a window is the cosine similarity
-# between its interior velocities and their interpolation between its end steps: the velocities
-# come from the rollout, so it costs no network call, and if v moves linearly in t the features
-# (and, JAGG bets, the Jacobians) likely do too. Velocities along a trajectory point much the same
-# way, so scores sit near 1: 0.88 against 0.98 is a wide gap. jagg_frac is the share of windows,
-# the highest scores first, that JAGG takes (rounded half to even, Python's round); the rest train
-# exactly. A window of 2 steps or fewer takes no share: with no interior, JAGG saves nothing there.
+# The abstract routes by a cosine-similarity rule and names the knob jagg_frac. OURS: which cosine,
+# and what jagg_frac counts. A window's score is the cosine of its interior velocities with their
+# interpolation between its end steps: free (the rollout's velocities), and if v moves linearly in
+# t the Jacobians likely do too. Scores sit near 1 (velocities point much the same way): 0.88
+# against 0.98 is a wide gap. jagg_frac is the share of windows, best first, that JAGG takes
+# (Python's round, half to even); the rest train exactly. A window of 2 steps or fewer takes no
+# share: with no interior step, JAGG saves nothing there.
 
 
 def linearity_score(v, t):
@@ -461,19 +471,8 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
 
 
 # === 9. Before training: check the model's velocity_fn ===
-# Three mistakes train silently: a velocity not of z's shape (broadcast), conditioning repeated in
-# the wrong order (only JAGG's several steps at once show it: rollouts run one) and dropout.
-
-
-def checked(velocity_fn):
-    """velocity_fn, refusing at once a velocity whose shape is not z's."""
-    def velocity(z, t):
-        v = velocity_fn(z, t)
-        _check(isinstance(v, torch.Tensor) and v.shape == z.shape,
-               f"velocity_fn(z {tuple(z.shape)}, t {tuple(t.shape)}) returned {getattr(v, 'shape', type(v))}: it must "
-               f"return v of z's shape [S, B, *D]; end it with .reshape(z.shape)")
-        return v
-    return velocity
+# Three mistakes train silently: a velocity not of z's shape (checked refuses it), conditioning
+# repeated in the wrong order (only JAGG's several steps at once show it: rollouts run one) and dropout.
 
 
 @torch.no_grad()
@@ -483,8 +482,9 @@ def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
     equal, one call on S steps equal to S one-step calls. A ValueError names the mistake and its
     fix. rtol, relative to |v|; None: 1e-4 in fp32, 2e-2 in bf16 / fp16 or under autocast (pass
     2e-2 if velocity_fn autocasts inside). Returns the largest relative difference."""
-    S = min(3, len(sigmas) - 1)
-    t = sigmas[torch.linspace(0, len(sigmas) - 2, S).round().long()].to(z.device)[:, None].expand(S, z.shape[0])  # [S, B]
+    S = min(3, len(sigmas) - 1)  # three steps spread over the schedule: its first, middle and last
+    steps = torch.linspace(0, len(sigmas) - 2, S).round().long()  # [S]
+    t = sigmas[steps].to(z.device)[:, None].expand(S, z.shape[0])  # [S, B]
     zs = torch.stack([z * (1 - 0.1 * s) for s in range(S)])  # [S, B, *D]: a different state at each step
     v = checked(velocity_fn)(zs, t)  # [S, B, *D]
     _check(v.dtype.is_floating_point and bool(torch.isfinite(v).all()), "velocity_fn returned non-finite values")
@@ -507,8 +507,7 @@ def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
 
 def _self_check():
     """What a learner should see, each line checked."""
-    torch.set_default_dtype(torch.float64)  # exactness shows as ~1e-16, not fp32's ~1e-7
-    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64), torch.manual_seed(0)  # exactness shows as ~1e-16, not fp32's ~1e-7
     T, W, B, D, calls = 10, 4, 16, 3, []  # windows of 4, 4 and 2 steps; calls: (model, rows, grad enabled)
 
     def velocity_fn_of(net, name="policy"):  # velocity_fn(z [S, B, D], t [S, B]) -> [S, B, D], recording its calls
@@ -535,13 +534,15 @@ def _self_check():
     (exact, _), (approx, _) = (grad(linear, f, z, t, step_loss) for f in (backward_exact, backward_jagg_window))
     rel = ((approx - exact).norm() / exact.norm()).item()
     assert rel < 1e-12, rel
-    print(f"A. v affine in (z, t), nonlinear in theta, one straight window of W = {W}: "
-          f"|JAGG - exact| / |exact| = {rel:.1e}: equal")
+    print(f"A. v affine in (z, t), nonlinear in theta, one straight window of W = {W}: |JAGG - exact| / |exact| = {rel:.1e}")
 
-    # B. A small nonlinear network on its own rollouts, GRPO's loss with the KL to a frozen copy
-    #    (groups of 4 samples): each window's routing score (section 7) beside its gradient cosine.
+    # B. A small nonlinear network on its own rollouts, GRPO's loss with the KL to a reference a little
+    #    away from it, groups of 4: each window's routing score (section 7) beside its gradient cosine.
     net = torch.nn.Sequential(torch.nn.Linear(D + 1, 32), torch.nn.Tanh(), torch.nn.Linear(32, D))
-    ref = velocity_fn_of(copy.deepcopy(net).requires_grad_(False), "reference")
+    frozen = copy.deepcopy(net).requires_grad_(False)  # the reference: the base model, a little away from the policy
+    with torch.no_grad():
+        frozen[0].bias.add_(0.05)
+    ref = velocity_fn_of(frozen, "reference")
     check_velocity_fn(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T))  # shape, batching, dropout
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4)  # [B]
@@ -558,7 +559,7 @@ def _self_check():
               f"rows with grad: exact {stop - start}, JAGG 2 (+ {stop - start - 2} rows without graph)")
         ranked.append((score, cos))
     assert sorted(ranked[:2]) == sorted(ranked[:2], key=lambda sc: sc[1])  # the same order by score and by cosine
-    print("   the routing score orders the 4-step windows as their cosines do; the 2-step one scores 1 by convention")
+    print("   the score orders the 4-step windows as their cosines do (one example); a 2-step one scores 1 by convention")
 
     # C. The batch's gradient at jagg_frac 0 (exact), 1 and 0.5: what each ran, and how close it is.
     grads = {}
@@ -570,14 +571,15 @@ def _self_check():
         print(f"C. jagg_frac {frac}: windows to JAGG {routed}: {len(graph)} backward passes over {sum(graph)} rows "
               f"with grad, {sum(n for name, n, g in calls if name == 'policy' and not g)} interior rows without "
               f"graph (+ the KL reference's {sum(n for name, n, _ in calls if name == 'reference')} rows, no graph), "
-              f"gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}")
+              f"gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}"
+              + (" (0.5 of the two 4-step windows: the higher-scoring, steps 4-7)" if frac == 0.5 else ""))
 
     # D. Training: Flow-GRPO trains the first 9 of T = 10 steps (windows of 4, 4 and 1) on minibatches
     #    of the rollout (here two of 2 groups each), the first optimizer step on-policy, the next off it.
-    optimizer, kl = torch.optim.AdamW(net.parameters(), lr=1e-2), 0.0  # a large step: clipping shows by step 3
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)  # a large step: clipping shows by step 3
     print(f"D. training on the first 9 of {T} steps: windows {window_bounds(9, W)}, the last (1 step) exact")
-    lessons = ["on-policy: ratio 1 and the policy still its frozen copy, so loss, approx_kl and kl are 0",
-               "samples 8-15, after one update: off-policy, ratios move, the KL to the reference grows",
+    lessons = ["on-policy: every ratio 1, so approx_kl is 0 (kl: the distance to the reference)",
+               "samples 8-15, after one update: off-policy, the ratios move",
                "samples 0-7 again, after two: the ratios reach the clip range 0.2, clipfrac > 0"]
     for step in range(1, 4):
         idx = torch.arange(B).split(B // 2)[(step - 1) % 2]  # [B / 2]: samples 0-7, 8-15, 0-7
@@ -585,12 +587,11 @@ def _self_check():
                                          advantages[idx], cfg, W, 1.0, ref)
         print(f"   step {step}: loss {stats['loss']:+.5f}, clipfrac {stats['clipfrac']:.3f}, "
               f"approx_kl {stats['approx_kl']:.2e}, kl {stats['kl']:.2e}, windows to JAGG {routed}: {lessons[step - 1]}")
-        assert (abs(stats["loss"]) < 1e-6 and stats["approx_kl"] < 1e-20 and stats["kl"] < 1e-20) if step == 1 \
-            else stats["approx_kl"] > 0 and stats["kl"] > kl
-        kl = stats["kl"]
+        on_policy = abs(stats["loss"] - cfg.beta * stats["kl"]) < 1e-7 and stats["approx_kl"] < 1e-20  # fp32 advantages
+        assert on_policy and stats["kl"] > 1e-8 if step == 1 else stats["approx_kl"] > 0
     assert stats["clipfrac"] > 0
-    print("   step 1's loss is 0 as a group's advantages sum to 0 (its gradient is not); its approx_kl is 0 only")
-    print("   if velocity_fn gives each sample its own conditioning on several steps at once (section 9)")
+    print("   step 1's loss is beta x kl alone: a group's advantages sum to 0 (their gradient does not); its")
+    print("   approx_kl is 0 only if velocity_fn gives on several steps at once the v it gives on one (section 9)")
     print("ok")
 
 
