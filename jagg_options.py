@@ -1,50 +1,62 @@
 """Beyond the paper: our options for JAGG, and the training step for real runs.
 
-jagg.py is the paper alone; this module builds on it (it imports jagg, never the reverse). Every
-option defaults to the paper's behaviour, so JaggOptions() trains what jagg.py's
-paper_gradients does, bit for bit. Read jagg.py first: the notation is its own.
+jagg.py is the paper alone; this module builds on it (it imports jagg, never the reverse). The
+defaults are the paper's JAGG, so JaggOptions() trains what jagg.py's paper_gradients does, bit
+for bit (max_drift's default acts only with rollout interiors, which the paper does not have).
+Read jagg.py first: the notation is its own.
 
 Two meanings of "exact" below: EXACT, the gradient exact per-step back-propagation gives
-(Flow-GRPO's, jagg.backward_exact); and PAPER, the gradient the paper's JAGG gives on the same
-anchors (jagg.backward_jagg_window, whose interior velocities come from a no-graph forward:
-"forward interiors"). The paper's JAGG is EXACT when the Jacobian J(z, t) is affine along a window
-and the states lie on the straight line between its end steps, each at its t-weight alpha_k.
+(Flow-GRPO's, jagg.backward_exact); and PAPER, the gradient JAGG gives on the same anchors with
+the paper's forward interiors (interior velocities from a no-graph forward at the current
+weights): jagg.backward_jagg_window for two anchors, backward_jagg's forward interiors for more.
+The paper's JAGG is EXACT when the Jacobian J(z, t) is affine along a window and the states lie
+on the straight line between its end steps, each at its t-weight alpha_k.
 
-The options (a JaggOptions field each; defaults in brackets are the paper's), and when each is exact:
+The options (a JaggOptions field each; in brackets, the default), and when each is exact:
     anchors="shared"     ["window"] Adjacent windows share their end step: anchors every W - 1
-                         steps, all back-propagated in ONE forward with graph and one backward
-                         (T = 10, W = 4: anchors 0, 3, 6, 9, 4 rows with grad instead of 6).
-                         EXACT under the paper's condition, segment by segment between anchors.
-                         Costs memory: all anchor rows in one graph (max_graph_rows bounds it).
+                         steps and at the last step, back-propagated in one forward with graph
+                         and one backward per run of adjacent segments routed to JAGG (per chunk
+                         under max_graph_rows). EXACT when the paper's condition holds on each
+                         segment between consecutive anchors; these segments are not the paper's
+                         windows (T = 10, W = 4: 0-3 | 3-6 | 6-9 against 0-3 | 4-7 | 8-9), so
+                         neither condition implies the other. Costs and gains: 4 rows with grad
+                         instead of the paper's 6 there, all in one graph (max_graph_rows bounds
+                         it), but 6 of the 10 steps interpolated instead of 4; the saving depends
+                         on T (T = 8: anchors 0, 3, 6, 7, 4 rows as the paper's windows have).
     interior="rollout"   ["forward"] An interior step's velocity is the rollout's, moved by its
                          two anchors' change since the rollout:
                              v_k ~= v_old_k + sum_j H[k, j] (v_{a_j} - v_old_{a_j}),
                          and the KL reference's interiors take the same rule with its own anchor
-                         velocities. No network call between anchors (but in refreshed segments,
-                         below). PAPER at the rollout's parameters (theta = theta_old: the first
-                         optimizer step after each rollout) when beta = 0. With beta > 0, PAPER
-                         there only if the reference's velocities differ from the rollout's
-                         affinely in the interpolation variable (t, or the step index with
-                         weights="index") across each segment, e.g. a reference equal to the
-                         rollout's model; otherwise the interpolated reference moves g_k even on
-                         the first step. After the first step, its error is the part of each
-                         interior's change since the rollout that is not affine between its
-                         anchors (zero if v_theta changes affinely in (z, t) there), and the GRPO
-                         clip can turn a small ratio error into a large gradient error: hence
-    max_drift            [0.5] the drift guard: a segment whose anchors' ratios moved by more than
-                         this share of the clip range takes the POLICY's interiors from a no-graph
-                         forward, as forward interiors do; the reference's stay interpolated. So a
-                         refreshed segment is PAPER when beta = 0. None: the rollout rule at any drift.
+                         velocities. No network call between anchors, except in refreshed
+                         segments (below). PAPER at the rollout's parameters (theta = theta_old:
+                         the first optimizer step after each rollout) when beta = 0, provided the
+                         training forward reproduces the rollout's velocities (same precision,
+                         conditioning and CFG). With beta > 0, PAPER there only if the reference's
+                         velocities differ from the rollout's affinely in the interpolation
+                         variable (t, or the step index with weights="index") across each
+                         segment, e.g. a reference equal to the rollout's model. After the first
+                         step, the policy's interiors err by the part of each one's change since
+                         the rollout that is not affine between its anchors (zero if v_theta
+                         changes affinely in (z, t) there and the states lie on the straight line),
+                         the reference's as at the first step; and the GRPO clip can turn a small
+                         ratio error into a large gradient error: hence
+    max_drift            [0.5; with interior="rollout" only] the drift guard: a segment whose
+                         anchors' ratios moved by more than this share of the clip range takes the
+                         POLICY's interiors from a no-graph forward, as forward interiors do; the
+                         reference's stay interpolated. So a refreshed segment is PAPER when
+                         beta = 0. None: the rollout rule at any drift.
     weights="index"      ["time"] alpha_k = k / (W - 1), as the authors' early code; PAPER when t
                          is linear in the step index (not under SD3's shifted schedule), EXACT when
-                         the Jacobian is affine in the step index along the window.
+                         the Jacobian is affine in the step index along each segment.
     max_graph_rows       [None: no bound] At most this many anchor rows in a graph at once: always
                          the same gradient as without the bound, to round-off; less memory, some
                          speed lost. With rollout interiors at least 2 (chunks of bound // 2 anchors).
-    route="probe"        ["velocity", jagg.linearity_score] Route by the probe's measured cosines
-                         (gradient_cosines, probe_segments, section 5) instead; min_cosine [None]
-                         trains any segment measured below it EXACT. Routing chooses which segments
-                         are approximated, not how.
+    route="probe"        ["velocity", jagg.linearity_score] Route by the probe's measurements:
+                         every few steps, on a few samples, the cosine of each segment's JAGG
+                         gradient to its exact one (gradient_cosines, probe_segments, section 5),
+                         averaged over probes (probe_average). min_cosine [None; route="probe"
+                         only] trains any segment whose average is below it EXACT. Routing chooses
+                         which segments are approximated, not how.
 Then the SDE window (section 6) and the real-run step (section 7): many ranks (DDP, one all-reduce
 per optimizer step), gradient accumulation, and non-finite steps skipped on every rank alike.
 
