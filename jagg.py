@@ -4,7 +4,7 @@ The paper's algorithm alone, in one file to read top to bottom: JAGG (Jacobian-A
 Gradient), from "JAGG: Jacobian-Aggregated Group Gradient for Efficient GRPO Training of
 Diffusion Models" (arXiv 2607.17572, 2026), on top of Flow-GRPO's SDE sampler and loss
 (Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv 2505.05470).
-We follow the paper's abstract; where it is silent, our choices are marked OURS.
+We follow the paper as its abstract states it; where it is silent, our choices are marked OURS.
 
 JAGG in brief (section 6 derives it). A step's GRPO loss L_k depends on the weights theta only
 through that step's velocity v_k (the states and the reference are fixed), so the gradient of a
@@ -13,11 +13,11 @@ window of W steps is
 and every J_k costs a transformer backward. JAGG interpolates the Jacobians linearly in t between
 the window's end steps a and b, J_k ~= (1 - alpha_k) J_a + alpha_k J_b, so that
     grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,   G_b = sum_k alpha_k g_k,
-ONE backward over the double batch [z_a; z_b]. Only the Jacobians are approximated: every g_k,
-and so every step's loss, ratio and clip, comes from the step's true velocity at the current
-weights (the paper removes backward passes only: its interior steps still run forward, without
-a graph; the rollout's stored velocities go stale after the first update). Per window, W backward
-passes over one row each become one backward pass over two rows.
+ONE backward over the double batch [z_a; z_b]. Per window, W backward passes over one row each
+become one backward pass over two rows. Only the Jacobians are approximated: every g_k, and so every step's loss, ratio and clip, comes
+from the step's true velocity at the current weights. The paper removes backward passes only:
+its interior steps still run forward, without a graph (the rollout's stored velocities would be
+stale after the first update).
 
 Notation (code name -> symbol)
     T          the number of steps of the trajectories at hand: a rollout's, or its trained first ones
@@ -36,8 +36,8 @@ Notation (code name -> symbol)
     J_a, J_b   the Jacobians at the window's end steps, the only two JAGG back-propagates
     noise_level  eta, the SDE's stochasticity (Flow-GRPO: 0.7); not a sigma
 
-Shapes: T steps, W window steps, S any number of steps, B samples, *D one sample's shape (C, H, W
-of an image, [seq, C] packed, 2 for the toy), P parameters; [B, 1..]: B, then ones over *D. A "row"
+Shapes: T steps, W window steps, S any number of steps, B samples, *D one sample's shape (channels,
+height, width of an image; [seq, C] packed; 2 for the toy), P parameters; [B, 1..]: B, then ones. A "row"
 is one step's B samples through the network, the unit of cost: exact runs T with grad, JAGG 2 a window.
 
 The whole contract with a model is one function:
@@ -86,8 +86,9 @@ def checked(velocity_fn):
 
 
 def sigma_schedule(num_steps, shift=3.0):
-    """The sigmas sigma_0 = 1 > ... > sigma_T = 0 [T + 1], float32, shifted like SD3's scheduler:
-    sigma' = shift * s / (1 + (shift - 1) * s), more steps at high noise for shift > 1."""
+    """The sigmas sigma_0 = 1 > ... > sigma_T = 0 [T + 1], float32: an even grid s bent by SD3's
+    shift, sigma = shift * s / (1 + (shift - 1) * s), more steps at high noise for shift > 1. (SD3's
+    scheduler also ends its grid at a small sigma before 0; train_sd.py samples with its sigmas.)"""
     _check(num_steps >= 1, f"num_steps must be >= 1, got {num_steps}")
     _check(shift > 0, f"shift must be > 0, got {shift}")
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
@@ -98,10 +99,10 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     """One SDE step from z at sigma to sigma_next (v, z: [B, *D]; sigma, sigma_next: [B]);
     prev_sample (z_{k+1}, [B, *D]), if given, is scored instead of sampled. Returns (prev_sample,
     log_prob [B], mean [B, *D], std [B, 1..]): the next state, its Gaussian log-density averaged
-    over the non-batch dimensions (Flow-GRPO's), the Gaussian's mean and standard deviation. All
-    in fp32 (fp64 if given fp64), so a bf16 network on fp32 latents gives a first ratio of 1."""
-    # Why fp32: log-probabilities of near-identical policies are subtracted and exponentiated
-    # in the GRPO ratio; bf16 rounding alone would move the ratio by more than the clip range.
+    over the non-batch dimensions (Flow-GRPO's), the Gaussian's mean and standard deviation, all
+    in fp32 (fp64 if given fp64): the state is kept exactly as it was scored."""
+    # Why fp32: the GRPO ratio exponentiates the difference of near-equal log-probabilities; bf16
+    # rounding alone would move it by more than the clip range.
     dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)  # fp32, or fp64 if given fp64
     v, z = v.to(dtype), z.to(dtype)
     shape = (-1,) + (1,) * (z.ndim - 1)
@@ -151,7 +152,8 @@ class Trajectory:
 
     def first_steps(self, n):
         """The first n steps, the ones Flow-GRPO trains (its config's timestep_fraction: 9 of T = 10;
-        the last step, to sigma 0, barely changes the image). Reward the full trajectory's .sample."""
+        with SD3's scheduler the last step, sigma 0.009 to 0, barely changes the image). Reward the
+        full trajectory's .sample."""
         _check(1 <= n <= self.z.shape[0], f"a trajectory of {self.z.shape[0]} steps has no first {n} steps to train")
         return Trajectory(**{name: getattr(self, name)[:n] for name in self.TENSORS}, noise_level=self.noise_level)
 
@@ -225,7 +227,7 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
 
     All per-sample inputs are [B] (mean, mean_ref: [B, *D]; std_t: [B, 1..]).
     ratio = exp(logp - logp_old);  L = mean_B max(-A ratio, -A clip(ratio, 1 - clip_range, 1 + clip_range))
-    KL term = mean_B mean_D ||mu - mu_ref||^2 / (2 std_t^2)   (Flow-GRPO's train_sd3.py)
+    KL term = mean_B mean_D (mu - mu_ref)^2 / (2 std_t^2)   (Flow-GRPO's train_sd3.py)
     with std_t the SDE's noise scale of section 1 (the transition's std is std_t sqrt(|dt|)): the
     KL of the two Gaussian transitions times |dt|, so beta means what it means in Flow-GRPO's configs.
     Returns (loss, stats) where stats holds detached per-step diagnostics.
@@ -246,7 +248,7 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
 
 
 def make_step_loss(traj, advantages, start, stop, cfg, v_ref=None, log=None):
-    """step_loss(k, v_k) for the steps start..stop-1 of traj, a window (section 7 tiles them): k
+    """step_loss(k, v_k) for the steps start..stop-1 of traj, a window (section 6 tiles them): k
     counts from its first step, k = 0 is step start. Each is weighted 1/T, so that a trajectory's
     loss is the mean over its steps (as Flow-GRPO averages them). v_ref: [stop - start, B, *D] the
     reference's velocities (when cfg.beta > 0). Each call appends its stats dict to the list log."""
@@ -375,7 +377,7 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # and what jagg_frac counts. A window's score is the cosine of its interior velocities with their
 # interpolation between its end steps: free (the rollout's velocities), and if v moves linearly in
 # t the Jacobians likely do too. Scores sit near 1 (velocities point much the same way): 0.88
-# against 0.98 is a wide gap. jagg_frac is the share of windows, best first, that JAGG takes
+# against 0.98, as the self-check's part B prints, is a wide gap. jagg_frac is the share of windows, best first, that JAGG takes
 # (Python's round, half to even); the rest train exactly. A window of 2 steps or fewer takes no
 # share: with no interior step, JAGG saves nothing there.
 
@@ -415,8 +417,9 @@ def route_windows(scores, lengths, jagg_frac):
 
 # === 8. One training step over a batch of trajectories ===
 # Window by window: those routing gives to JAGG run backward_jagg_window, the others
-# backward_exact; the KL term's reference velocities need no graph. Then a plain optimizer step,
-# on each minibatch of the rollout (traj.subset(idx)): the first on-policy, the next off-policy.
+# backward_exact; the KL term's reference velocities need no graph. Then a plain optimizer step.
+# The caller loops over the rollout's minibatches (traj.subset(idx)): the first step on-policy,
+# the next off-policy.
 
 
 def check_batch(traj, advantages, cfg):
@@ -443,19 +446,18 @@ def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0,
     log, loss = [], 0.0  # log: every step's stats from grpo_step_loss
     for (start, stop), use_jagg in zip(bounds, routed):
         z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, *D], [W, B]
-        v_ref = None
-        if cfg.beta > 0:
-            with torch.no_grad():
-                v_ref = ref_velocity_fn(z, t)  # [W, B, *D]
+        with torch.no_grad():  # the KL reference's velocities [W, B, *D], when there is a KL term
+            v_ref = ref_velocity_fn(z, t) if cfg.beta > 0 else None
         step_loss = make_step_loss(traj, advantages, start, stop, cfg, v_ref, log)
         backward = backward_jagg_window if use_jagg else backward_exact
         loss += backward(velocity_fn, z, t, step_loss)
 
-    # grad_rows: network rows run with grad, the cost JAGG cuts (exact: T; JAGG: 2 per window).
+    # grad_rows: network rows run with grad, the cost JAGG cuts (exact: T; JAGG: 2 per window);
+    # routed_frac: the share JAGG took of the windows jagg_frac counts (3 steps or more).
     grad_rows = sum(2 if use_jagg else stop - start for (start, stop), use_jagg in zip(bounds, routed))
     stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}  # means over steps
-    # routed_frac: the share of all windows JAGG took (of windows of 2 steps or fewer, never any).
-    stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_rows=grad_rows, window_scores=scores)
+    eligible = sum(stop - start >= 3 for start, stop in bounds)
+    stats.update(loss=loss, routed_frac=sum(routed) / max(eligible, 1), grad_rows=grad_rows, window_scores=scores)
     return stats, routed
 
 
@@ -482,9 +484,8 @@ def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
     equal, one call on S steps equal to S one-step calls. A ValueError names the mistake and its
     fix. rtol, relative to |v|; None: 1e-4 in fp32, 2e-2 in bf16 / fp16 or under autocast (pass
     2e-2 if velocity_fn autocasts inside). Returns the largest relative difference."""
-    S = min(3, len(sigmas) - 1)  # three steps spread over the schedule: its first, middle and last
-    steps = torch.linspace(0, len(sigmas) - 2, S).round().long()  # [S]
-    t = sigmas[steps].to(z.device)[:, None].expand(S, z.shape[0])  # [S, B]
+    S = min(3, len(sigmas) - 1)  # steps spread over the schedule: its first, middle and last: [S]
+    t = sigmas[torch.linspace(0, len(sigmas) - 2, S).round().long()].to(z.device)[:, None].expand(S, z.shape[0])  # [S, B]
     zs = torch.stack([z * (1 - 0.1 * s) for s in range(S)])  # [S, B, *D]: a different state at each step
     v = checked(velocity_fn)(zs, t)  # [S, B, *D]
     _check(v.dtype.is_floating_point and bool(torch.isfinite(v).all()), "velocity_fn returned non-finite values")
@@ -520,11 +521,10 @@ def _self_check():
         net.zero_grad(set_to_none=True)
         out = backward(velocity_fn_of(net), *args)
         return torch.cat([p.grad.flatten() for p in net.parameters()]), out
-
     cosine = lambda a, b: torch.nn.functional.cosine_similarity(a, b, dim=0).item()  # noqa: E731
 
-    # A. v affine in (z, t), nonlinear in theta (two layers multiplied), on a straight window: J is
-    #    affine along it, so JAGG's gradient is exact (section 6).
+    # A. v affine in (z, t), nonlinear in theta (two layers multiplied), on a straight window, with a
+    #    made-up quadratic loss per step: J is affine along it, so JAGG's gradient is exact (section 6).
     linear = torch.nn.Sequential(torch.nn.Linear(D + 1, D + 1), torch.nn.Linear(D + 1, D))
     t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B]
     alpha = interpolation_weights(t)[..., None]  # [W, B, 1]
@@ -539,9 +539,8 @@ def _self_check():
     # B. A small nonlinear network on its own rollouts, GRPO's loss with the KL to a reference a little
     #    away from it, groups of 4: each window's routing score (section 7) beside its gradient cosine.
     net = torch.nn.Sequential(torch.nn.Linear(D + 1, 32), torch.nn.Tanh(), torch.nn.Linear(32, D))
-    frozen = copy.deepcopy(net).requires_grad_(False)  # the reference: the base model, a little away from the policy
-    with torch.no_grad():
-        frozen[0].bias.add_(0.05)
+    frozen = copy.deepcopy(net).requires_grad_(False)  # the reference, a little away from the policy:
+    frozen[0].bias.data += 0.05  # its KL term then has a gradient
     ref = velocity_fn_of(frozen, "reference")
     check_velocity_fn(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T))  # shape, batching, dropout
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
@@ -568,27 +567,29 @@ def _self_check():
         grads[frac], (stats, routed) = grad(net, paper_gradients, traj, advantages, cfg, W, frac, ref)
         graph = [n for name, n, g in calls if g]  # the forwards with graph: one backward pass each
         assert sum(graph) == stats["grad_rows"] == rows, (graph, rows)
-        print(f"C. jagg_frac {frac}: windows to JAGG {routed}: {len(graph)} backward passes over {sum(graph)} rows "
-              f"with grad, {sum(n for name, n, g in calls if name == 'policy' and not g)} interior rows without "
-              f"graph (+ the KL reference's {sum(n for name, n, _ in calls if name == 'reference')} rows, no graph), "
-              f"gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}"
-              + (" (0.5 of the two 4-step windows: the higher-scoring, steps 4-7)" if frac == 0.5 else ""))
+        print(f"C. jagg_frac {frac}: windows to JAGG {routed}"
+              + (" (half of the two 4-step windows: the higher-scoring, steps 4-7)" if frac == 0.5 else ""))
+        print(f"   {len(graph)} backward passes over {sum(graph)} rows with grad, "
+              f"{sum(n for name, n, g in calls if name == 'policy' and not g)} interior rows without graph, "
+              f"{sum(n for name, n, _ in calls if name == 'reference')} KL reference rows without graph; "
+              f"gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}")
 
     # D. Training: Flow-GRPO trains the first 9 of T = 10 steps (windows of 4, 4 and 1) on minibatches
     #    of the rollout (here two of 2 groups each), the first optimizer step on-policy, the next off it.
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)  # a large step: clipping shows by step 3
     print(f"D. training on the first 9 of {T} steps: windows {window_bounds(9, W)}, the last (1 step) exact")
-    lessons = ["on-policy: every ratio 1, so approx_kl is 0 (kl: the distance to the reference)",
-               "samples 8-15, after one update: off-policy, the ratios move",
-               "samples 0-7 again, after two: the ratios reach the clip range 0.2, clipfrac > 0"]
+    lessons = ["on-policy: every ratio 1, so approx_kl is 0 (kl: the distance to the reference)", "samples 8-15, "
+               "after one update: off-policy, the ratios move", "samples 0-7 again: the ratios reach the clip 0.2"]
     for step in range(1, 4):
         idx = torch.arange(B).split(B // 2)[(step - 1) % 2]  # [B / 2]: samples 0-7, 8-15, 0-7
         stats, routed = paper_train_step(velocity_fn_of(net), optimizer, traj.subset(idx).first_steps(9),
                                          advantages[idx], cfg, W, 1.0, ref)
-        print(f"   step {step}: loss {stats['loss']:+.5f}, clipfrac {stats['clipfrac']:.3f}, "
+        print(f"   step {step}: loss {stats['loss']:+.2e}, clipfrac {stats['clipfrac']:.3f}, "
               f"approx_kl {stats['approx_kl']:.2e}, kl {stats['kl']:.2e}, windows to JAGG {routed}: {lessons[step - 1]}")
-        on_policy = abs(stats["loss"] - cfg.beta * stats["kl"]) < 1e-7 and stats["approx_kl"] < 1e-20  # fp32 advantages
-        assert on_policy and stats["kl"] > 1e-8 if step == 1 else stats["approx_kl"] > 0
+        if step == 1:  # the loss is beta x kl, to the advantages' fp32 rounding (group_advantages returns fp32)
+            assert abs(stats["loss"] - cfg.beta * stats["kl"]) < 1e-7 and stats["kl"] > 0 and stats["approx_kl"] < 1e-20
+        else:
+            assert stats["approx_kl"] > 0
     assert stats["clipfrac"] > 0
     print("   step 1's loss is beta x kl alone: a group's advantages sum to 0 (their gradient does not); its")
     print("   approx_kl is 0 only if velocity_fn gives on several steps at once the v it gives on one (section 9)")

@@ -529,7 +529,8 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
                                    max_graph_rows=opts.max_graph_rows, drift_fn=drift_fn, max_drift=opts.max_drift)
     grad_rows = sum(stop - start if kind == "exact" else len(steps) for kind, start, stop, steps in calls)
     stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
-    stats.update(loss=loss, routed_frac=sum(routed) / len(routed), grad_rows=grad_rows, window_scores=scores)
+    eligible = sum(stop - start >= 3 for start, stop in bounds)  # the segments jagg_frac counts, as jagg.py's
+    stats.update(loss=loss, routed_frac=sum(routed) / max(eligible, 1), grad_rows=grad_rows, window_scores=scores)
     if opts.interior == "rollout":  # how often the drift guard (section 2) sent a segment to forward interiors
         stats.update(rollout_refreshed=record.get("rollout_refreshed", 0), anchor_drift=record.get("anchor_drift", 0.0))
     return stats, routed

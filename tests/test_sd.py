@@ -64,7 +64,7 @@ def test_train_jagg_then_resume_and_exact(tiny_sd3, tmp_path):
                                   "--window", "3"))
     # An evaluation before training (epoch 0), then the epoch's training and evaluation.
     assert [r["epoch"] for r in rows] == [0, 1] and "eval/reward" in rows[0] and "eval/reward" in rows[1]
-    assert rows[1]["train/routed_frac"] == 0.5  # the 1-step window is always exact
+    assert rows[1]["train/routed_frac"] == 1.0  # of the windows JAGG may take: the 1-step one is always exact
     assert len(rows[1]["probe/grad_cosine"]) == 2
     assert len(rows[1]["probe/error_to_noise"]) == 2 and rows[1]["probe/error_to_noise"][1] == 0  # the 1-step window
     # T = 4, W = 3: JAGG runs 2 steps with grad on the 3-step window, exact 1 on the 1-step one; 2 minibatches.
