@@ -191,3 +191,25 @@ def test_two_way_matches_the_textbook_mean_squares():
     assert df == pytest.approx((msr + msc - mse) ** 2 / (msr ** 2 / (n - 1) + msc ** 2 / (k - 1)
                                                                 + mse ** 2 / ((n - 1) * (k - 1))))
     assert comp["runs"] == pytest.approx((msr - mse) / k) and comp["common"] == pytest.approx((msc - mse) / n)
+
+
+def test_retention_pairs_each_mode_with_exact_and_the_papers_mode_seed_by_seed(tmp_path, capsys):
+    """tools/toy_quality.sh's layout, OUT/<mode>/seed<S>/summary.json: gain kept per seed is the
+    mode's gain over exact's of the same seed; the paired difference is to the paper's mode."""
+    import json
+
+    gains = {"exact": [0.5, 0.4, 0.6], "paper": [0.45, 0.4, 0.54], "shared_rollout": [0.5, 0.36, 0.6]}
+    for mode, values in gains.items():
+        for seed, gain in enumerate(values):
+            folder = tmp_path / mode / f"seed{seed}"
+            folder.mkdir(parents=True)
+            (folder / "summary.json").write_text(json.dumps({"reward_gain": gain, "grad_steps": 8 * 320}))
+    (tmp_path / "paper" / "seed3").mkdir()  # an unfinished run: left out, as every mode lacks seed 3
+    summarize.retention(str(tmp_path))
+    out = capsys.readouterr().out
+    kept_paper, kept_shared = [0.9, 1.0, 0.9], [1.0, 0.9, 1.0]
+    mean, half = summarize.mean_interval(kept_paper)
+    assert f"| paper | 8 | {100 * mean:.1f} % ({100 * (mean - half):.1f}-{100 * (mean + half):.1f} %)" in out
+    diff, dhalf = summarize.mean_interval([s - p for s, p in zip(kept_shared, kept_paper)])
+    assert f"| {100 * diff:+.1f} ({100 * (diff - dhalf):+.1f} to {100 * (diff + dhalf):+.1f}) points |" in out
+    assert "3 seeds (0-2)" in out and "| 90.0 % (seed 0) |" in out

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The toy's retention table (docs/quality.md): exact GRPO and five JAGG modes, seeds 0-19, every
-# run from the seed-0 base model, two runs at a time with one thread each (about 40 s a run, 120
-# runs: about 45 minutes on 2 idle cores). A run that has finished before is skipped, so an
-# interrupted table resumes.
+# The toy's retention table (docs/quality.md): exact GRPO, five JAGG modes and a control (exact at
+# 0.9x the learning rate), seeds 0-19, every run from the seed-0 base model, two runs at a time with
+# one thread each (about 40 s a run, 140 runs: about an hour on 2 idle cores). A run that has
+# finished before is skipped, so an interrupted table resumes.
 #
 #   tools/toy_quality.sh [OUT]                                     # default OUT: runs/toy_quality
 #   SEEDS="0 1 2" tools/toy_quality.sh runs/toy_quality_try         # fewer seeds
@@ -27,6 +27,7 @@ modes=(
   "rollout|--method jagg --interior rollout"
   "shared_rollout|--method jagg --anchors shared --interior rollout"
   "shared_rollout_unguarded|--method jagg --anchors shared --interior rollout --max-drift -1"
+  "exact_lr09|--method exact --lr 9e-4"  # a control: exact GRPO at 0.9x the learning rate (JAGG's projection)
 )
 jobs_file=$(mktemp)
 trap 'rm -f "$jobs_file"' EXIT
