@@ -13,11 +13,11 @@ window of W steps is
 and every J_k costs a transformer backward. JAGG interpolates the Jacobians linearly in t between
 the window's end steps a and b, J_k ~= (1 - alpha_k) J_a + alpha_k J_b, so that
     grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,   G_b = sum_k alpha_k g_k,
-ONE backward over the double batch [z_a; z_b]. Per window, W backward passes over one row each
-become one backward pass over two rows. Only the Jacobians are approximated: every g_k, and so every step's loss, ratio and clip, comes
-from the step's true velocity at the current weights. The paper removes backward passes only:
-its interior steps still run forward, without a graph (the rollout's stored velocities would be
-stale after the first update).
+ONE backward over the double batch [z_a; z_b]: per window, W backward passes over one row each
+become one over two rows. Only the Jacobians are approximated: every g_k, and so every step's
+loss, ratio and clip, comes from the step's true velocity at the current weights. The paper
+removes backward passes only: its interior steps still run forward, without a graph (the
+rollout's stored velocities would be stale after the first update).
 
 Notation (code name -> symbol)
     T          the number of steps of the trajectories at hand: a rollout's, or its trained first ones
@@ -36,9 +36,9 @@ Notation (code name -> symbol)
     J_a, J_b   the Jacobians at the window's end steps, the only two JAGG back-propagates
     noise_level  eta, the SDE's stochasticity (Flow-GRPO: 0.7); not a sigma
 
-Shapes: T steps, W window steps, S any number of steps, B samples, *D one sample's shape (channels,
-height, width of an image; [seq, C] packed; 2 for the toy), P parameters; [B, 1..]: B, then ones. A "row"
-is one step's B samples through the network, the unit of cost: exact runs T with grad, JAGG 2 a window.
+Shapes: T steps, W window steps, S any number, B samples, *D one sample's shape (channels, height,
+width of an image; [seq, C] packed; 3 in the self-check), P parameters; [B, 1..]: B, then ones. A
+"row" is one step's B samples through the network, the unit of cost: exact runs T, JAGG 2 a window.
 
 The whole contract with a model is one function:
     velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D], the same shape as z
@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 
 
-def _check(ok, message):  # a ValueError that says what is wrong and how to fix it
+def _check(ok, message):  # a ValueError naming the mistake and its fix (helpers: skip on a first read)
     if not ok:
         raise ValueError(message)
 
@@ -151,9 +151,9 @@ class Trajectory:
         return self.z_next[-1]
 
     def first_steps(self, n):
-        """The first n steps, the ones Flow-GRPO trains (its config's timestep_fraction: 9 of T = 10;
-        with SD3's scheduler the last step, sigma 0.009 to 0, barely changes the image). Reward the
-        full trajectory's .sample."""
+        """The first n steps, the ones Flow-GRPO trains (its timestep_fraction: 9 of T = 10; in SD3's
+        schedule the last step, sigma 0.009 to 0, barely changes the image; sigma_schedule's even
+        grid ends with a larger one). Reward the full trajectory's .sample."""
         _check(1 <= n <= self.z.shape[0], f"a trajectory of {self.z.shape[0]} steps has no first {n} steps to train")
         return Trajectory(**{name: getattr(self, name)[:n] for name in self.TENSORS}, noise_level=self.noise_level)
 
@@ -315,8 +315,8 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # backward passes of one row); JAGG runs 2 (one forward with graph over the double batch, one
 # backward over it) plus W - 2 interior rows forward without graph, which store no activations.
 # With a backward costing about two forwards, W = 4 is 2 x 3 + 2 = 8 forward-units against
-# exact's 4 x 3 = 12, about 1.5x on what JAGG touches (CFG's and the KL reference's forwards,
-# which JAGG leaves alone, dilute it: docs/benchmarks.md). Memory: the double batch keeps 2 rows
+# exact's 4 x 3 = 12, about 1.5x on what JAGG touches (the forwards it leaves alone dilute it:
+# the rollout's, CFG's unconditional ones and the KL reference's; docs/benchmarks.md). Memory: the double batch keeps 2 rows
 # of activations alive at once, twice exact's one. OURS: windows tile the trained steps from the
 # first, the last one shorter: T = 10 at W = 4 gives windows of 4, 4 and 2 steps (6 rows with
 # grad, not 10), Flow-GRPO's 9 trained steps 4, 4 and 1 (5, not 9). A window of 1 step is exact
@@ -376,10 +376,10 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # The abstract routes by a cosine-similarity rule and names the knob jagg_frac. OURS: which cosine,
 # and what jagg_frac counts. A window's score is the cosine of its interior velocities with their
 # interpolation between its end steps: free (the rollout's velocities), and if v moves linearly in
-# t the Jacobians likely do too. Scores sit near 1 (velocities point much the same way): 0.88
-# against 0.98, as the self-check's part B prints, is a wide gap. jagg_frac is the share of windows, best first, that JAGG takes
-# (Python's round, half to even); the rest train exactly. A window of 2 steps or fewer takes no
-# share: with no interior step, JAGG saves nothing there.
+# t the Jacobians likely do too. Scores sit near 1 (velocities point much the same way), so the
+# gaps the self-check's part B prints are wide ones. jagg_frac is the share of windows, best
+# first, that JAGG takes (Python's round, half to even); the rest train exactly. A window of 2
+# steps or fewer takes no share: with no interior step, JAGG saves nothing there.
 
 
 def linearity_score(v, t):
@@ -447,7 +447,7 @@ def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0,
     for (start, stop), use_jagg in zip(bounds, routed):
         z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, *D], [W, B]
         with torch.no_grad():  # the KL reference's velocities [W, B, *D], when there is a KL term
-            v_ref = ref_velocity_fn(z, t) if cfg.beta > 0 else None
+            v_ref = checked(ref_velocity_fn)(z, t) if cfg.beta > 0 else None
         step_loss = make_step_loss(traj, advantages, start, stop, cfg, v_ref, log)
         backward = backward_jagg_window if use_jagg else backward_exact
         loss += backward(velocity_fn, z, t, step_loss)
@@ -591,8 +591,8 @@ def _self_check():
         else:
             assert stats["approx_kl"] > 0
     assert stats["clipfrac"] > 0
-    print("   step 1's loss is beta x kl alone: a group's advantages sum to 0 (their gradient does not); its")
-    print("   approx_kl is 0 only if velocity_fn gives on several steps at once the v it gives on one (section 9)")
+    print("   step 1's loss is beta x kl (+ the fp32 rounding of the advantages): a group's advantages sum to 0,")
+    print("   their gradient does not. approx_kl 0 needs velocity_fn's v on several steps at once = on one (section 9)")
     print("ok")
 
 
