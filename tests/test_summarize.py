@@ -203,7 +203,8 @@ def test_retention_pairs_each_mode_with_exact_and_the_papers_mode_seed_by_seed(t
         for seed, gain in enumerate(values):
             folder = tmp_path / mode / f"seed{seed}"
             folder.mkdir(parents=True)
-            (folder / "summary.json").write_text(json.dumps({"reward_gain": gain, "grad_steps": 8 * 320}))
+            (folder / "summary.json").write_text(json.dumps({"reward_gain": gain, "grad_steps": 8 * 320,
+                                                             "config": {"steps": 80, "minibatches": 4}}))
     (tmp_path / "paper" / "seed3").mkdir()  # an unfinished run: left out, as every mode lacks seed 3
     summarize.retention(str(tmp_path))
     out = capsys.readouterr().out

@@ -430,13 +430,19 @@ def paired(paths):
 
 
 def retention(folder):
-    """tools/toy_quality.sh's table: OUT/<mode>/seed<S>/summary.json for exact and each JAGG mode. Per
+    """tools/toy_quality.sh's table: OUT/<mode>/seed<S>/summary.json (or, kept, seed<S>.json) for exact
+    and each JAGG mode. Per
     mode over the seeds every mode finished: the gain kept (JAGG's reward gain over exact's of the
     same seed), its mean with a 95 % t interval, the ratio of mean gains with its interval, the
     paired difference to the paper's mode with its interval, and the worst seed."""
-    modes = sorted(os.listdir(folder), key=lambda m: (m != "exact", m != "paper", m))
-    runs = {m: {int(s[4:]): load(os.path.join(folder, m, s)) for s in os.listdir(os.path.join(folder, m))
-                if s.startswith("seed") and os.path.isfile(os.path.join(folder, m, s, "summary.json"))} for m in modes}
+    modes = sorted((m for m in os.listdir(folder) if os.path.isdir(os.path.join(folder, m))),
+                   key=lambda m: (m != "exact", m != "paper", m))
+    def finished(m, name):  # a run folder with its summary.json, or a kept summary seed<S>.json
+        path = os.path.join(folder, m, name)
+        return name.startswith("seed") and (os.path.isfile(os.path.join(path, "summary.json")) or name.endswith(".json"))
+
+    runs = {m: {int(s[4:].removesuffix(".json")): load(os.path.join(folder, m, s))
+                for s in os.listdir(os.path.join(folder, m)) if finished(m, s)} for m in modes}
     seeds = sorted(set.intersection(*(set(r) for r in runs.values())))
     exact = {s: runs["exact"][s]["reward_gain"] for s in seeds}
     kept = {m: {s: runs[m][s]["reward_gain"] / exact[s] for s in seeds} for m in modes}
@@ -452,7 +458,9 @@ def retention(folder):
         diff, dhalf = mean_interval([kept[m][s] - kept["paper"][s] for s in seeds])
         worst = min(seeds, key=lambda s: kept[m][s])
         paired_text = "-" if m == "paper" else f"{100 * diff:+.1f} ({100 * (diff - dhalf):+.1f} to {100 * (diff + dhalf):+.1f}) points"
-        print(f"| {m} | {runs[m][seeds[0]]['grad_steps'] // (80 * 4)} | {100 * mean:.1f} % ({100 * (mean - half):.1f}-"
+        run = runs[m][seeds[0]]  # rows with grad per optimizer step: the run's over its optimizer steps
+        rows = run["grad_steps"] // (run["config"]["steps"] * run["config"]["minibatches"])
+        print(f"| {m} | {rows} | {100 * mean:.1f} % ({100 * (mean - half):.1f}-"
               f"{100 * (mean + half):.1f} %) | {100 * ratio:.1f} % ({100 * (ratio - rhalf):.1f}-{100 * (ratio + rhalf):.1f} %) "
               f"| {paired_text} | {100 * kept[m][worst]:.1f} % (seed {worst}) |")
 
