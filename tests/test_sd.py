@@ -678,3 +678,18 @@ def test_torchrun_fsdp_trains_checkpoints_and_resumes(tiny_sd3, tmp_path):
 def test_fsdp_needs_torchrun(tiny_sd3, tmp_path):
     with pytest.raises(SystemExit, match="--fsdp shards the transformer over torchrun's ranks"):
         train_sd.main(run_args(tiny_sd3, tmp_path / "out", "--fsdp"))
+
+
+def test_fsdp_memory_per_rank_state_halves_and_activations_stay(tmp_path):
+    """tools/fsdp_memory.py at 1 and 2 ranks: each rank holds half the weights, gradients and AdamW
+    state (to the shards' rounding), and every mode saves the same activations as on one rank."""
+    for n in (1, 2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+               "tools/fsdp_memory.py", "--size", "tiny", "--out", str(tmp_path)]
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (json.load(open(tmp_path / f"ranks{n}.json")) for n in (1, 2))
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert two[key] < 0.55 * one[key], key
+    assert two["saved_bytes"] == one["saved_bytes"] and len(one["saved_bytes"]) == 5
