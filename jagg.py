@@ -6,18 +6,10 @@ Diffusion Models" (arXiv 2607.17572, 2026), on top of Flow-GRPO's SDE sampler an
 (Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv 2505.05470).
 We follow the paper as its abstract states it; where it is silent, our choices are marked OURS.
 
-JAGG in brief (section 6 derives it). A step's GRPO loss L_k depends on the weights theta only
-through that step's velocity v_k (the states and the reference are fixed), so the gradient of a
-window of W steps is
-    grad = sum_k g_k^T J_k,   g_k = dL_k/dv_k (cheap: a few elementwise ops), J_k = dv_k/dtheta
-and every J_k costs a transformer backward. JAGG interpolates the Jacobians linearly in t between
-the window's end steps a and b, J_k ~= (1 - alpha_k) J_a + alpha_k J_b, so that
-    grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,   G_b = sum_k alpha_k g_k,
-ONE backward over the double batch [z_a; z_b]: per window, W backward passes over one row each
-become one over two rows. Only the Jacobians are approximated: every g_k, and so every step's
-loss, ratio and clip, comes from the step's true velocity at the current weights. The paper
-removes backward passes only: its interior steps still run forward, without a graph (the
-rollout's stored velocities would be stale after the first update).
+JAGG in brief: a window's gradient sum_k g_k^T J_k needs a transformer backward per step for its
+Jacobians J_k; interpolating them linearly in t between the window's two end steps collapses the
+sum into ONE backward over the double batch [z_a; z_b]. Section 6 derives it, says what it costs
+and when it is exact.
 
 Notation (code name -> symbol)
     T          the number of steps of the trajectories at hand: a rollout's, or its trained first ones
@@ -63,20 +55,9 @@ from dataclasses import dataclass
 import torch
 
 
-def _check(ok, message):  # a ValueError naming the mistake and its fix (helpers: skip on a first read)
+def _check(ok, message):  # a ValueError naming the mistake and its fix
     if not ok:
         raise ValueError(message)
-
-
-def checked(velocity_fn):
-    """velocity_fn, refusing a v not of z's shape (broadcast, it would train silently; section 9)."""
-    def velocity(z, t):
-        v = velocity_fn(z, t)
-        _check(isinstance(v, torch.Tensor) and v.shape == z.shape,
-               f"velocity_fn(z {tuple(z.shape)}, t {tuple(t.shape)}) returned {getattr(v, 'shape', type(v))}: it must "
-               f"return v of z's shape [S, B, *D]; end it with .reshape(z.shape)")
-        return v
-    return velocity
 
 
 # === 1. SDE step: the Gaussian policy of one sampling step (Flow-GRPO) ===
@@ -87,8 +68,7 @@ def checked(velocity_fn):
 
 def sigma_schedule(num_steps, shift=3.0):
     """The sigmas sigma_0 = 1 > ... > sigma_T = 0 [T + 1], float32: an even grid s bent by SD3's
-    shift, sigma = shift * s / (1 + (shift - 1) * s), more steps at high noise for shift > 1. (SD3's
-    scheduler also ends its grid at a small sigma before 0; train_sd.py samples with its sigmas.)"""
+    shift, sigma = shift * s / (1 + (shift - 1) * s), more steps at high noise for shift > 1."""
     _check(num_steps >= 1, f"num_steps must be >= 1, got {num_steps}")
     _check(shift > 0, f"shift must be > 0, got {shift}")
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
@@ -99,8 +79,9 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     """One SDE step from z at sigma to sigma_next (v, z: [B, *D]; sigma, sigma_next: [B]);
     prev_sample (z_{k+1}, [B, *D]), if given, is scored instead of sampled. Returns (prev_sample,
     log_prob [B], mean [B, *D], std [B, 1..]): the next state, its Gaussian log-density averaged
-    over the non-batch dimensions (Flow-GRPO's), the Gaussian's mean and standard deviation, all
-    in fp32 (fp64 if given fp64): the state is kept exactly as it was scored."""
+    over the non-batch dimensions (Flow-GRPO's), the Gaussian's mean and standard deviation
+    std = std_t sqrt(-dt) (std_t, the SDE's noise scale, is what the KL term uses), all four cast
+    to fp32 (fp64 if given fp64)."""
     # Why fp32: the GRPO ratio exponentiates the difference of near-equal log-probabilities; bf16
     # rounding alone would move it by more than the clip range.
     dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)  # fp32, or fp64 if given fp64
@@ -151,9 +132,8 @@ class Trajectory:
         return self.z_next[-1]
 
     def first_steps(self, n):
-        """The first n steps, the ones Flow-GRPO trains (its timestep_fraction: 9 of T = 10; in SD3's
-        schedule the last step, sigma 0.009 to 0, barely changes the image; sigma_schedule's even
-        grid ends with a larger one). Reward the full trajectory's .sample."""
+        """The first n steps, the ones Flow-GRPO trains (its timestep_fraction: 9 of T = 10; with SD3's
+        own scheduler the last step barely changes the image). Reward the full trajectory's .sample."""
         _check(1 <= n <= self.z.shape[0], f"a trajectory of {self.z.shape[0]} steps has no first {n} steps to train")
         return Trajectory(**{name: getattr(self, name)[:n] for name in self.TENSORS}, noise_level=self.noise_level)
 
@@ -174,7 +154,7 @@ class Trajectory:
 def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
     """Sample B trajectories of T = len(sigmas) - 1 SDE steps from the noise z_0: [B, *D]. The
     velocities are kept: JAGG's routing score (section 7) reads them for free."""
-    velocity_fn = checked(velocity_fn)  # v must have z's shape
+    velocity_fn = checked(velocity_fn)  # refuses a v not of z's shape (section 9)
     B, T, z = noise.shape[0], len(sigmas) - 1, noise
     zs, z_nexts, log_probs, vs = [], [], [], []
     for k in range(T):
@@ -300,8 +280,8 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # === 6. JAGG: interpolate the Jacobians, back-propagate once ===
 # The gradient of a window a..b is a sum of vector-Jacobian products:
 #     grad = sum_k g_k^T J_k,      g_k = dL_k/dv_k,   J_k = dv_theta(z_k, t_k)/dtheta.
-# g_k is cheap (the loss is a few elementwise ops on v_k); each J_k costs a full backward. The
-# g_k stay exact (each step's own velocity; the logged loss is exact too): only J is approximated.
+# (A step's loss L_k depends on the weights only through its velocity v_k: the states and the
+# reference are fixed.) g_k is cheap, a few elementwise ops on v_k; each J_k costs a backward.
 # Training-free DiT accelerators (Delta-DiT, ScalingCache) exploit that a DiT's features and
 # velocities change smoothly, nearly linearly, along a trajectory. JAGG bets the Jacobians do
 # too, and interpolates them between the window's end steps, weighted by t:
@@ -309,7 +289,10 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # The sum then collapses by linearity into two vector-Jacobian products,
 #     grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k,
 # which one backward of  sum(v_a * G_a) + sum(v_b * G_b)  through ONE forward on the double
-# batch [z_a; z_b] computes.
+# batch [z_a; z_b] computes. Only the Jacobians are approximated: every g_k, and so every step's
+# loss, ratio and clip, comes from the step's true velocity at the current weights. The paper
+# removes backward passes only: its interior steps still run forward, without a graph (the
+# rollout's stored velocities would be stale after the first update).
 #
 # What it costs, per window of W steps: exact runs W rows with grad (W forwards with graph, W
 # backward passes of one row); JAGG runs 2 (one forward with graph over the double batch, one
@@ -376,10 +359,11 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # The abstract routes by a cosine-similarity rule and names the knob jagg_frac. OURS: which cosine,
 # and what jagg_frac counts. A window's score is the cosine of its interior velocities with their
 # interpolation between its end steps: free (the rollout's velocities), and if v moves linearly in
-# t the Jacobians likely do too. Scores sit near 1 (velocities point much the same way), so the
-# gaps the self-check's part B prints are wide ones. jagg_frac is the share of windows, best
-# first, that JAGG takes (Python's round, half to even); the rest train exactly. A window of 2
-# steps or fewer takes no share: with no interior step, JAGG saves nothing there.
+# t the Jacobians likely do too. It is blind to a velocity's scale and reads the rollout's (older)
+# policy. Scores sit near 1, velocities pointing much the same way: rank them, do not read them
+# as absolute. jagg_frac is the share of windows, best first, that JAGG takes (Python's round,
+# half to even); the rest train exactly. A window of 2 steps or fewer takes no share: with no
+# interior step, JAGG saves nothing there.
 
 
 def linearity_score(v, t):
@@ -473,8 +457,20 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
 
 
 # === 9. Before training: check the model's velocity_fn ===
-# Three mistakes train silently: a velocity not of z's shape (checked refuses it), conditioning
-# repeated in the wrong order (only JAGG's several steps at once show it: rollouts run one) and dropout.
+# Three mistakes train silently: a velocity not of z's shape (checked refuses it); conditioning
+# repeated in the wrong order, which only calls on several steps at once show (JAGG's, and the KL
+# reference's of a window), rollouts running one; and dropout.
+
+
+def checked(velocity_fn):
+    """velocity_fn, refusing a v not of z's shape (broadcast, it would train silently; section 9)."""
+    def velocity(z, t):
+        v = velocity_fn(z, t)
+        _check(isinstance(v, torch.Tensor) and v.shape == z.shape,
+               f"velocity_fn(z {tuple(z.shape)}, t {tuple(t.shape)}) returned {getattr(v, 'shape', type(v))}: it must "
+               f"return v of z's shape [S, B, *D]; end it with .reshape(z.shape)")
+        return v
+    return velocity
 
 
 @torch.no_grad()
@@ -544,7 +540,8 @@ def _self_check():
     ref = velocity_fn_of(frozen, "reference")
     check_velocity_fn(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T))  # shape, batching, dropout
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
-    advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4)  # [B]
+    advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # [B], returned in fp32
+    advantages -= advantages.view(-1, 4).mean(1).repeat_interleave(4)  # each group's sum 0 in fp64 too
     cfg = LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04)
     print(f"B. T = {T}, W = {W}: windows {window_bounds(T, W)} (start, stop); rows with grad = the cost")
     ranked = []  # (routing score, gradient cosine) per window
@@ -569,15 +566,15 @@ def _self_check():
         assert sum(graph) == stats["grad_rows"] == rows, (graph, rows)
         print(f"C. jagg_frac {frac}: windows to JAGG {routed}"
               + (" (half of the two 4-step windows: the higher-scoring, steps 4-7)" if frac == 0.5 else ""))
-        print(f"   {len(graph)} backward passes over {sum(graph)} rows with grad, "
-              f"{sum(n for name, n, g in calls if name == 'policy' and not g)} interior rows without graph, "
-              f"{sum(n for name, n, _ in calls if name == 'reference')} KL reference rows without graph; "
-              f"gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}")
+        print(f"   {len(graph)} backward passes over {sum(graph)} rows with grad; without graph, "
+              f"{sum(n for name, n, g in calls if name == 'policy' and not g)} interior rows and "
+              f"{sum(n for name, n, _ in calls if name == 'reference')} KL reference rows")
+        print(f"   gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}")
 
     # D. Training: Flow-GRPO trains the first 9 of T = 10 steps (windows of 4, 4 and 1) on minibatches
     #    of the rollout (here two of 2 groups each), the first optimizer step on-policy, the next off it.
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)  # a large step: clipping shows by step 3
-    print(f"D. training on the first 9 of {T} steps: windows {window_bounds(9, W)}, the last (1 step) exact")
+    print(f"D. training on the first 9 of {T} steps: windows {window_bounds(9, W)}, JAGG on the first two")
     lessons = ["on-policy: every ratio 1, so approx_kl is 0 (kl: the distance to the reference)", "samples 8-15, "
                "after one update: off-policy, the ratios move", "samples 0-7 again: the ratios reach the clip 0.2"]
     for step in range(1, 4):
@@ -585,14 +582,16 @@ def _self_check():
         stats, routed = paper_train_step(velocity_fn_of(net), optimizer, traj.subset(idx).first_steps(9),
                                          advantages[idx], cfg, W, 1.0, ref)
         print(f"   step {step}: loss {stats['loss']:+.2e}, clipfrac {stats['clipfrac']:.3f}, "
-              f"approx_kl {stats['approx_kl']:.2e}, kl {stats['kl']:.2e}, windows to JAGG {routed}: {lessons[step - 1]}")
-        if step == 1:  # the loss is beta x kl, to the advantages' fp32 rounding (group_advantages returns fp32)
-            assert abs(stats["loss"] - cfg.beta * stats["kl"]) < 1e-7 and stats["kl"] > 0 and stats["approx_kl"] < 1e-20
+              f"approx_kl {stats['approx_kl']:.2e}, kl {stats['kl']:.2e}: {lessons[step - 1]}")
+        assert routed == [True, True, False]  # the 1-step window is exact
+        if step == 1:  # on-policy: the surrogate is 0, the loss beta x kl alone
+            assert abs(stats["loss"] - cfg.beta * stats["kl"]) < 1e-15 and 0 == stats["approx_kl"] < stats["kl"]
         else:
             assert stats["approx_kl"] > 0
     assert stats["clipfrac"] > 0
-    print("   step 1's loss is beta x kl (+ the fp32 rounding of the advantages): a group's advantages sum to 0,")
-    print("   their gradient does not. approx_kl 0 needs velocity_fn's v on several steps at once = on one (section 9)")
+    print("   At step 1 every ratio is 1, so the surrogate -mean(A ratio) is 0 (a group's advantages sum to 0) but")
+    print("   its gradient -mean(A grad ratio) is not. Ratio 1 there needs a call on several steps at once to give")
+    print("   what one-step calls give (section 9).")
     print("ok")
 
 
