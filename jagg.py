@@ -5,6 +5,7 @@ Gradient), from "JAGG: Jacobian-Aggregated Group Gradient for Efficient GRPO Tra
 Diffusion Models" (arXiv 2607.17572, 2026), on top of Flow-GRPO's SDE sampler and loss
 (Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", arXiv 2505.05470).
 We follow the paper as its abstract states it; where it is silent, our choices are marked OURS.
+The name: GRPO's group-relative gradient, aggregated over a window through its Jacobians.
 
 JAGG in brief: a window's gradient sum_k g_k^T J_k needs a transformer backward per step for its
 Jacobians J_k; interpolating them linearly in t between the window's two end steps collapses the
@@ -61,16 +62,14 @@ def _check(ok, message):  # a ValueError naming the mistake and its fix
 
 
 # === 1. SDE step: the Gaussian policy of one sampling step (Flow-GRPO) ===
-# The deterministic flow ODE has no log-probability, so Flow-GRPO samples with an SDE whose
-# marginals match the ODE's. Each step is then a Gaussian policy z_{k+1} ~ N(mu_k, std_k^2)
-# and GRPO can use the ratio of its densities.
+# The flow ODE has no log-probability; an SDE with its marginals makes each step a Gaussian
+# policy z_{k+1} ~ N(mu_k, std_k^2), whose densities' ratio GRPO uses.
 
 
 def sigma_schedule(num_steps, shift=3.0):
     """The sigmas sigma_0 = 1 > ... > sigma_T = 0 [T + 1], float32: an even grid s bent by SD3's
     shift, sigma = shift * s / (1 + (shift - 1) * s), more steps at high noise for shift > 1."""
-    _check(num_steps >= 1, f"num_steps must be >= 1, got {num_steps}")
-    _check(shift > 0, f"shift must be > 0, got {shift}")
+    _check(num_steps >= 1 and shift > 0, f"num_steps must be >= 1 and shift > 0, got {num_steps} and {shift}")
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
     return (shift * s / (1 + (shift - 1) * s)).float()  # [T+1]
 
@@ -79,26 +78,24 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     """One SDE step from z at sigma to sigma_next (v, z: [B, *D]; sigma, sigma_next: [B]);
     prev_sample (z_{k+1}, [B, *D]), if given, is scored instead of sampled. Returns (prev_sample,
     log_prob [B], mean [B, *D], std [B, 1..]): the next state, its Gaussian log-density averaged
-    over the non-batch dimensions (Flow-GRPO's), the Gaussian's mean and standard deviation
-    std = std_t sqrt(-dt) (std_t, the SDE's noise scale, is what the KL term uses), all four cast
-    to fp32 (fp64 if given fp64)."""
+    over the non-batch dimensions (Flow-GRPO's), the Gaussian's mean and its standard deviation
+    std = std_t sqrt(-dt) (the KL term divides std_t back out), all in fp32 (fp64 if given fp64)."""
     # Why fp32: the GRPO ratio exponentiates the difference of near-equal log-probabilities; bf16
-    # rounding alone would move it by more than the clip range.
+    # rounding alone would move it by more than Flow-GRPO's clip range of 1e-4.
     dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)  # fp32, or fp64 if given fp64
     v, z = v.to(dtype), z.to(dtype)
     shape = (-1,) + (1,) * (z.ndim - 1)
     sigma = sigma.to(dtype).reshape(shape)  # [B, 1, ...]
     sigma_next = sigma_next.to(dtype).reshape(shape)  # [B, 1, ...]
-    # dt < 0: sigma decreases from noise to data.
-    dt = sigma_next - sigma  # [B, 1, ...]
+    dt = sigma_next - sigma  # [B, 1, ...], < 0: sigma decreases from noise to data
     # std_t = noise_level * sqrt(sigma / (1 - sigma)). At sigma = 1 (the first step) this is
     # infinite; like Flow-GRPO we use the next sigma in the denominator there instead.
     denom = 1 - torch.where(sigma >= 1, sigma_next, sigma)  # [B, 1, ...]
     std_t = noise_level * torch.sqrt(sigma / denom)  # [B, 1, ...]
+    # Euler on dz = [v + std_t^2 / (2 sigma) (z + (1 - sigma) v)] dsigma + std_t dw (the ODE's marginals):
     # mu = z (1 + std_t^2 / (2 sigma) dt) + v (1 + std_t^2 (1 - sigma) / (2 sigma)) dt
     mean = z * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
-    # The Gaussian's standard deviation: std_t * sqrt(-dt).
-    std = std_t * torch.sqrt(-dt)  # [B, 1, ...]
+    std = std_t * torch.sqrt(-dt)  # [B, 1, ...], the Gaussian's standard deviation
     if prev_sample is None:
         noise = torch.randn(z.shape, generator=generator, device=z.device, dtype=z.dtype)
         prev_sample = mean + std * noise  # [B, *D]
@@ -127,8 +124,7 @@ class Trajectory:
     TENSORS = ("z", "z_next", "t", "t_next", "log_prob", "v")
 
     @property
-    def sample(self):
-        """The final clean samples z_T: [B, *D]."""
+    def sample(self):  # the final clean samples z_T: [B, *D]
         return self.z_next[-1]
 
     def first_steps(self, n):
@@ -260,9 +256,9 @@ def make_step_loss(traj, advantages, start, stop, cfg, v_ref=None, log=None):
 # [B, *D]; they accumulate gradients like loss.backward() and return the window's summed loss.
 
 
-def _check_window(z, t):
-    _check(z.ndim >= 2 and t.ndim == 2 and tuple(t.shape) == tuple(z.shape[:2]),
-           f"a window needs z: [W, B, *D] and t: [W, B] with matching W and B, got z {tuple(z.shape)}, t {tuple(t.shape)}")
+def _check_window(z, t):  # z: [W, B, *D], t: [W, B]
+    _check(z.ndim >= 2 and t.shape == z.shape[:2], f"a window needs z: [W, B, *D] and t: [W, B] with matching W and "
+                                                  f"B, got z {tuple(z.shape)}, t {tuple(t.shape)}")
 
 
 def backward_exact(velocity_fn, z, t, step_loss):
@@ -290,17 +286,17 @@ def backward_exact(velocity_fn, z, t, step_loss):
 #     grad ~= G_a^T J_a + G_b^T J_b,   G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k,
 # which one backward of  sum(v_a * G_a) + sum(v_b * G_b)  through ONE forward on the double
 # batch [z_a; z_b] computes. Only the Jacobians are approximated: every g_k, and so every step's
-# loss, ratio and clip, comes from the step's true velocity at the current weights. The paper
-# removes backward passes only: its interior steps still run forward, without a graph (the
-# rollout's stored velocities would be stale after the first update).
+# loss, ratio and clip, comes from the step's true velocity at the current weights. As we read
+# the paper, it removes backward passes only: the interior steps still run forward, without a
+# graph (the rollout's stored velocities would be stale after the first update).
 #
 # What it costs, per window of W steps: exact runs W rows with grad (W forwards with graph, W
 # backward passes of one row); JAGG runs 2 (one forward with graph over the double batch, one
 # backward over it) plus W - 2 interior rows forward without graph, which store no activations.
 # With a backward costing about two forwards, W = 4 is 2 x 3 + 2 = 8 forward-units against
-# exact's 4 x 3 = 12, about 1.5x on what JAGG touches (the forwards it leaves alone dilute it:
-# the rollout's, CFG's unconditional ones and the KL reference's; docs/benchmarks.md). Memory: the double batch keeps 2 rows
-# of activations alive at once, twice exact's one. OURS: windows tile the trained steps from the
+# exact's 4 x 3 = 12, about 1.5x on what JAGG touches; the rollout's forwards and the KL
+# reference's, which it does not touch, dilute that. Memory: the double batch keeps 2 rows of
+# activations alive at once, twice exact's one. OURS: windows tile the trained steps from the
 # first, the last one shorter: T = 10 at W = 4 gives windows of 4, 4 and 2 steps (6 rows with
 # grad, not 10), Flow-GRPO's 9 trained steps 4, 4 and 1 (5, not 9). A window of 1 step is exact
 # training; one of 2 has no interior and costs 2 rows either way.
@@ -458,8 +454,8 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
 
 # === 9. Before training: check the model's velocity_fn ===
 # Three mistakes train silently: a velocity not of z's shape (checked refuses it); conditioning
-# repeated in the wrong order, which only calls on several steps at once show (JAGG's, and the KL
-# reference's of a window), rollouts running one; and dropout.
+# repeated in the wrong order (rollouts call one step at a time, JAGG and the KL reference several:
+# only those calls pair states with other samples' prompts); and dropout.
 
 
 def checked(velocity_fn):
@@ -529,8 +525,12 @@ def _self_check():
     step_loss = lambda k, v_k: (w[k] * v_k).sum() + (v_k**2).sum()  # noqa: E731
     (exact, _), (approx, _) = (grad(linear, f, z, t, step_loss) for f in (backward_exact, backward_jagg_window))
     rel = ((approx - exact).norm() / exact.norm()).item()
-    assert rel < 1e-12, rel
-    print(f"A. v affine in (z, t), nonlinear in theta, one straight window of W = {W}: |JAGG - exact| / |exact| = {rel:.1e}")
+    (curved, _), (jagg_curved, _) = (grad(linear, f, z + 0.5 * alpha * (1 - alpha), t, step_loss)
+                                     for f in (backward_exact, backward_jagg_window))  # the same window, bent
+    bent = ((jagg_curved - curved).norm() / curved.norm()).item()
+    assert rel < 1e-12 and bent > 1e-3, (rel, bent)
+    print(f"A. v affine in (z, t), nonlinear in theta, a window of W = {W}: |JAGG - exact| / |exact| = {rel:.1e} when its "
+          f"states lie on a straight line, {bent:.1e} when they bend")
 
     # B. A small nonlinear network on its own rollouts, GRPO's loss with the KL to a reference a little
     #    away from it, groups of 4: each window's routing score (section 7) beside its gradient cosine.
@@ -540,8 +540,9 @@ def _self_check():
     ref = velocity_fn_of(frozen, "reference")
     check_velocity_fn(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T))  # shape, batching, dropout
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
-    advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # [B], returned in fp32
-    advantages -= advantages.view(-1, 4).mean(1).repeat_interleave(4)  # each group's sum 0 in fp64 too
+    reward = -traj.sample.norm(dim=-1)  # [B], a made-up reward: closeness to the origin
+    advantages = group_advantages(reward, torch.arange(B) // 4).double().view(-1, 4)  # [B/4, 4], fp32 made fp64
+    advantages = (advantages - advantages.mean(1, keepdim=True)).flatten()  # [B]: groups sum to 0 in fp64, for D's assert
     cfg = LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04)
     print(f"B. T = {T}, W = {W}: windows {window_bounds(T, W)} (start, stop); rows with grad = the cost")
     ranked = []  # (routing score, gradient cosine) per window
@@ -569,7 +570,7 @@ def _self_check():
         print(f"   {len(graph)} backward passes over {sum(graph)} rows with grad; without graph, "
               f"{sum(n for name, n, g in calls if name == 'policy' and not g)} interior rows and "
               f"{sum(n for name, n, _ in calls if name == 'reference')} KL reference rows")
-        print(f"   gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}")
+        print(f"   gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}" + (" (exact itself)" if frac == 0 else ""))
 
     # D. Training: Flow-GRPO trains the first 9 of T = 10 steps (windows of 4, 4 and 1) on minibatches
     #    of the rollout (here two of 2 groups each), the first optimizer step on-policy, the next off it.
@@ -590,8 +591,8 @@ def _self_check():
             assert stats["approx_kl"] > 0
     assert stats["clipfrac"] > 0
     print("   At step 1 every ratio is 1, so the surrogate -mean(A ratio) is 0 (a group's advantages sum to 0) but")
-    print("   its gradient -mean(A grad ratio) is not. Ratio 1 there needs a call on several steps at once to give")
-    print("   what one-step calls give (section 9).")
+    print("   its gradient -mean(A grad ratio) is not. Rollouts call one step at a time, JAGG several: ratio 1")
+    print("   needs both to give the same v (section 9).")
     print("ok")
 
 
