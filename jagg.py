@@ -37,8 +37,8 @@ The whole contract with a model is one function:
     velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D], the same shape as z
 with t = sigma and v = d z / d sigma = noise - data (the rectified flow of SD3, Flux and
 Flow-GRPO; convert to your transformer's own time inside it). It owns any conditioning (prompts,
-CFG). JAGG calls it on several steps at once: entry s * B + b of z.reshape(S * B, *D) needs sample
-b's conditioning, so repeat it as a block, c.repeat(S), never repeat_interleave.
+CFG). JAGG calls it on several steps at once: entry s * B + i of z.reshape(S * B, *D) needs sample
+i's conditioning, so repeat it as a block, c.repeat(S), never repeat_interleave.
 check_velocity_fn (section 9) catches that and two more silent mistakes; call it once first.
 Options beyond the paper (reusing the rollout's velocities for the interior steps, among others)
 and the training step for real runs (many ranks, accumulation) are in jagg_options.py.
@@ -79,7 +79,7 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     prev_sample (z_{k+1}, [B, *D]), if given, is scored instead of sampled. Returns (prev_sample,
     log_prob [B], mean [B, *D], std [B, 1..]): the next state, its Gaussian log-density averaged
     over the non-batch dimensions (Flow-GRPO's), the Gaussian's mean and its standard deviation
-    std = std_t sqrt(-dt) (the KL term divides std_t back out), all in fp32 (fp64 if given fp64)."""
+    std = std_t sqrt(-dt) (the KL recovers std_t = std / sqrt(-dt), section 4), all in fp32 (fp64 if given fp64)."""
     # Why fp32: the GRPO ratio exponentiates the difference of near-equal log-probabilities; bf16
     # rounding alone would move it by more than Flow-GRPO's clip range of 1e-4.
     dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)  # fp32, or fp64 if given fp64
@@ -293,10 +293,10 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # What it costs, per window of W steps: exact runs W rows with grad (W forwards with graph, W
 # backward passes of one row); JAGG runs 2 (one forward with graph over the double batch, one
 # backward over it) plus W - 2 interior rows forward without graph, which store no activations.
-# With a backward costing about two forwards, W = 4 is 2 x 3 + 2 = 8 forward-units against
-# exact's 4 x 3 = 12, about 1.5x on what JAGG touches; the rollout's forwards and the KL
-# reference's, which it does not touch, dilute that. Memory: the double batch keeps 2 rows of
-# activations alive at once, twice exact's one. OURS: windows tile the trained steps from the
+# With a backward costing about two forwards, exact's 3W forward-units become JAGG's 2 x 3 +
+# (W - 2) = W + 4: 1.5x at W = 4, under 3x however long the window (and long ones interpolate
+# worse); the rollout's and the KL reference's forwards, which it does not touch, dilute that.
+# Memory: the double batch keeps 2 rows of activations alive at once, twice exact's one. OURS: windows tile the trained steps from the
 # first, the last one shorter: T = 10 at W = 4 gives windows of 4, 4 and 2 steps (6 rows with
 # grad, not 10), Flow-GRPO's 9 trained steps 4, 4 and 1 (5, not 9). A window of 1 step is exact
 # training; one of 2 has no interior and costs 2 rows either way.
@@ -489,7 +489,7 @@ def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
     one = torch.stack([checked(velocity_fn)(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
     error = (v.float() - one.float()).norm().item() / v.float().norm().item()
     _check(error <= rtol, f"velocity_fn on {S} steps at once differs from {S} one-step calls by {error:.1e} of |v| "
-                          f"(rtol {rtol:.0e}): it is step-major (entry s * B + b is sample b at step s), so repeat "
+                          f"(rtol {rtol:.0e}): it is step-major (entry s * B + i is sample i at step s), so repeat "
                           f"the conditioning as a block, c.repeat(S) or .repeat(S, 1, 1), never repeat_interleave; "
                           f"and make no row depend on the others (batch statistics)")
     return max(error, again)
@@ -518,7 +518,7 @@ def _self_check():
     # A. v affine in (z, t), nonlinear in theta (two layers multiplied), on a straight window, with a
     #    made-up quadratic loss per step: J is affine along it, so JAGG's gradient is exact (section 6).
     linear = torch.nn.Sequential(torch.nn.Linear(D + 1, D + 1), torch.nn.Linear(D + 1, D))
-    t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B]
+    t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B], uneven: weights by index would fail
     alpha = interpolation_weights(t)[..., None]  # [W, B, 1]
     z = (1 - alpha) * torch.randn(B, D) + alpha * torch.randn(B, D)  # [W, B, D]
     w = torch.randn(W, B, D)
@@ -542,15 +542,15 @@ def _self_check():
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     reward = -traj.sample.norm(dim=-1)  # [B], a made-up reward: closeness to the origin
     advantages = group_advantages(reward, torch.arange(B) // 4).double().view(-1, 4)  # [B/4, 4], fp32 made fp64
-    advantages = (advantages - advantages.mean(1, keepdim=True)).flatten()  # [B]: groups sum to 0 in fp64, for D's assert
+    advantages = (advantages - advantages.mean(1, keepdim=True)).flatten()  # [B]: sums 0 in fp64 (D's step-1 check)
     cfg = LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04)
     print(f"B. T = {T}, W = {W}: windows {window_bounds(T, W)} (start, stop); rows with grad = the cost")
     ranked = []  # (routing score, gradient cosine) per window
     for start, stop in window_bounds(T, W):
         z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, D], [W, B]
-        g = [grad(net, f, z, t, make_step_loss(traj, advantages, start, stop, cfg, ref(z, t)))[0]
-             for f in (backward_exact, backward_jagg_window)]
-        score, cos = linearity_score(traj.v[start:stop], traj.t[start:stop]), cosine(*g)
+        pair = [grad(net, f, z, t, make_step_loss(traj, advantages, start, stop, cfg, ref(z, t)))[0]
+                for f in (backward_exact, backward_jagg_window)]
+        score, cos = linearity_score(traj.v[start:stop], traj.t[start:stop]), cosine(*pair)
         assert cos > 0.9 if stop - start > 2 else abs(cos - 1) < 1e-12, (cos, score)
         print(f"   steps {start}-{stop - 1}: routing score {score:.5f}, JAGG's gradient cosine to exact {cos:.5f}; "
               f"rows with grad: exact {stop - start}, JAGG 2 (+ {stop - start - 2} rows without graph)")
@@ -558,17 +558,17 @@ def _self_check():
     assert sorted(ranked[:2]) == sorted(ranked[:2], key=lambda sc: sc[1])  # the same order by score and by cosine
     print("   the score orders the 4-step windows as their cosines do (one example); a 2-step one scores 1 by convention")
 
-    # C. The batch's gradient at jagg_frac 0 (exact), 1 and 0.5: what each ran, and how close it is.
-    grads = {}
-    for frac, rows in ((0.0, T), (1.0, 6), (0.5, 8)):  # the 2-step window never takes JAGG's share
-        calls.clear()
+    grads = {}  # C. The batch's gradient at jagg_frac 0 (exact), 1 and 0.5: what each ran, how close it is
+    for frac, rows, jagg_windows in ((0.0, T, [False] * 3), (1.0, 6, [True, True, False]), (0.5, 8, [False, True, False])):
+        calls.clear()  # the 2-step window never takes JAGG's share; at 0.5, the higher-scoring 4-step one does
         grads[frac], (stats, routed) = grad(net, paper_gradients, traj, advantages, cfg, W, frac, ref)
-        graph = [n for name, n, g in calls if g]  # the forwards with graph: one backward pass each
-        assert sum(graph) == stats["grad_rows"] == rows, (graph, rows)
+        graph = [n for name, n, with_grad in calls if with_grad]  # the forwards with graph: a backward each
+        assert sum(graph) == stats["grad_rows"] == rows and routed == jagg_windows, (graph, routed)
+        assert cosine(grads[frac], grads[0.0]) > 0.99
         print(f"C. jagg_frac {frac}: windows to JAGG {routed}"
               + (" (half of the two 4-step windows: the higher-scoring, steps 4-7)" if frac == 0.5 else ""))
         print(f"   {len(graph)} backward passes over {sum(graph)} rows with grad; without graph, "
-              f"{sum(n for name, n, g in calls if name == 'policy' and not g)} interior rows and "
+              f"{sum(n for name, n, with_grad in calls if name == 'policy' and not with_grad)} interior rows and "
               f"{sum(n for name, n, _ in calls if name == 'reference')} KL reference rows")
         print(f"   gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}" + (" (exact itself)" if frac == 0 else ""))
 
