@@ -107,7 +107,7 @@ def test_check_velocity_fn_passes_a_bf16_model_and_catches_dropout():
     fn, _, z, sigmas = flux(dtype=torch.bfloat16)
     assert jagg.check_velocity_fn(fn, z, sigmas) < 2e-2  # bf16's tolerance: batched and single rows may round apart
     wrong_order, _, _, _ = flux(dtype=torch.bfloat16, interleave=True)
-    with pytest.raises(ValueError, match=r"rtol 2e-02\): its rows are step-major"):
+    with pytest.raises(ValueError, match=r"rtol 2e-02\): it is step-major"):
         jagg.check_velocity_fn(wrong_order, z, sigmas)
     fn, _, z, sigmas = flux()
     torch.manual_seed(3)
