@@ -106,12 +106,18 @@ def worker(rank, world, init_file, out, nan_rank):
     dist.destroy_process_group()
 
 
+def spawned(worker, tmp_path_factory, name):
+    """Run worker(rank, 2, init_file, out, nan_rank=1) on two gloo ranks; [rank0, rank1] of the
+    {key: tensor} each saved to out/rank<r>.pt."""
+    out = tmp_path_factory.mktemp(name)
+    mp.spawn(worker, args=(2, str(out / "init"), str(out), 1), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' parameters after training in every mode: [rank0, rank1] of {key: tensor}."""
-    out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(worker, args=(2, str(out / "init"), str(out), 1), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return spawned(worker, tmp_path_factory, "ddp")
 
 
 @pytest.mark.parametrize("i", range(len(MODES)), ids=["-".join(map(str, m)) for m in MODES])

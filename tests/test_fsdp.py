@@ -12,11 +12,10 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import jagg
 import jagg_options
-from test_ddp import PROBE, W, flat, models, rank_data, velocity_fn_of
+from test_ddp import PROBE, W, flat, models, rank_data, spawned, velocity_fn_of
 
 GUARD = jagg_options.JaggOptions.max_drift
 # (anchors, interior, max_graph_rows, jagg_frac, beta, max_drift, route): exact, the paper's, shared
@@ -101,9 +100,7 @@ def worker(rank, world, init_file, out, nan_rank):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' full parameters after training in every mode: [rank0, rank1] of {key: tensor}."""
-    out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(worker, args=(2, str(out / "init"), str(out), 1), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return spawned(worker, tmp_path_factory, "fsdp")
 
 
 @pytest.mark.parametrize("i", range(len(MODES)), ids=["-".join(map(str, m)) for m in MODES])
