@@ -296,14 +296,15 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # With a backward costing about two forwards, exact's 3W forward-units become JAGG's 2 x 3 +
 # (W - 2) = W + 4: 1.5x at W = 4, under 3x however long the window (and long ones interpolate
 # worse); the rollout's and the KL reference's forwards, which it does not touch, dilute that.
-# Memory: the double batch keeps 2 rows of activations alive at once, twice exact's one. OURS: windows tile the trained steps from the
-# first, the last one shorter: T = 10 at W = 4 gives windows of 4, 4 and 2 steps (6 rows with
-# grad, not 10), Flow-GRPO's 9 trained steps 4, 4 and 1 (5, not 9). A window of 1 step is exact
-# training; one of 2 has no interior and costs 2 rows either way.
+# Memory: the double batch keeps 2 rows of activations alive at once, twice exact's one.
+# OURS: windows tile the trained steps from the first, the last one shorter (T = 10 at W = 4:
+# windows of 4, 4 and 2 steps, 6 rows with grad, not 10; Flow-GRPO's 9 trained steps: 4, 4 and
+# 1, 5 rows); W = 4 is our default. A 1-step window is exact; a 2-step one costs 2 rows either way.
 #
 # When it is exact: if J(z, t) is affine in (z, t) along the window (e.g. v_theta affine in
 # (z, t), whatever its dependence on theta) and the states lie on the straight segment
-# z_k = (1 - alpha_k) z_a + alpha_k z_b, then J_k = (1 - alpha_k) J_a + alpha_k J_b exactly and
+# z_k = (1 - alpha_k) z_a + alpha_k z_b (t_k is on that line by alpha's definition), then
+# J_k = (1 - alpha_k) J_a + alpha_k J_b exactly and
 # so is JAGG's gradient. With W = 2 there is no interior step, so it is always exact.
 
 
@@ -398,8 +399,8 @@ def route_windows(scores, lengths, jagg_frac):
 # === 8. One training step over a batch of trajectories ===
 # Window by window: those routing gives to JAGG run backward_jagg_window, the others
 # backward_exact; the KL term's reference velocities need no graph. Then a plain optimizer step.
-# The caller loops over the rollout's minibatches (traj.subset(idx)): the first step on-policy,
-# the next off-policy.
+# The caller loops over the rollout's minibatches (traj.subset(idx)): the first optimizer step
+# on-policy, the next off-policy.
 
 
 def check_batch(traj, advantages, cfg):
@@ -498,8 +499,7 @@ def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
 # === Run it: python jagg.py (tests/test_jagg.py checks the rest against autograd and torch.func) ===
 
 
-def _self_check():
-    """What a learner should see, each line checked."""
+def _self_check():  # what a learner should see, each line checked
     torch.set_default_dtype(torch.float64), torch.manual_seed(0)  # exactness shows as ~1e-16, not fp32's ~1e-7
     T, W, B, D, calls = 10, 4, 16, 3, []  # windows of 4, 4 and 2 steps; calls: (model, rows, grad enabled)
 
@@ -515,25 +515,25 @@ def _self_check():
         return torch.cat([p.grad.flatten() for p in net.parameters()]), out
     cosine = lambda a, b: torch.nn.functional.cosine_similarity(a, b, dim=0).item()  # noqa: E731
 
-    # A. v affine in (z, t), nonlinear in theta (two layers multiplied), on a straight window, with a
-    #    made-up quadratic loss per step: J is affine along it, so JAGG's gradient is exact (section 6).
+    # A. v affine in (z, t), nonlinear in theta, a straight window, a made-up loss: JAGG is exact (section 6).
     linear = torch.nn.Sequential(torch.nn.Linear(D + 1, D + 1), torch.nn.Linear(D + 1, D))
     t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B], uneven: weights by index would fail
     alpha = interpolation_weights(t)[..., None]  # [W, B, 1]
     z = (1 - alpha) * torch.randn(B, D) + alpha * torch.randn(B, D)  # [W, B, D]
     w = torch.randn(W, B, D)
     step_loss = lambda k, v_k: (w[k] * v_k).sum() + (v_k**2).sum()  # noqa: E731
-    (exact, _), (approx, _) = (grad(linear, f, z, t, step_loss) for f in (backward_exact, backward_jagg_window))
-    rel = ((approx - exact).norm() / exact.norm()).item()
-    (curved, _), (jagg_curved, _) = (grad(linear, f, z + 0.5 * alpha * (1 - alpha), t, step_loss)
-                                     for f in (backward_exact, backward_jagg_window))  # the same window, bent
-    bent = ((jagg_curved - curved).norm() / curved.norm()).item()
-    assert rel < 1e-12 and bent > 1e-3, (rel, bent)
-    print(f"A. v affine in (z, t), nonlinear in theta, a window of W = {W}: |JAGG - exact| / |exact| = {rel:.1e} when its "
-          f"states lie on a straight line, {bent:.1e} when they bend")
 
-    # B. A small nonlinear network on its own rollouts, GRPO's loss with the KL to a reference a little
-    #    away from it, groups of 4: each window's routing score (section 7) beside its gradient cosine.
+    def error(net, z):  # |JAGG - exact| / |exact| of net's gradient on the window z
+        (exact, _), (approx, _) = (grad(net, f, z, t, step_loss) for f in (backward_exact, backward_jagg_window))
+        return ((approx - exact).norm() / exact.norm()).item()
+    mlp = torch.nn.Sequential(torch.nn.Linear(D + 1, 8), torch.nn.Tanh(), torch.nn.Linear(8, D))  # v, J not affine
+    rel, bent, curved_j = error(linear, z), error(linear, z + 0.5 * alpha * (1 - alpha)), error(mlp, z)
+    assert rel < 1e-12 and bent > 1e-3 and curved_j > 1e-3, (rel, bent, curved_j)
+    print(f"A. |JAGG - exact| / |exact| on a window of W = {W}: {rel:.1e} with v affine in (z, t) and straight states; "
+          f"{bent:.1e} when the states bend; {curved_j:.1e} with a tanh network on the straight states")
+
+    # B. A small tanh network on its own rollouts, GRPO's loss with the KL to a reference a little away
+    #    from it, groups of 4: each window's routing score (section 7) beside its gradient cosine.
     net = torch.nn.Sequential(torch.nn.Linear(D + 1, 32), torch.nn.Tanh(), torch.nn.Linear(32, D))
     frozen = copy.deepcopy(net).requires_grad_(False)  # the reference, a little away from the policy:
     frozen[0].bias.data += 0.05  # its KL term then has a gradient
@@ -541,10 +541,11 @@ def _self_check():
     check_velocity_fn(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T))  # shape, batching, dropout
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     reward = -traj.sample.norm(dim=-1)  # [B], a made-up reward: closeness to the origin
-    advantages = group_advantages(reward, torch.arange(B) // 4).double().view(-1, 4)  # [B/4, 4], fp32 made fp64
-    advantages = (advantages - advantages.mean(1, keepdim=True)).flatten()  # [B]: sums 0 in fp64 (D's step-1 check)
+    # group_advantages returns fp32, whose groups sum to ~1e-8: recentred in fp64, step 1 of D shows loss = beta x kl.
+    advantages = group_advantages(reward, torch.arange(B) // 4).double().view(-1, 4)  # [B/4, 4]
+    advantages = (advantages - advantages.mean(1, keepdim=True)).flatten()  # [B]
     cfg = LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04)
-    print(f"B. T = {T}, W = {W}: windows {window_bounds(T, W)} (start, stop); rows with grad = the cost")
+    print(f"B. T = {T}, W = {W}: windows {window_bounds(T, W)} (start, stop); rows with grad: the cost JAGG cuts")
     ranked = []  # (routing score, gradient cosine) per window
     for start, stop in window_bounds(T, W):
         z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, D], [W, B]
@@ -567,13 +568,13 @@ def _self_check():
         assert cosine(grads[frac], grads[0.0]) > 0.99
         print(f"C. jagg_frac {frac}: windows to JAGG {routed}"
               + (" (half of the two 4-step windows: the higher-scoring, steps 4-7)" if frac == 0.5 else ""))
-        print(f"   {len(graph)} backward passes over {sum(graph)} rows with grad; without graph, "
-              f"{sum(n for name, n, with_grad in calls if name == 'policy' and not with_grad)} interior rows and "
-              f"{sum(n for name, n, _ in calls if name == 'reference')} KL reference rows")
+        interior = sum(n for name, n, with_grad in calls if name == 'policy' and not with_grad)
+        print(f"   {len(graph)} backward passes over {sum(graph)} rows with grad; without graph, {interior} interior rows "
+              f"and {sum(n for name, n, _ in calls if name == 'reference')} KL reference rows; {3 * sum(graph) + interior} "
+              f"forward-units of the policy (section 6: a row with grad 3, without 1)")
         print(f"   gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}" + (" (exact itself)" if frac == 0 else ""))
 
-    # D. Training: Flow-GRPO trains the first 9 of T = 10 steps (windows of 4, 4 and 1) on minibatches
-    #    of the rollout (here two of 2 groups each), the first optimizer step on-policy, the next off it.
+    # D. Training as Flow-GRPO: its first 9 of T = 10 steps, on minibatches (here 2 groups each) of the rollout.
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)  # a large step: clipping shows by step 3
     print(f"D. training on the first 9 of {T} steps: windows {window_bounds(9, W)}, JAGG on the first two")
     lessons = ["on-policy: every ratio 1, so approx_kl is 0 (kl: the distance to the reference)", "samples 8-15, "
@@ -590,9 +591,8 @@ def _self_check():
         else:
             assert stats["approx_kl"] > 0
     assert stats["clipfrac"] > 0
-    print("   At step 1 every ratio is 1, so the surrogate -mean(A ratio) is 0 (a group's advantages sum to 0) but")
-    print("   its gradient -mean(A grad ratio) is not. Rollouts call one step at a time, JAGG several: ratio 1")
-    print("   needs both to give the same v (section 9).")
+    print("   At step 1 every ratio is 1: the surrogate -mean(A ratio) is 0 (a group's advantages sum to 0), its gradient")
+    print("   is not. Rollouts call one step at a time, JAGG several: ratio 1 needs both to give the same v (section 9).")
     print("ok")
 
 

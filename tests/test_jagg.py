@@ -1107,7 +1107,11 @@ def test_python_jagg_py_runs_its_self_check():
 
     out = subprocess.run([sys.executable, "jagg.py"], capture_output=True, text=True, check=True, timeout=120,
                          cwd=common.__file__.rsplit("/", 1)[0]).stdout
-    rel = float(re.search(r"\|JAGG - exact\| / \|exact\| = ([0-9.e+-]+)", out).group(1))
+    rel, bent, curved = (float(x) for x in re.search(
+        r"W = 4: (\S+) with v affine in \(z, t\) and straight states; (\S+) when the states bend; (\S+) with a tanh", out).groups())
+    assert bent > 1e-3 and curved > 1e-3, out  # either condition broken: JAGG is no longer exact
+    units = [int(u) for u in re.findall(r"(\d+) forward-units", out)]
+    assert units == [30, 22, 26], out  # 3 per row with grad, 1 per row without: exact 30, JAGG 22
     windows = [(float(s), float(c)) for s, c in re.findall(r"routing score (\S+), JAGG's gradient cosine to exact (\S+);", out)]
     passes = [(int(p), int(r)) for p, r in re.findall(r"(\d+) backward passes over (\d+) rows", out)]
     routed = re.findall(r"jagg_frac \S+: windows to JAGG (\[.*?\])", out)
