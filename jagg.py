@@ -31,17 +31,16 @@ Notation (code name -> symbol)
 
 Shapes: T steps, W window steps, S any number, B samples, *D one sample's shape (channels, height,
 width of an image; [seq, C] packed; 3 in the self-check), P parameters; [B, 1..]: B, then ones. A
-"row" is one step's B samples through the network, the unit of cost: exact runs T, JAGG 2 a window.
+"row" is one step's B samples through the network, the unit of cost: exact runs T with grad, JAGG 2
+per window with grad (+ W - 2 without graph).
 
 The whole contract with a model is one function:
     velocity_fn(z, t) -> v    z: [S, B, *D], t: [S, B], v: [S, B, *D], the same shape as z
 with t = sigma and v = d z / d sigma = noise - data (the rectified flow of SD3, Flux and
 Flow-GRPO; convert to your transformer's own time inside it). It owns any conditioning (prompts,
-CFG). JAGG calls it on several steps at once: entry s * B + i of z.reshape(S * B, *D) needs sample
-i's conditioning, so repeat it as a block, c.repeat(S), never repeat_interleave.
-check_velocity_fn (section 9) catches that and two more silent mistakes; call it once first.
-Options beyond the paper (reusing the rollout's velocities for the interior steps, among others)
-and the training step for real runs (many ranks, accumulation) are in jagg_options.py.
+CFG), and JAGG calls it on several steps at once: check_velocity_fn (section 9) catches the
+silent mistakes that makes possible; call it once before training.
+Options beyond the paper and the training step for real runs (many ranks) are in jagg_options.py.
 
 Run it:
     python jagg.py               # the self-check, a few seconds: what each part computes and costs
@@ -301,12 +300,11 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # windows of 4, 4 and 2 steps, 6 rows with grad, not 10; Flow-GRPO's 9 trained steps: 4, 4 and
 # 1, 5 rows); W = 4 is our default. A 1-step window is exact; a 2-step one costs 2 rows either way.
 #
-# When it is exact: if J(z, t) is affine in (z, t) along the window (e.g. v_theta affine in
-# (z, t), whatever its dependence on theta) and the states lie on the straight segment
-# z_k = (1 - alpha_k) z_a + alpha_k z_b (t_k is on that line by alpha's definition), then
-# J_k = (1 - alpha_k) J_a + alpha_k J_b exactly and
-# so is JAGG's gradient. With W = 2 there is no interior step, so it is always exact. The SDE's
-# noise bends real trajectories, so there JAGG approximates: the routing of section 7 guards it.
+# Its error is sum_k g_k^T (J_k - (1 - alpha_k) J_a - alpha_k J_b). It is exact when J(z, t) is
+# affine in (z, t) along the window (e.g. v_theta affine in (z, t), whatever its dependence on
+# theta) and the states lie on the straight segment z_k = (1 - alpha_k) z_a + alpha_k z_b (t_k is
+# on it by alpha's definition); with W = 2, no interior step, always. Real DiTs are not affine in
+# (z, t) and the SDE's noise bends the states, so there JAGG approximates: routing guards it (7).
 
 
 def interpolation_weights(t):
@@ -359,9 +357,9 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # interpolation between its end steps: free (the rollout's velocities), and if v moves linearly in
 # t the Jacobians likely do too. It is blind to a velocity's scale and reads the rollout's (older)
 # policy. Velocities point much the same way, so scores run high (low ones at high noise, as the
-# self-check's first window shows): rank them, do not read them as absolute. jagg_frac is the share of windows, best first, that JAGG takes (Python's round,
-# half to even); the rest train exactly. A window of 2 steps or fewer takes no share: with no
-# interior step, JAGG saves nothing there.
+# self-check's first window shows): rank them, do not read them as absolute. jagg_frac is the
+# share of windows, best first, that JAGG takes (Python's round, half to even); the rest train
+# exactly. A window of 2 steps or fewer takes no share: with no interior step, JAGG saves nothing.
 
 
 def linearity_score(v, t):
@@ -455,8 +453,9 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
 
 
 # === 9. Before training: check the model's velocity_fn ===
-# Three silent mistakes: a v not of z's shape (checked refuses it); conditioning repeated in the wrong
-# order (only calls on several steps, JAGG's and the KL reference's, show it); and dropout.
+# Three silent mistakes: a v not of z's shape (checked refuses it); dropout; and conditioning in the
+# wrong order. Entry s * B + i of z.reshape(S * B, *D) needs sample i's: repeat it as a block,
+# c.repeat(S), never repeat_interleave (only calls on several steps, JAGG's and the KL's, show it).
 
 
 def checked(velocity_fn):
@@ -540,7 +539,7 @@ def _self_check():  # what a learner should see, each line checked
     check_velocity_fn(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T))  # shape, batching, dropout
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     reward = -traj.sample.norm(dim=-1)  # [B], a made-up reward: closeness to the origin
-    # Recentred so that each group's advantages sum to exactly 0 in fp64 (group_advantages returns fp32).
+    # Recentred so each group sums to exactly 0 in fp64 (group_advantages returns fp32): D's loss = beta x kl.
     advantages = group_advantages(reward, torch.arange(B) // 4).double().view(-1, 4)  # [B/4, 4]
     advantages = (advantages - advantages.mean(1, keepdim=True)).flatten()  # [B]
     cfg = LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04)
@@ -571,14 +570,15 @@ def _self_check():  # what a learner should see, each line checked
         interior = sum(n for name, n, with_grad in calls if name == 'policy' and not with_grad)
         print(f"   {len(graph)} backward passes over {sum(graph)} rows with grad; without graph, {interior} interior rows "
               f"and {sum(n for name, n, _ in calls if name == 'reference')} KL reference rows; {3 * sum(graph) + interior} "
-              f"forward-units of the policy (a row with grad 3, without 1): {3 * T / (3 * sum(graph) + interior):.2f}x "
-              f"(the 2-step window saves nothing)")
+              f"forward-units of the policy (a row with grad 3, without 1): {3 * T / (3 * sum(graph) + interior):.2f}x"
+              + (" (the 2-step window saves nothing)" if frac else ""))
         print(f"   gradient cosine to exact {cosine(grads[frac], grads[0.0]):.5f}" + (" (exact itself)" if frac == 0 else ""))
 
     # D. Training as Flow-GRPO: its first 9 of T = 10 steps, on minibatches (here 2 groups each) of the rollout.
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)  # a large step: clipping shows by step 3
     print(f"D. training on the first 9 of {T} steps: windows {window_bounds(9, W)}, JAGG on the first two")
-    lessons = ["on-policy: every ratio 1, approx_kl 0 (kl: to the reference)", "samples 8-15, off-policy", "0-7 again: clipped"]
+    lessons = ["on-policy: every ratio is 1 and the loss is beta x kl", "samples 8-15: the weights moved at step 1, "
+               "off-policy", "samples 0-7 again: further off, some ratios clipped"]
     for step in range(1, 4):
         idx = torch.arange(B).split(B // 2)[(step - 1) % 2]  # [B / 2]: samples 0-7, 8-15, 0-7
         stats, routed = paper_train_step(velocity_fn_of(net), optimizer, traj.subset(idx).first_steps(9),
