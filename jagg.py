@@ -39,7 +39,7 @@ The whole contract with a model is one function:
 with t = sigma and v = d z / d sigma = noise - data (the rectified flow of SD3, Flux and
 Flow-GRPO; convert to your transformer's own time inside it). It owns any conditioning (prompts,
 CFG), and JAGG calls it on several steps at once: check_velocity_fn (section 9) catches the
-silent mistakes that makes possible; call it once before training.
+silent mistakes this allows; call it once before training.
 Options beyond the paper and the training step for real runs (many ranks) are in jagg_options.py.
 
 Run it:
@@ -75,10 +75,10 @@ def sigma_schedule(num_steps, shift=3.0):
 
 def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=None):
     """One SDE step from z at sigma to sigma_next (v, z: [B, *D]; sigma, sigma_next: [B]);
-    prev_sample (z_{k+1}, [B, *D]), if given, is scored instead of sampled. Returns (prev_sample,
+    prev_sample (z_{k+1}, [B, *D], diffusers' name), if given, is scored instead of sampled. Returns (prev_sample,
     log_prob [B], mean [B, *D], std [B, 1..]): the next state, its Gaussian log-density averaged
     over the non-batch dimensions (Flow-GRPO's), the Gaussian's mean and its standard deviation
-    std = std_t sqrt(-dt) (the KL recovers std_t = std / sqrt(-dt), section 4), all in fp32 (fp64 if given fp64)."""
+    std = std_t sqrt(-dt), std_t = eta sqrt(sigma / (1 - sigma)) (the KL recovers std_t, section 4), in fp32."""
     # Why fp32: the GRPO ratio exponentiates the difference of near-equal log-probabilities; bf16
     # rounding alone would move it by more than Flow-GRPO's clip range of 1e-4.
     dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)  # fp32, or fp64 if given fp64
@@ -454,8 +454,8 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
 
 # === 9. Before training: check the model's velocity_fn ===
 # Three silent mistakes: a v not of z's shape (checked refuses it); dropout; and conditioning in the
-# wrong order. Entry s * B + i of z.reshape(S * B, *D) needs sample i's: repeat it as a block,
-# c.repeat(S), never repeat_interleave (only calls on several steps, JAGG's and the KL's, show it).
+# wrong order. Entry s * B + i of z.reshape(S * B, *D) needs sample i's conditioning: repeat it,
+# as a block, c.repeat(S), never repeat_interleave (only calls on several steps show it: JAGG's, the KL's).
 
 
 def checked(velocity_fn):
@@ -539,7 +539,7 @@ def _self_check():  # what a learner should see, each line checked
     check_velocity_fn(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T))  # shape, batching, dropout
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     reward = -traj.sample.norm(dim=-1)  # [B], a made-up reward: closeness to the origin
-    # Recentred so each group sums to exactly 0 in fp64 (group_advantages returns fp32): D's loss = beta x kl.
+    # Recentred in fp64 only so D's check is exact (group_advantages returns fp32; training uses it as is).
     advantages = group_advantages(reward, torch.arange(B) // 4).double().view(-1, 4)  # [B/4, 4]
     advantages = (advantages - advantages.mean(1, keepdim=True)).flatten()  # [B]
     cfg = LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04)
