@@ -458,7 +458,9 @@ def chart(series, title, x_label, y_label, size=(780, 420), lines=True, marks=No
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     small, large = font(13), font(15)
-    left, right, top, bottom = 70, size[0] - 200, 54, size[1] - 52
+    names = list(dict.fromkeys(list(series) + list(marks or {})))
+    legend = max([200] + [int(d.textlength(str(name), font=small)) + 50 for name in names])  # wide enough for its names
+    left, right, top, bottom = 70, size[0] - legend, 54, size[1] - 52
     points = [p[:2] for s in series.values() for p in s] + [p[:2] for s in (marks or {}).values() for p in s]
     if not points:
         return img
@@ -486,7 +488,6 @@ def chart(series, title, x_label, y_label, size=(780, 420), lines=True, marks=No
     d.text(((left + right) / 2, 8), title, fill="black", font=large, anchor="mt")
     d.text(((left + right) / 2, size[1] - 8), x_label, fill="black", font=small, anchor="md")
     d.text((8, top - 22), y_label, fill="black", font=small)
-    names = list(dict.fromkeys(list(series) + list(marks or {})))
     for i, name in enumerate(names):
         color = color_of(name, i)
         s = series.get(name, [])

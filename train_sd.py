@@ -1026,14 +1026,16 @@ def summarize(cfg, rows):
     later = [v for e, v in evals if e > 0][-cfg.final_evals:] or [evals[-1][1]]
     final = sum(later) / len(later)
     trained = [r for r in rows if r["epoch"] > 0]
+    # each epoch's rollouts and optimizer steps, and the probe only where it routes (else it is a diagnostic)
+    routes = probe_counts_as_training(cfg.method, cfg.route)
+    epoch_seconds = [r.get("time/train_seconds", 0.0) - (0.0 if routes else r.get("time/probe_seconds", 0.0))
+                     for r in trained]
     return {
         "method": cfg.method, "mode": mode_name(cfg.method, cfg.anchors, cfg.interior), "weights": cfg.weights,
         "initial_reward": evals[0][1], "final_reward": final, "final_evals_used": len(later),
         "reward_gain": final - evals[0][1],
         "eval_curve": evals,
-        # rollouts and optimizer steps, and the probe only where it routes (else it is a diagnostic)
-        "train_seconds": sum(r.get("time/train_seconds", 0.0) for r in trained) - (
-            0.0 if probe_counts_as_training(cfg.method, cfg.route) else sum(r.get("time/probe_seconds", 0.0) for r in trained)),
+        "train_seconds": sum(epoch_seconds), "epoch_seconds": epoch_seconds,  # reward against wall-clock
         "backward_seconds": sum(r["time/backward_seconds"] for r in trained),
         "grad_seconds": sum(r["time/grad_seconds"] for r in trained),
         "probe_seconds": sum(r.get("time/probe_seconds", 0.0) for r in trained),
@@ -1201,8 +1203,6 @@ def report_sde_windows(result, t_sde):
 def load_run(folder, trained=True):
     """A finished single run (exact or jagg): (summary, its Config, (pipe, transformer, sigmas,
     use_bf16)) with its saved final weights loaded, or the base model's with trained=False."""
-    from safetensors.torch import load_file
-
     with open(os.path.join(folder, "summary.json")) as f:
         summary = json.load(f)
     run_cfg = Config(**{k: v for k, v in summary["config"].items() if k in Config.__dataclass_fields__})

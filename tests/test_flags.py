@@ -81,3 +81,17 @@ def test_a_bad_flag_is_one_line_without_traceback_and_starts_nothing(tmp_path, s
     assert run.returncode != 0 and len(lines) == 1 and lines[0].startswith(f"error: {args[-2]} ") and args[-1] in lines[0]
     assert "Traceback" not in run.stderr and time.perf_counter() - start < 60
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)  # no runs/cache, no out folder
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"TABLE": "windows"}, "TABLE must be retention or window, got 'windows'"),
+    ({"TABLE": "window", "WINDOW": "0"}, "WINDOW must be a whole number above 0, got '0'"),
+    ({"TABLE": "window", "WINDOW": "4", "WINDOW_RANGE_END": "3"}, "WINDOW_RANGE_END (3) must be at least WINDOW (4)"),
+    ({"TABLE": "window", "LR_CONTROL": "fast"}, "LR_CONTROL must be a learning rate above 0"),
+])
+def test_mini_quality_refuses_bad_settings_before_any_run(tmp_path, env, message):
+    out = tmp_path / "table"
+    done = subprocess.run(["bash", os.path.join(ROOT, "tools", "mini_quality.sh"), "darkness", str(out)],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and message in done.stdout
+    assert not out.exists()

@@ -494,6 +494,8 @@ def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, c
     # final: the mean of the last two evaluations after training started (epochs 1 and 2)
     assert ex["final_reward"] == pytest.approx((ex["eval_curve"][1][1] + ex["eval_curve"][2][1]) / 2)
     assert ex["initial_reward"] == saved["jagg"]["initial_reward"]  # same model, same evaluation noise
+    # each epoch's training time, for reward against wall-clock (summarize.py wallclock)
+    assert len(ex["epoch_seconds"]) == 2 and sum(ex["epoch_seconds"]) == pytest.approx(ex["train_seconds"])
     for name in ("reward_curves.png", "samples.png", "exact/metrics.jsonl", "jagg/metrics.jsonl", "exact/summary.json",
                  "jagg/lora.safetensors"):
         assert (out / name).exists(), name

@@ -1,5 +1,6 @@
 """tools/summarize.py's interval arithmetic: the retention tables' 95 % intervals and seed counts."""
 
+import json
 import math
 import os
 import pathlib
@@ -214,3 +215,74 @@ def test_retention_pairs_each_mode_with_exact_and_the_papers_mode_seed_by_seed(t
     diff, dhalf = summarize.mean_interval([s - p for s, p in zip(kept_shared, kept_paper)])
     assert f"| {100 * diff:+.1f} ({100 * (diff - dhalf):+.1f} to {100 * (diff + dhalf):+.1f}) points |" in out
     assert "3 seeds (0-2)" in out and "| 90.0 % (seed 0) |" in out
+
+
+def _compare_run(folder, seed, window, epochs, seconds, slope, gain_kept=1.0):
+    """A train_sd.py compare summary whose exact and JAGG runs rise linearly in training time
+    (reward 0.1 + slope x seconds), an epoch taking `seconds`, evaluated every 2 epochs."""
+    def run(mode, slope):
+        config = {"seed": seed, "sde_window": window, "reward": "darkness"}
+        curve = [[e, 0.1 + slope * e * seconds] for e in range(0, epochs + 1, 2)]
+        return {"mode": mode, "config": config, "epochs": epochs, "epoch_seconds": [seconds] * epochs,
+                "train_seconds": seconds * epochs, "eval_curve": curve, "initial_reward": 0.1,
+                "reward_gain": curve[-1][1] - 0.1}
+    summary = {"config": {"seed": seed, "sde_window": window}, "exact": run("exact", slope),
+               "jagg": run("jagg", slope * gain_kept)}
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return str(folder)
+
+
+def test_wallclock_compares_settings_at_the_same_training_time(tmp_path, capsys):
+    """Every step: 10 s an epoch for 4 epochs; a window: 5 s an epoch for 8 epochs, learning twice
+    as fast per second. At the shared 40 s budget (curves averaged at 32, 36 and 40 s) the window's
+    gain is twice every step's, and the window's JAGG, learning 3/4 as fast as the window's exact,
+    reaches 150 % of every step's exact gain."""
+    paths = []
+    for seed in (0, 1):
+        paths.append(_compare_run(tmp_path / f"paper_seed{seed}", seed, 0, 4, 10.0, 0.001, gain_kept=0.5))
+        paths.append(_compare_run(tmp_path / f"window_seed{seed}", seed, 4, 8, 5.0, 0.002, gain_kept=0.75))
+    table = summarize.wallclock(paths)
+    assert list(table) == ["all steps, exact", "all steps, the paper's JAGG", "window of 4, exact",
+                           "window of 4, the paper's JAGG"]
+    assert table["all steps, exact"]["gain_at_budget"] == pytest.approx(0.036)
+    assert table["window of 4, exact"]["gain_at_budget"] == pytest.approx(0.072)
+    assert table["window of 4, exact"]["ratio_to_first"][0] == pytest.approx(2.0)
+    assert table["window of 4, the paper's JAGG"]["ratio_to_first"][0] == pytest.approx(1.5)
+    assert table["all steps, the paper's JAGG"]["minus_first"][0] == pytest.approx(-0.018)
+    assert table["window of 4, exact"]["seconds_an_epoch"] == pytest.approx(5.0)
+    assert "window of 4, exact | 2 | 8 | 5.0 |" in capsys.readouterr().out
+
+
+def test_wallclock_budget_is_the_shortest_run_and_needs_every_setting_per_seed(tmp_path):
+    # the window's runs end at 20 s: every setting is read at 16, 18 and 20 s
+    paths = [_compare_run(tmp_path / "a", 0, 0, 4, 10.0, 0.001), _compare_run(tmp_path / "b", 0, 4, 4, 5.0, 0.001)]
+    assert summarize.wallclock(paths)["all steps, exact"]["gain_at_budget"] == pytest.approx(0.018)
+    with pytest.raises(SystemExit, match="missing"):
+        summarize.wallclock(paths + [_compare_run(tmp_path / "c", 1, 0, 4, 10.0, 0.001)])
+
+
+def test_reward_at_interpolates_and_refuses_times_outside_the_curve():
+    curve = [(0.0, 0.1), (10.0, 0.3), (20.0, 0.2)]
+    assert summarize.reward_at(curve, 5.0) == pytest.approx(0.2)
+    assert summarize.reward_at(curve, 15.0) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="outside"):
+        summarize.reward_at(curve, 21.0)
+    # a run kept before epoch_seconds existed: its total spread evenly over the epochs
+    old = {"train_seconds": 40.0, "epochs": 4, "eval_curve": [[0, 0.1], [2, 0.2], [4, 0.3]]}
+    assert summarize.timed_curve(old) == [(0.0, 0.1), (20.0, 0.2), (40.0, 0.3)]
+
+
+def test_wallclock_takes_single_runs_and_names_learning_rates_when_they_differ(tmp_path):
+    paths = [_compare_run(tmp_path / "a", 0, 0, 4, 10.0, 0.001)]
+    single = json.loads((tmp_path / "a" / "summary.json").read_text())["exact"]
+    single["config"] = dict(single["config"], lr=3e-3)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "summary.json").write_text(json.dumps(single))
+    for p in paths:  # the compare run's own learning rate
+        s = json.loads(pathlib.Path(p, "summary.json").read_text())
+        for part in ("exact", "jagg"):
+            s[part]["config"]["lr"] = 3e-4
+        pathlib.Path(p, "summary.json").write_text(json.dumps(s))
+    table = summarize.wallclock(paths + [str(tmp_path / "b")])
+    assert list(table) == ["all steps, exact, lr 0.0003", "all steps, the paper's JAGG, lr 0.0003", "all steps, exact, lr 0.003"]

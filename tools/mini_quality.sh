@@ -17,6 +17,14 @@
 #                      # (tools/eval_noise.py): summarize.py paired splits JAGG - exact's spread into the
 #                      # evaluation's and the runs' own; DRAWS=16 later grows the same files to 16 draws
 #   python tools/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
+#   TABLE=window tools/mini_quality.sh darkness runs/mini_window_darkness
+#                      # JAGG or an SDE window (docs/sde_window.md): per seed exact and the paper's JAGG on
+#                      # every step, and an SDE window of WINDOW (4) steps placed as Flow-GRPO-Fast does (a
+#                      # random start in steps 0 to WINDOW_RANGE_END - 1 (6)), trained exact and by JAGG at
+#                      # W = WINDOW, for WINDOW_EPOCHS (8/5 of the epochs: a window's epoch is cheaper); then
+#                      # summarize.py wallclock: the reward each reaches at the same training time.
+#                      # LR_CONTROL=7.5e-4 adds every step's exact run at that learning rate: a window's loss
+#                      # is the mean over its K steps, so each trained step moves the model 10/K times as far
 #
 # The setting is train_sd.py --preset mini, the one the sanity ladder in docs/mini_sd3.md found to
 # learn: full fine-tuning at lr 3e-4, CFG 2.5 (at Flow-GRPO's 4.5 the darkness rose +0.15 in 15
@@ -41,6 +49,16 @@ epochs=${EPOCHS:-$epochs}  # EPOCHS=2: short runs, whose gain kept is not blurre
 case "$epochs" in ''|*[!0-9]*|0) echo "error: EPOCHS must be a whole number of epochs above 0, got '$epochs'"; exit 1 ;; esac
 draws=${DRAWS:-0}  # DRAWS=4: the final models' evaluations redrawn with independent noise, paired across modes
 case "$draws" in ''|*[!0-9]*|1) echo "error: DRAWS must be 0 (none) or a whole number of draws of at least 2, got '$draws'"; exit 1 ;; esac
+table=${TABLE:-retention}
+case "$table" in retention|window) ;; *) echo "error: TABLE must be retention or window, got '$table'"; exit 1 ;; esac
+window=${WINDOW:-4} range_end=${WINDOW_RANGE_END:-6} window_epochs=${WINDOW_EPOCHS:-$((epochs * 8 / 5))}
+for v in window range_end window_epochs; do
+  case "${!v}" in ''|*[!0-9]*|0) echo "error: ${v^^} must be a whole number above 0, got '${!v}'"; exit 1 ;; esac
+done
+lr_control=${LR_CONTROL:-}
+[ -z "$lr_control" ] || python3 -c 'import sys; assert float(sys.argv[1]) > 0' "$lr_control" 2>/dev/null \
+  || { echo "error: LR_CONTROL must be a learning rate above 0, e.g. 7.5e-4, got '$lr_control'"; exit 1; }
+[ "$range_end" -ge "$window" ] || { echo "error: WINDOW_RANGE_END ($range_end) must be at least WINDOW ($window)"; exit 1; }
 seeds=${SEEDS:-0 1 2 3 4}  # SEEDS="0 1 ... 19" tools/mini_quality.sh ...: more seeds, a narrower interval
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
@@ -58,10 +76,16 @@ run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished befo
 }
 job() {  # KIND SEED: exact, or a JAGG mode with --exact-from the seed's exact run
   local kind=$1 s=$2
-  local jagg_flags=(--method compare --exact-from "$out/paper_seed$s/exact" --seed "$s" --probe-every 5 --probe-batch 4)
+  local base="$out/paper_seed$s" sde=()
+  if [ "$kind" = wexact ] || [ "$kind" = wpaper ]; then  # an SDE window, longer in epochs; JAGG's W = its length
+    local epochs=$window_epochs
+    base="$out/window_seed$s" sde=(--sde-window "$window" --sde-range-end "$range_end" --window "$window")
+  fi
+  local jagg_flags=(--method compare --exact-from "$base/exact" --seed "$s" --probe-every 5 --probe-batch 4 "${sde[@]}")
   case "$kind" in
-    exact) mkdir -p "$out/paper_seed$s"; run "$out/paper_seed$s/exact" --method exact --seed "$s" ;;
-    paper) run "$out/paper_seed$s" "${jagg_flags[@]}" ;;
+    exact|wexact) mkdir -p "$base"; run "$base/exact" --method exact --seed "$s" "${sde[@]}" ;;
+    paper|wpaper) run "$base" "${jagg_flags[@]}" ;;
+    lexact) run "$out/lr_seed$s" --method exact --seed "$s" --lr "$lr_control" ;;
     shared) run "$out/shared_seed$s" "${jagg_flags[@]}" --anchors shared --interior rollout ;;
   esac
 }
@@ -76,9 +100,17 @@ noise() {  # SEED: its exact and JAGG final models, each drawn $draws times with
 }
 export -f run job noise
 first=${seeds%% *}
-export reward out epochs evals preset draws first
+export reward out epochs evals preset draws first window range_end window_epochs lr_control
 mkdir -p "$out"
-# two runs at a time: every seed's exact run first, then the JAGG runs that start from them
+# two runs at a time: every seed's exact runs first, then the JAGG runs that start from them
+if [ "$table" = window ]; then
+  for s in $seeds; do echo "exact $s"; echo "wexact $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
+  for s in $seeds; do echo "paper $s"; echo "wpaper $s"; [ -z "$lr_control" ] || echo "lexact $s"; done \
+    | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
+  python3 tools/summarize.py wallclock $(for s in $seeds; do echo "$out/paper_seed$s $out/window_seed$s"
+    [ -z "$lr_control" ] || echo "$out/lr_seed$s"; done) --png "$out/wallclock.png"
+  exit 0
+fi
 for s in $seeds; do echo "exact $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
 for s in $seeds; do echo "paper $s"; echo "shared $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
 python3 tools/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \

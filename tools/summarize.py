@@ -9,6 +9,7 @@
     python tools/summarize.py gains runs/mini_geneval/paper_seed*/exact     # one method over seeds: does it raise the reward
     python tools/summarize.py paired runs/noise_seed*.json                  # tools/eval_noise.py's draws: the spread's sources
     python tools/summarize.py retention runs/toy_quality                    # tools/toy_quality.sh: every mode over seeds
+    python tools/summarize.py wallclock OUT/paper_seed0 OUT/window_seed0 ... [--png F]  # JAGG or an SDE window
 """
 
 import argparse
@@ -312,6 +313,101 @@ def gains(paths):
           f"under independent noise, {samples} samples): {sd_of(starts):.3f}")
 
 
+def setting_name(run, with_lr=False):
+    """A train_sd.py run's setting in words: where it trains (every step, or an SDE window), how,
+    and (with_lr) at which learning rate."""
+    config = run["config"]
+    where = f"window of {config['sde_window']}" if config.get("sde_window") else "all steps"
+    how = {"exact": "exact", "jagg": "the paper's JAGG", "jagg_shared_rollout": "shared + rollout"}.get(run["mode"], run["mode"])
+    return f"{where}, {how}" + (f", lr {config['lr']:g}" if with_lr else "")
+
+
+def timed_curve(run):
+    """A run's evaluation curve against training time: [(seconds, reward)], the seconds the
+    rollouts and optimizer steps took up to that evaluation (evaluation itself not counted). Runs
+    from before summary.json kept each epoch's time spread the total evenly over the epochs."""
+    per_epoch = run.get("epoch_seconds") or [run["train_seconds"] / run["epochs"]] * run["epochs"]
+    return [(sum(per_epoch[:epoch]), reward) for epoch, reward in run["eval_curve"]]
+
+
+def reward_at(curve, seconds):
+    """The reward at a training time, by linear interpolation between the evaluations around it."""
+    for (t0, r0), (t1, r1) in zip(curve, curve[1:]):
+        if t0 <= seconds <= t1:
+            return r0 if t1 == t0 else r0 + (r1 - r0) * (seconds - t0) / (t1 - t0)
+    raise ValueError(f"{seconds:.1f} s is outside the curve's 0 to {curve[-1][0]:.1f} s")
+
+
+BUDGET_POINTS = (0.8, 0.9, 1.0)  # the gain at a time budget averages the curve here, as the final reward its last evaluations
+
+
+def wallclock(paths, png=""):
+    """Reward against training time for several settings over the same seeds (train_sd.py compare
+    runs, each giving its exact run and its JAGG run, as tools/mini_quality.sh with TABLE=window
+    makes them, and single runs; settings that differ in the learning rate are named with it). Per setting: epochs, seconds an epoch, the gain at its own end, and the gain at the same
+    budget of training time, the shortest of the seed's runs (the mean of each curve at 80, 90 and
+    100 % of it), beside the first setting's (every step, exact), seed by seed, with 95 % intervals.
+    Returns the table as {setting: {statistic: value}}."""
+    runs = []
+    for path in paths:
+        s = load(path)
+        if "jagg" not in s:  # a single run
+            runs.append(s)
+        for part in ("exact", "jagg") if "jagg" in s else ():
+            runs.append(dict(s[part], config=dict(s[part].get("config", s["config"]), seed=s["config"]["seed"])))
+    with_lr = len({r["config"].get("lr") for r in runs}) > 1
+    by_seed = {}
+    for run in runs:
+        by_seed.setdefault(run["config"]["seed"], {}).setdefault(setting_name(run, with_lr), run)
+    names = list(dict.fromkeys(n for runs in by_seed.values() for n in runs))
+    missing = [(seed, n) for seed, runs in by_seed.items() for n in names if n not in runs]
+    if missing:
+        raise SystemExit(f"error: every seed needs every setting; missing {missing}")
+    seeds = sorted(by_seed)
+    budget = {seed: min(r["train_seconds"] for r in by_seed[seed].values()) for seed in seeds}
+    at_budget = {seed: {n: sum(reward_at(timed_curve(r), f * budget[seed]) for f in BUDGET_POINTS) / len(BUDGET_POINTS)
+                        - r["initial_reward"] for n, r in by_seed[seed].items()} for seed in seeds}
+    print(f"| setting | seeds | epochs | seconds an epoch | gain at its end, mean (95 % interval) "
+          f"| gain at the same training time, mean (95 % interval) | minus {names[0]}'s, mean (95 % interval) "
+          f"| ratio to {names[0]}'s (95 % interval) |")
+    print("|---|---|---|---|---|---|---|---|")
+    table = {}
+    for n in names:
+        runs = [by_seed[seed][n] for seed in seeds]
+        end, end_half = mean_interval([r["reward_gain"] for r in runs])
+        same, same_half = mean_interval([at_budget[seed][n] for seed in seeds])
+        diff, diff_half = mean_interval([at_budget[seed][n] - at_budget[seed][names[0]] for seed in seeds])
+        ratio, ratio_half, _ = ratio_interval([(at_budget[seed][names[0]], at_budget[seed][n]) for seed in seeds])
+        per_epoch = sum(r["train_seconds"] / r["epochs"] for r in runs) / len(runs)
+        table[n] = {"gain_at_end": end, "gain_at_budget": same, "minus_first": (diff, diff_half),
+                    "ratio_to_first": (ratio, ratio_half), "seconds_an_epoch": per_epoch}
+        print(f"| {n} | {len(runs)} | {runs[0]['epochs']} | {per_epoch:.1f} | {end:+.3f} ({end - end_half:+.3f} to "
+              f"{end + end_half:+.3f}) | {same:+.3f} ({same - same_half:+.3f} to {same + same_half:+.3f}) "
+              f"| {diff:+.3f} ({diff - diff_half:+.3f} to {diff + diff_half:+.3f}) "
+              f"| {100 * ratio:.0f} % ({100 * (ratio - ratio_half):.0f}-{100 * (ratio + ratio_half):.0f} %) |")
+    print("\nthe budget per seed (the shortest run's training time): "
+          + ", ".join(f"seed {seed} {budget[seed]:.0f} s" for seed in seeds))
+    if png:
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from common import chart, save_png
+
+        # each setting's mean curve over seeds, on a grid up to where every seed's run of it reaches
+        series = {}
+        for n in names:
+            curves = [timed_curve(by_seed[seed][n]) for seed in seeds]
+            end = min(c[-1][0] for c in curves)
+            grid = [end * i / 40 for i in range(41)]
+            series[n] = [(t / 60, sum(reward_at(c, t) for c in curves) / len(curves)) for t in grid]
+        config = by_seed[seeds[0]][names[0]]["config"]
+        save_png(png, chart(series, f"evaluation reward against training time ({config['reward']}, mean of "
+                                    f"{len(seeds)} seeds)", "training minutes (rollouts and optimizer steps)",
+                            "mean reward", size=(1000, 440)))
+        print(f"\nwrote {png}")
+    return table
+
+
 def two_way(x):
     """Variance components of a table x[seed][draw] in which draw k may have the same noise for
     every seed (tools/eval_noise.py's --noise-seed + k, one noise seed for all files), so a draw's
@@ -468,15 +564,16 @@ def retention(folder):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window", "curves", "gains",
-                                          "paired", "retention"],
+                                          "paired", "retention", "wallclock"],
                         help="which table: compare runs, routing runs, SD benchmark (training step, settings side by "
                              "side, or window level), toy benchmark, single runs' evaluation curves, one "
-                             "method's gain over seeds, eval_noise.py's paired draws of exact and JAGG")
+                             "method's gain over seeds, eval_noise.py's paired draws of exact and JAGG, "
+                             "every step or an SDE window: the reward at the same training time")
     parser.add_argument("paths", nargs="+", help="run folders (summary.json inside), benchmark.json files or "
                                                  "(paired) tools/eval_noise.py --out files")
     parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
     parser.add_argument("--last", type=int, default=3, help="curves: how many final evaluations to average")
-    parser.add_argument("--png", default="", help="curves: also draw them into this PNG file")
+    parser.add_argument("--png", default="", help="curves, wallclock: also draw them into this PNG file")
     args = parser.parse_args()
     if args.table == "compare":
         compare(args.paths)
@@ -496,6 +593,8 @@ def main():
         paired(args.paths)
     elif args.table == "retention":
         retention(args.paths[0])
+    elif args.table == "wallclock":
+        wallclock(args.paths, args.png)
     else:
         window_level(args.paths)
 
