@@ -368,8 +368,8 @@ def wallclock(paths, png=""):
     at_budget = {seed: {n: sum(reward_at(timed_curve(r), f * budget[seed]) for f in BUDGET_POINTS) / len(BUDGET_POINTS)
                         - r["initial_reward"] for n, r in by_seed[seed].items()} for seed in seeds}
     print(f"| setting | seeds | epochs | seconds an epoch | gain at its end, mean (95 % interval) "
-          f"| gain at the same training time, mean (95 % interval) | minus {names[0]}'s, mean (95 % interval) "
-          f"| ratio to {names[0]}'s (95 % interval) |")
+          f"| gain at the same training time, mean (95 % interval) | at the same time: minus {names[0]}'s, mean "
+          f"(95 % interval) | at the same time: ratio to {names[0]}'s (95 % interval) |")
     print("|---|---|---|---|---|---|---|---|")
     table = {}
     for n in names:
