@@ -23,8 +23,8 @@
 #                      # random start in steps 0 to WINDOW_RANGE_END - 1 (6)), trained exact and by JAGG at
 #                      # W = WINDOW, for WINDOW_EPOCHS (8/5 of the epochs: a window's epoch is cheaper); then
 #                      # summarize.py wallclock: the reward each reaches at the same training time.
-#                      # LR_CONTROL=7.5e-4 adds every step's exact run at that learning rate: a window's loss
-#                      # is the mean over its K steps, so each trained step moves the model 10/K times as far
+#                      # LR_CONTROL=7.5e-4 adds every step's exact run at that learning rate (10/K times the
+#                      # default): does a larger update alone close the gap to the window?
 #
 # The setting is train_sd.py --preset mini, the one the sanity ladder in docs/mini_sd3.md found to
 # learn: full fine-tuning at lr 3e-4, CFG 2.5 (at Flow-GRPO's 4.5 the darkness rose +0.15 in 15

@@ -344,28 +344,31 @@ BUDGET_POINTS = (0.8, 0.9, 1.0)  # the gain at a time budget averages the curve 
 def wallclock(paths, png=""):
     """Reward against training time for several settings over the same seeds (train_sd.py compare
     runs, each giving its exact run and its JAGG run, as tools/mini_quality.sh with TABLE=window
-    makes them, and single runs; settings that differ in the learning rate are named with it). Per setting: epochs, seconds an epoch, the gain at its own end, and the gain at the same
+    makes them, and single runs; settings that differ in the learning rate are named with it).
+    Per setting: epochs, seconds an epoch, the gain at its own end, and the gain at the same
     budget of training time, the shortest of the seed's runs (the mean of each curve at 80, 90 and
     100 % of it), beside the first setting's (every step, exact), seed by seed, with 95 % intervals.
     Returns the table as {setting: {statistic: value}}."""
-    runs = []
+    all_runs = []
     for path in paths:
         s = load(path)
-        if "jagg" not in s:  # a single run
-            runs.append(s)
-        for part in ("exact", "jagg") if "jagg" in s else ():
-            runs.append(dict(s[part], config=dict(s[part].get("config", s["config"]), seed=s["config"]["seed"])))
-    with_lr = len({r["config"].get("lr") for r in runs}) > 1
+        if "jagg" in s:  # a compare run: its exact and JAGG runs, each with the compare's seed
+            all_runs += [dict(s[part], config=dict(s[part].get("config", s["config"]), seed=s["config"]["seed"]))
+                         for part in ("exact", "jagg")]
+        else:
+            all_runs.append(s)
+    with_lr = len({r["config"].get("lr") for r in all_runs}) > 1
     by_seed = {}
-    for run in runs:
+    for run in all_runs:
         by_seed.setdefault(run["config"]["seed"], {}).setdefault(setting_name(run, with_lr), run)
-    names = list(dict.fromkeys(n for runs in by_seed.values() for n in runs))
-    missing = [(seed, n) for seed, runs in by_seed.items() for n in names if n not in runs]
+    names = list(dict.fromkeys(n for settings in by_seed.values() for n in settings))
+    missing = [(seed, n) for seed, settings in by_seed.items() for n in names if n not in settings]
     if missing:
         raise SystemExit(f"error: every seed needs every setting; missing {missing}")
     seeds = sorted(by_seed)
+    curves = {seed: {n: timed_curve(r) for n, r in by_seed[seed].items()} for seed in seeds}
     budget = {seed: min(r["train_seconds"] for r in by_seed[seed].values()) for seed in seeds}
-    at_budget = {seed: {n: sum(reward_at(timed_curve(r), f * budget[seed]) for f in BUDGET_POINTS) / len(BUDGET_POINTS)
+    at_budget = {seed: {n: sum(reward_at(curves[seed][n], f * budget[seed]) for f in BUDGET_POINTS) / len(BUDGET_POINTS)
                         - r["initial_reward"] for n, r in by_seed[seed].items()} for seed in seeds}
     print(f"| setting | seeds | epochs | seconds an epoch | gain at its end, mean (95 % interval) "
           f"| gain at the same training time, mean (95 % interval) | at the same time: minus {names[0]}'s, mean "
@@ -396,10 +399,10 @@ def wallclock(paths, png=""):
         # each setting's mean curve over seeds, on a grid up to where every seed's run of it reaches
         series = {}
         for n in names:
-            curves = [timed_curve(by_seed[seed][n]) for seed in seeds]
-            end = min(c[-1][0] for c in curves)
+            of_n = [curves[seed][n] for seed in seeds]
+            end = min(c[-1][0] for c in of_n)
             grid = [end * i / 40 for i in range(41)]
-            series[n] = [(t / 60, sum(reward_at(c, t) for c in curves) / len(curves)) for t in grid]
+            series[n] = [(t / 60, sum(reward_at(c, t) for c in of_n) / len(of_n)) for t in grid]
         config = by_seed[seeds[0]][names[0]]["config"]
         save_png(png, chart(series, f"evaluation reward against training time ({config['reward']}, mean of "
                                     f"{len(seeds)} seeds)", "training minutes (rollouts and optimizer steps)",
