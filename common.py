@@ -262,6 +262,15 @@ def init_distributed(always=False):
     return dist.get_rank(), dist.get_world_size()
 
 
+def finish_distributed():
+    """Wait for every rank, then close the process group (a script's last call, after a run that
+    succeeded). A rank that exits with gloo's threads still running can abort ("terminate called
+    without an active exception") and fail the whole torchrun after its work is done."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def mean_over_ranks(values, device="cpu"):
     """The mean of a list of floats over all ranks (itself, alone): so every rank routes alike.
     device: where the collective runs (a CUDA device under NCCL)."""

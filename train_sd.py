@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 import jagg
 import jagg_options
-from common import all_gather_cat, arg, atomic_write, fail_on, init_distributed, jagg_flag_checks
+from common import all_gather_cat, arg, atomic_write, fail_on, finish_distributed, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark, report_trajectory
 from common import bench_modes, benchmark_trajectory, benchmark_window, chart, compare_summary, font, save_png, step_metrics
 from common import trained_steps, training_step_bars, writable_folder_check
@@ -1290,3 +1290,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    finish_distributed()

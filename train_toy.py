@@ -33,7 +33,7 @@ from tqdm import tqdm
 import jagg
 import jagg_options
 from common import COLORS, all_gather_cat, arg, bench_modes, benchmark_trajectory, benchmark_window, chart, fail_on, font
-from common import init_distributed, jagg_flag_checks
+from common import finish_distributed, init_distributed, jagg_flag_checks
 from common import mean_over_ranks, mode_name, param_checksums, parse_config, report_benchmark
 from common import report_trajectory, save_png, step_metrics, torch_save, trained_steps, training_step_bars
 from common import writable_folder_check
@@ -526,3 +526,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    finish_distributed()

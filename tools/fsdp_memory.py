@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-from common import TRAINING_MODES, init_distributed, mode_settings, saved_bytes_peak, write_json  # noqa: E402
+from common import TRAINING_MODES, finish_distributed, init_distributed, mode_settings, saved_bytes_peak, write_json  # noqa: E402
 
 
 def local_bytes(tensors):
@@ -108,3 +108,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    finish_distributed()
