@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
@@ -586,7 +587,7 @@ def jpeg_kb(image):
 
 def darkness(image):
     """1 - the image's mean luminance (ITU-R 601 weights), in [0, 1]."""
-    return 1 - sum(image.convert("L").getdata()) / (255 * image.width * image.height)
+    return 1 - int(np.asarray(image.convert("L"), dtype=np.int64).sum()) / (255 * image.width * image.height)
 
 
 def strict_accuracy(images, prompts):

@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -578,7 +579,7 @@ def test_compare_trains_both_from_one_model_and_summarises(tiny_sd3, tmp_path, c
     prompts = train_sd.evaluation_prompts(run_cfg, train_sd.default_prompts(run_cfg))
     draws = [train_sd.draw_evaluation(pipe, transformer, prompts, run_cfg, sigmas, lambda ims, ps: torch.zeros(len(ims)),
                                       bf16, noise_seed)[0] for noise_seed in (None, eval_noise.NOISE_SEED, eval_noise.NOISE_SEED + 1)]
-    pixels = [torch.tensor([list(im.getdata()) for im in images], dtype=torch.float32) for images in draws]
+    pixels = [torch.tensor(np.stack([np.asarray(im) for im in images]), dtype=torch.float32) for images in draws]
     assert not torch.equal(pixels[1], pixels[2]) and not torch.equal(pixels[0], pixels[1])  # independent noise per draw
 
 
