@@ -263,11 +263,11 @@ def init_distributed(always=False):
 
 
 def finish_distributed():
-    """Wait for every rank, then close the process group (a script's last call, after a run that
-    succeeded). A rank that exits with gloo's threads still running can abort ("terminate called
-    without an active exception") and fail the whole torchrun after its work is done."""
+    """Close the process group: a script's last call, on every rank, after a run that succeeded.
+    A rank that exits with gloo's threads still running can abort ("terminate called without an
+    active exception") and fail the whole torchrun after its work is done. No barrier: rank 0 may
+    still be drawing pictures or redrawing an evaluation, longer than a collective's timeout."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
         dist.destroy_process_group()
 
 
