@@ -313,11 +313,12 @@ def probe_cosine_by_position(rows):
 def probe_error_to_noise_by_position(rows):
     """JAGG's error over the batch's noise per segment position, over all the run's probes: their
     errors summed over their noises summed (a mean of the ratios would be biased high, each
-    probe's noise being one pair of halves); None without probes."""
+    probe's noise being one pair of halves), clipped at 0 after the sum (one probe's error can be
+    below 0, jagg_options.probe_figures); None without probes."""
     probes = [(r["probe/error"], r["probe/noise"]) for r in rows if "probe/error" in r]
     if not probes:
         return None
-    return [sum(e[j] for e, _ in probes) / n if (n := sum(v[j] for _, v in probes)) > 0 else 0.0
+    return [max(sum(e[j] for e, _ in probes), 0.0) / n if (n := sum(v[j] for _, v in probes)) > 0 else 0.0
             for j in range(len(probes[0][0]))]
 
 

@@ -589,12 +589,14 @@ def gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_veloc
 # noisy the batch's exact gradient already is. The probe batch's two halves give two independent
 # exact gradients g_1, g_2 of n_1 and n_2 samples; their difference estimates the per-sample
 # covariance's trace, Sigma = |g_1 - g_2|^2 / (1/n_1 + 1/n_2), and so the noise of an optimizer
-# step's gradient of N samples, Sigma / N. JAGG's error on the probe batch, e = j - g, over it:
-#     error_to_noise = |e|^2 / (Sigma / N)
+# step's gradient of N samples, Sigma / N. JAGG's error e = j - g, as a step of N samples has it,
+# over that noise:
+#     error_to_noise = (|e|^2 + Sigma_e (1/N - 1/B)) / (Sigma / N)
+# where |e|^2 is measured on the probe's B samples and Sigma_e, the error's own sample-to-sample
+# part, comes from the halves' errors as Sigma does: it moves that part from B samples to N.
 # 0.05: JAGG's error weighs as much as the noise of a batch about 5 % smaller, were it unbiased;
 # 1: as much as the batch's noise itself. The halves run the rows the whole batch would: no more
-# cost than the cosine alone. |e|^2 is measured on the probe batch, so its sampling part is
-# counted at the probe batch's size: for a training batch larger than it, an upper bound.
+# cost than the cosine alone.
 
 
 def _dot(a, b):
@@ -605,36 +607,58 @@ def _dot(a, b):
 def probe_segments(fns, params, traj, advantages, cfg, opts, train_batch):
     """The probe per segment on the batch traj (its samples, advantages [B]): {"cosine": JAGG's
     gradient to exact (gradient_cosines'), "error_to_noise": |j - g|^2 over an optimizer step's
-    noise at train_batch samples, and its two parts "error" and "noise"}. One probe's noise comes
-    from one pair of halves, so its ratio scatters widely; over several probes, sum the parts
-    before dividing (a mean of ratios is biased high, E[1 / noise] > 1 / E[noise]). fns(idx) -> (velocity_fn, ref_velocity_fn) of the samples idx
+    noise, both as a step of train_batch samples would see them (probe_figures), and its two parts
+    "error" and "noise"}. One probe's noise comes from one pair of halves, so its ratio scatters
+    widely; over several probes, sum the parts before dividing (a mean of ratios is biased high,
+    E[1 / noise] > 1 / E[noise]). fns(idx) -> (velocity_fn, ref_velocity_fn) of the samples idx
     (their conditioning sliced alike); the batch is split into two halves. A one-step segment
     reports cosine 1 and error 0. Holds four float32 gradient vectors at once (the two halves'
     exact and JAGG ones), the memory of gradient_cosines' two float64 ones. Leaves .grad None."""
     params, B = list(params), advantages.shape[0]
     _check(B >= 2 and train_batch >= 1, f"the probe needs >= 2 samples and train_batch >= 1, got {B} and {train_batch}")
     halves = [torch.arange(B, device=advantages.device)[i::2] for i in (0, 1)]  # [n_1], [n_2]
-    w = [len(idx) / B for idx in halves]  # the halves' shares of the batch's mean gradient
     per_half = []  # two generators, one per half, run segment by segment side by side
     for idx in halves:
         velocity_fn, ref_velocity_fn = fns(idx)
         per_half.append(_segment_gradients(velocity_fn, params, traj.subset(idx), advantages[idx], cfg, opts,
                                            ref_velocity_fn, torch.float32))
-    cosines, ratios, errors, noises = [], [], [], []
+    out = {"cosine": [], "error_to_noise": [], "error": [], "noise": []}
     for first, second in zip(*per_half):  # each: [exact g_h, JAGG j_h] of one segment, or None
-        if first is None:
-            cosines.append(1.0), ratios.append(0.0), errors.append(0.0), noises.append(0.0)
-            continue
-        (g_1, j_1), (g_2, j_2) = first, second  # [P] each
-        # g = w_1 g_1 + w_2 g_2 and j alike, the whole probe batch's; every term from dot products.
-        gg = w[0] ** 2 * _dot(g_1, g_1) + 2 * w[0] * w[1] * _dot(g_1, g_2) + w[1] ** 2 * _dot(g_2, g_2)
-        jj = w[0] ** 2 * _dot(j_1, j_1) + 2 * w[0] * w[1] * _dot(j_1, j_2) + w[1] ** 2 * _dot(j_2, j_2)
-        gj = (w[0] ** 2 * _dot(g_1, j_1) + w[0] * w[1] * (_dot(g_1, j_2) + _dot(g_2, j_1)) + w[1] ** 2 * _dot(g_2, j_2))
-        sigma = (_dot(g_1, g_1) - 2 * _dot(g_1, g_2) + _dot(g_2, g_2)) / (1 / len(halves[0]) + 1 / len(halves[1]))
-        cosines.append(gj / math.sqrt(gg * jj) if gg * jj > 0 else 0.0)
-        errors.append(max(jj - 2 * gj + gg, 0.0)), noises.append(sigma / train_batch)
-        ratios.append(errors[-1] / noises[-1] if sigma > 0 else math.inf)
-    return {"cosine": cosines, "error_to_noise": ratios, "error": errors, "noise": noises}
+        figures = (1.0, 0.0, 0.0, 0.0) if first is None else probe_figures(
+            first[0], second[0], first[1], second[1], len(halves[0]), len(halves[1]), train_batch)
+        for key, value in zip(out, figures):
+            out[key].append(value)
+    return out
+
+
+def probe_figures(g_1, g_2, j_1, j_2, n_1, n_2, train_batch):
+    """(cosine, error_to_noise, error, noise) of one segment from its two halves' exact and JAGG
+    gradients (g_h, j_h: means over n_h samples each). The whole probe batch's g and j weigh the
+    halves by their sizes; every term is a dot product of the four vectors (no fifth copy).
+    - noise: the sample-to-sample variance of the exact gradient, |g_1 - g_2|^2 / (1/n_1 + 1/n_2),
+      over train_batch: what an optimizer step of that many samples carries.
+    - error: |j - g|^2 of a step of train_batch samples. On the probe's B = n_1 + n_2 samples
+      E|j - g|^2 = |mean error|^2 + S_e / B, where S_e, the error's own sample-to-sample variance,
+      comes from the halves' errors as the noise does; a step of train_batch samples has S_e /
+      train_batch in its place. Without the exchange a probe of 4 samples for a step of 16 reads
+      the error's sample-to-sample part 4 times too large (docs/probe_check.md). One probe's error
+      can come out below 0; pool errors before clipping.
+    - error_to_noise: max(error, 0) / noise; cosine: of j to g on the probe's batch."""
+    vectors, B = (g_1, g_2, j_1, j_2), n_1 + n_2
+    gram = [[_dot(a, b) if k <= m else None for m, b in enumerate(vectors)] for k, a in enumerate(vectors)]
+
+    def quad(c, d):  # <sum_k c_k v_k, sum_m d_m v_m>
+        return sum(c[k] * d[m] * gram[min(k, m)][max(k, m)] for k in range(4) for m in range(4))
+
+    w_1, w_2 = n_1 / B, n_2 / B
+    g, j, e = (w_1, w_2, 0, 0), (0, 0, w_1, w_2), (-w_1, -w_2, w_1, w_2)
+    harmonic = 1 / n_1 + 1 / n_2
+    sigma = quad((1, -1, 0, 0), (1, -1, 0, 0)) / harmonic  # exact: g_1 - g_2
+    sigma_e = quad((-1, 1, 1, -1), (-1, 1, 1, -1)) / harmonic  # the error: (j_1 - g_1) - (j_2 - g_2)
+    gg, jj = quad(g, g), quad(j, j)
+    cosine = quad(g, j) / math.sqrt(gg * jj) if gg * jj > 0 else 0.0
+    error, noise = quad(e, e) + sigma_e * (1 / train_batch - 1 / B), sigma / train_batch
+    return cosine, (max(error, 0.0) / noise if sigma > 0 else math.inf), error, noise
 
 
 def probe_average(average, cosines, decay):

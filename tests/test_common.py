@@ -120,3 +120,6 @@ def test_probe_error_to_noise_pools_the_probes_parts():
             {"step": 3}]
     assert common.probe_error_to_noise_by_position(rows) == pytest.approx([4.0 / 10.1, 0.0])
     assert common.probe_error_to_noise_by_position([{"step": 1}]) is None
+    below = [{"probe/error": [-0.5], "probe/noise": [1.0]}, {"probe/error": [2.0], "probe/noise": [1.0]}]
+    assert common.probe_error_to_noise_by_position(below) == pytest.approx([0.75])  # summed, then clipped
+    assert common.probe_error_to_noise_by_position(below[:1]) == [0.0]

@@ -1128,8 +1128,10 @@ def test_python_jagg_py_runs_its_self_check():
 @pytest.mark.parametrize("beta, options", [(0.0, {}), (0.05, {"anchors": "shared", "interior": "rollout"})])
 def test_probe_reports_the_error_in_units_of_the_batchs_own_noise(beta, options):
     """probe_segments against a direct computation in float64: the whole probe batch's exact and
-    JAGG gradients g, j per segment, the halves' exact ones g_1, g_2 (samples 0, 2, .. and 1, 3, ..),
-    Sigma = |g_1 - g_2|^2 / (1/n_1 + 1/n_2), error_to_noise = |j - g|^2 / (Sigma / N)."""
+    JAGG gradients g, j per segment, the halves' g_h, j_h (samples 0, 2, .. and 1, 3, ..),
+    Sigma = |g_1 - g_2|^2 / (1/n_1 + 1/n_2), Sigma_e the same of the halves' errors j_h - g_h,
+    error = |j - g|^2 + Sigma_e (1/N - 1/B) (the error a step of N samples carries), error_to_noise
+    = error / (Sigma / N); at N = B the error is |j - g|^2 itself."""
     torch.manual_seed(21)
     model, ref = MLPFlow(), MLPFlow()
     traj, adv = _toy_batch(model, T=7, B=7)  # 7 samples: halves of 4 and 3
@@ -1137,6 +1139,7 @@ def test_probe_reports_the_error_in_units_of_the_batchs_own_noise(beta, options)
     opts = jagg_options.JaggOptions(3, 1.0, **options)
     fns = lambda idx: (as_velocity_fn(model), as_velocity_fn(ref))  # noqa: E731  no conditioning to slice
     out = jagg_options.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=32)
+    at_b = jagg_options.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=7)
     bounds = jagg_options.segment_bounds(7, 3, opts.anchors)
     assert len(out["cosine"]) == len(out["error_to_noise"]) == len(bounds)
 
@@ -1161,15 +1164,47 @@ def test_probe_reports_the_error_in_units_of_the_batchs_own_noise(beta, options)
         j = grad(jagg_options.backward_jagg, every, start, stop, max_drift=opts.max_drift, **rollout,
                  drift_fn=lambda k, v_k, s=start: jagg_options.ratio_drift(traj, cfg, s + k, v_k))
         g_1, g_2 = (grad(jagg.backward_exact, idx, start, stop) for idx in halves)
+        j_1, j_2 = (grad(jagg_options.backward_jagg, idx, start, stop, max_drift=opts.max_drift,
+                         **({"v_rollout": traj.v[start:stop][:, idx]} if rollout else {}),
+                         drift_fn=lambda k, v_k, s=start, idx=idx: jagg_options.ratio_drift(traj.subset(idx), cfg, s + k, v_k))
+                    for idx in halves)
         sigma = (g_1 - g_2).square().sum() / (1 / 4 + 1 / 3)
+        sigma_e = ((j_1 - g_1) - (j_2 - g_2)).square().sum() / (1 / 4 + 1 / 3)
+        error = (j - g).square().sum() + sigma_e * (1 / 32 - 1 / 7)
         assert cos == pytest.approx(cosine(j, g), abs=1e-6)
-        assert ratio == pytest.approx(((j - g).square().sum() / (sigma / 32)).item(), rel=1e-4)
-        assert 0 < ratio < math.inf
+        assert ratio == pytest.approx(max(error.item(), 0) / (sigma / 32).item(), rel=1e-4, abs=1e-9)
+        assert 0 <= ratio < math.inf
         i = bounds.index((start, stop))  # the ratio's two parts, for pooling probes (common.probe_error_to_noise_by_position)
-        assert out["error"][i] == pytest.approx((j - g).square().sum().item(), rel=1e-4)
+        assert out["error"][i] == pytest.approx(error.item(), rel=1e-4, abs=1e-12)
         assert out["noise"][i] == pytest.approx((sigma / 32).item(), rel=1e-4)
-    doubled = jagg_options.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=64)
-    assert doubled["error_to_noise"] == pytest.approx([2 * r for r in out["error_to_noise"]], rel=1e-9)
+        assert out["error"][i] < (j - g).square().sum().item()  # a step of 32 averages more of the error away than 7 do
+        assert at_b["error"][i] == pytest.approx((j - g).square().sum().item(), rel=1e-4)
+    assert at_b["noise"] == pytest.approx([n * 32 / 7 for n in out["noise"]], rel=1e-9)
+
+
+def test_probe_figures_read_the_error_a_larger_step_carries():
+    """A probe of B = 4 samples asked about a step of N = 16: per-sample exact gradients g_i =
+    mu_g + noise and errors e_i = mu_e + noise (j_i = g_i + e_i) drawn many times. Averaged over the
+    draws, the error is |mu_e|^2 + tr(Sigma_e) / 16 (not the / 4 a probe's own |j - g|^2 has) and
+    the noise tr(Sigma_g) / 16."""
+    g = torch.Generator().manual_seed(5)
+    P, draws, B, N = 40, 4000, 4, 16
+    mu_g = torch.randn(P, generator=g, dtype=torch.float64)
+    mu_e = torch.randn(P, generator=g, dtype=torch.float64)
+    mu_e *= 0.5 / mu_e.norm()  # |mu_e|^2 = 0.25
+    scale_g, scale_e = 1.0, 0.5  # tr Sigma_g = P, tr Sigma_e = P / 4 = 10
+    errors, noises = [], []
+    for _ in range(draws):
+        gs = mu_g + scale_g * torch.randn(B, P, generator=g, dtype=torch.float64)
+        js = gs + mu_e + scale_e * torch.randn(B, P, generator=g, dtype=torch.float64)
+        halves = (slice(0, 2), slice(2, 4))
+        _, _, error, noise = jagg_options.probe_figures(*(gs[h].mean(0) for h in halves), *(js[h].mean(0) for h in halves),
+                                                        2, 2, N)
+        errors.append(error), noises.append(noise)
+    mean_error, mean_noise = sum(errors) / draws, sum(noises) / draws
+    assert mean_error == pytest.approx(0.25 + P * scale_e ** 2 / N, rel=0.05)  # 0.875; a probe's own |j - g|^2: 2.75
+    assert mean_noise == pytest.approx(P * scale_g ** 2 / N, rel=0.05)
+    assert min(errors) < 0  # one probe's estimate can fall below 0: pool before clipping
 
 
 # ------------------------------------------------------------------ an SDE window (Flow-GRPO-Fast, MixGRPO)
