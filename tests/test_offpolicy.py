@@ -82,3 +82,29 @@ def test_probe_check_pools_probes_and_measures_independent_batches():
     assert rows[0]["independent"] == pytest.approx((error / noise).item(), rel=1e-9)
     windowed = probe_check.check(task, opts, 2, 8, torch.Generator().manual_seed(3), window_start=3)
     assert [r["steps"] for r in windowed] == [(0, 4)]
+
+
+def test_probe_check_takes_steps_and_probes_at_random_as_training_does():
+    """--step-batch and --probe-batch: each batch of 16 gives a step of 8 random samples (the
+    independent figure's) and a probe of 4 others, asked for the error of an 8-sample step;
+    recomputed here from the same draws."""
+    task = TinyTask()
+    opts = jagg_options.JaggOptions(task.window, 1.0)
+    rows = probe_check.check(task, opts, 3, 16, torch.Generator().manual_seed(4), step_batch=8, probe_batch=4)
+    g = torch.Generator().manual_seed(4)
+    pairs, probes = [], []
+    for _ in range(3):
+        b = task.draw(16, g)
+        step, probed = torch.randperm(16, generator=g)[:8], torch.randperm(16, generator=g)[:4]
+        pairs.append(list(jagg_options._segment_gradients(task.velocity_fn, task.params, b.traj.subset(step),
+                                                          b.adv[step], task.loss_cfg, opts))[0])
+        probes.append(jagg_options.probe_segments(lambda idx: (task.velocity_fn, None), task.params,
+                                                  b.traj.subset(probed), b.adv[probed], task.loss_cfg, opts, train_batch=8))
+    noise = sum((pairs[i][0] - pairs[j][0]).square().sum() for i, j in ((0, 1), (0, 2), (1, 2))) / 2 / 3
+    error = sum((j - e).square().sum() for e, j in pairs) / 3
+    assert rows[0]["independent"] == pytest.approx((error / noise).item(), rel=1e-9)
+    pooled = max(sum(p["error"][0] for p in probes), 0) / sum(p["noise"][0] for p in probes)
+    assert rows[0]["pooled"] == pytest.approx(pooled, rel=1e-9)
+    assert rows[0]["probes"] == sorted(p["error_to_noise"][0] for p in probes)
+    whole = probe_check.check(task, opts, 3, 16, torch.Generator().manual_seed(4))  # the default: the whole batch
+    assert whole[0]["independent"] != pytest.approx(rows[0]["independent"], rel=1e-3)

@@ -66,15 +66,20 @@ class Batch:
     fns: object  # idx -> (velocity_fn, ref_velocity_fn) of the samples idx
 
 
+MINI_PRESETS = ("mini", "mini-geneval")  # train_sd.py presets MiniTask can take
+
+
 class MiniTask:
-    """The mini SD3 at train_sd.py --preset mini: full fine-tuning, lr 3e-4, CFG 2.5, clip 0.2, beta 0.04."""
+    """The mini SD3 at train_sd.py --preset mini (darkness: full fine-tuning, lr 3e-4, CFG 2.5, clip
+    0.2, beta 0.04), or with args.preset "mini-geneval" (the GenEval-like reward, LoRA, global std)."""
 
     def __init__(self, args):
         import train_sd
         from base_batches import draw_groups
 
         self.train_sd, self.draw_groups = train_sd, draw_groups
-        cfg = train_sd.Config(**{**train_sd.PRESETS["mini"], "device": "cpu", "seed": args.seed,
+        preset = getattr(args, "preset", "mini")
+        cfg = train_sd.Config(**{**train_sd.PRESETS[preset], "device": "cpu", "seed": args.seed,
                                  "rollout_batch": args.batch, "model": args.model, "resolution": args.resolution})
         torch.manual_seed(args.seed)
         self.pipe, self.model = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
@@ -85,7 +90,7 @@ class MiniTask:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
         self.lr, self.window, self.minibatch, self.group = cfg.lr, cfg.window, cfg.train_batch, cfg.group_size
-        self.setting = "train_sd.py --preset mini (darkness)"
+        self.setting = f"train_sd.py --preset {preset} ({cfg.reward})"
 
     def draw(self, n, generator, window_start=None):
         """n samples' rollouts (with window_start, an SDE window of self.cfg.sde_window steps there)."""
@@ -283,6 +288,8 @@ def main(argv=None):
                         help="optimizer steps per rollout (the mini setting: 4; Flow-GRPO: 2)")
     parser.add_argument("--model", default="mini", help="mini: a saved mini pipeline folder, or mini (the cached one)")
     parser.add_argument("--resolution", type=int, default=0, help="mini: image size (0: the model's own)")
+    parser.add_argument("--preset", choices=MINI_PRESETS, default="mini",
+                        help="mini: train_sd.py's preset (mini: darkness; mini-geneval: the GenEval-like reward, LoRA)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         help="the JAGG modes to measure against exact (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's training and the rollouts")
