@@ -298,10 +298,14 @@ def probe_counts_as_training(method, route):
 
 def probe_report(summary):
     """The probe's means per segment position as a run ends: the cosine, and JAGG's error against
-    the optimizer step's own noise (about 0.1 or less: lost in the batch's noise; 1: as large)."""
+    the optimizer step's own noise (about 0.1 or less: lost in the batch's noise; 1: as large),
+    with the half-width of its 95 % interval over the run's probes."""
+    errors = summary["probe_error_to_noise_by_position"]
+    stderrs = summary.get("probe_error_to_noise_stderr_by_position") or [None] * len(errors)  # older runs: none
     return ("gradient cosine JAGG vs exact per segment: " + " ".join(f"{c:.3f}" for c in summary["probe_cosine_by_position"])
             + "\nerror against the batch's own noise per segment (|j - g|^2 over the step's noise; 0.05 weighs as a "
-            "5 % smaller batch): " + " ".join(f"{e:.3f}" for e in summary["probe_error_to_noise_by_position"]))
+            "5 % smaller batch; ± a 95 % interval over the probes): "
+            + " ".join(f"{e:.3f}" + (f" ±{1.96 * se:.3f}" if se is not None else "") for e, se in zip(errors, stderrs)))
 
 
 def probe_cosine_by_position(rows):
@@ -320,6 +324,26 @@ def probe_error_to_noise_by_position(rows):
         return None
     return [max(sum(e[j] for e, _ in probes), 0.0) / n if (n := sum(v[j] for _, v in probes)) > 0 else 0.0
             for j in range(len(probes[0][0]))]
+
+
+def probe_error_to_noise_stderr_by_position(rows):
+    """The standard error of probe_error_to_noise_by_position's figure per segment position, from
+    the scatter of the run's probes about it (a ratio of sums: sqrt(n / (n - 1) sum_i (e_i - R
+    v_i)^2) / sum_i v_i, R the unclipped ratio); None per position with fewer than 2 probes, and
+    None without probes. With a few probes of a few samples it is often as large as the figure."""
+    probes = [(r["probe/error"], r["probe/noise"]) for r in rows if "probe/error" in r]
+    if not probes:
+        return None
+    out = []
+    for j in range(len(probes[0][0])):
+        e, v = [p[0][j] for p in probes], [p[1][j] for p in probes]
+        n, total = len(e), sum(v)
+        if n < 2 or total <= 0:
+            out.append(None if n < 2 else 0.0)
+            continue
+        ratio = sum(e) / total
+        out.append(math.sqrt(n / (n - 1) * sum((a - ratio * b) ** 2 for a, b in zip(e, v))) / total)
+    return out
 
 
 def step_metrics(step_stats):

@@ -51,7 +51,7 @@ from common import mean_over_ranks, mode_name, param_checksums, parse_config, re
 from common import bench_modes, benchmark_trajectory, benchmark_window, chart, compare_summary, font, save_png, step_metrics
 from common import trained_steps, training_step_bars, writable_folder_check
 from common import JaggConfig, probe_cosine_by_position, probe_counts_as_training, probe_error_to_noise_by_position
-from common import probe_report, write_json, write_jsonl
+from common import probe_error_to_noise_stderr_by_position, probe_report, write_json, write_jsonl
 
 SHAPES_REWARDS = ("geneval", "shapes", "shapes_cover", "cover")  # mini_sd3.py's rewards: its prompts only
 # --preset mini: the mini SD3's documented setting on a CPU (docs/mini_sd3.md), the one its tables use.
@@ -1045,6 +1045,7 @@ def summarize(cfg, rows):
         "window": cfg.window, "epochs": cfg.epochs,
         "probe_cosine_by_position": probe_cosine_by_position(trained),
         "probe_error_to_noise_by_position": probe_error_to_noise_by_position(trained),
+        "probe_error_to_noise_stderr_by_position": probe_error_to_noise_stderr_by_position(trained),
         "config": dataclasses.asdict(cfg),
     }
 

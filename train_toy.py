@@ -38,7 +38,7 @@ from common import mean_over_ranks, mode_name, param_checksums, parse_config, re
 from common import report_trajectory, save_png, step_metrics, torch_save, trained_steps, training_step_bars
 from common import writable_folder_check
 from common import JaggConfig, compare_summary, probe_cosine_by_position, probe_counts_as_training
-from common import probe_error_to_noise_by_position, probe_report
+from common import probe_error_to_noise_by_position, probe_error_to_noise_stderr_by_position, probe_report
 from common import write_json, write_jsonl
 from toy_dit import ToyDiT, ToyDiTConfig, flow_matching_loss
 
@@ -415,6 +415,7 @@ def train(cfg, method, base, rank, world):
         # per segment position: the mean measured cosine, and how often JAGG took it
         "probe_cosine_by_position": probe_cosine_by_position(rows),
         "probe_error_to_noise_by_position": probe_error_to_noise_by_position(rows),
+        "probe_error_to_noise_stderr_by_position": probe_error_to_noise_stderr_by_position(rows),
         "routed_frac_by_position": [c / opt_steps for c in routed_count],
         "cosine_routed": mean_cosine(True),  # mean probe cosine of the segments JAGG took in that step
         "cosine_kept_exact": mean_cosine(False),
