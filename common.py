@@ -303,8 +303,8 @@ def probe_report(summary):
     errors = summary["probe_error_to_noise_by_position"]
     stderrs = summary.get("probe_error_to_noise_stderr_by_position") or [None] * len(errors)  # older runs: none
     return ("gradient cosine JAGG vs exact per segment: " + " ".join(f"{c:.3f}" for c in summary["probe_cosine_by_position"])
-            + "\nerror against the batch's own noise per segment (|j - g|^2 over the step's noise; 0.05 weighs as a "
-            "5 % smaller batch; ± a 95 % interval over the probes): "
+            + "\nerror against the batch's own noise per segment (JAGG's squared error in a step over the step's noise; "
+            "0.05 weighs as a 5 % smaller batch; ± a 95 % interval over the probes): "
             + " ".join(f"{e:.3f}" + (f" ±{1.96 * se:.3f}" if se is not None else "") for e, se in zip(errors, stderrs)))
 
 
@@ -317,19 +317,20 @@ def probe_cosine_by_position(rows):
 def probe_error_to_noise_by_position(rows):
     """JAGG's error over the batch's noise per segment position, over all the run's probes: their
     errors summed over their noises summed (a mean of the ratios would be biased high, each
-    probe's noise being one pair of halves), clipped at 0 after the sum (one probe's error can be
-    below 0, jagg_options.probe_figures); None without probes."""
+    probe's noise being one pair of halves); None without probes. Not clipped: below 0 means the
+    error is lost in the probes' own scatter (jagg_options.probe_figures); read it with
+    probe_error_to_noise_stderr_by_position."""
     probes = [(r["probe/error"], r["probe/noise"]) for r in rows if "probe/error" in r]
     if not probes:
         return None
-    return [max(sum(e[j] for e, _ in probes), 0.0) / n if (n := sum(v[j] for _, v in probes)) > 0 else 0.0
+    return [sum(e[j] for e, _ in probes) / n if (n := sum(v[j] for _, v in probes)) > 0 else 0.0
             for j in range(len(probes[0][0]))]
 
 
 def probe_error_to_noise_stderr_by_position(rows):
     """The standard error of probe_error_to_noise_by_position's figure per segment position, from
     the scatter of the run's probes about it (a ratio of sums: sqrt(n / (n - 1) sum_i (e_i - R
-    v_i)^2) / sum_i v_i, R the unclipped ratio); None per position with fewer than 2 probes, and
+    v_i)^2) / sum_i v_i, R that figure); None per position with fewer than 2 probes, and
     None without probes. With a few probes of a few samples it is often as large as the figure."""
     probes = [(r["probe/error"], r["probe/noise"]) for r in rows if "probe/error" in r]
     if not probes:

@@ -641,9 +641,10 @@ def probe_figures(g_1, g_2, j_1, j_2, n_1, n_2, train_batch):
       E|j - g|^2 = |mean error|^2 + S_e / B, where S_e, the error's own sample-to-sample variance,
       comes from the halves' errors as the noise does; a step of train_batch samples has S_e /
       train_batch in its place. Without the exchange a probe of 4 samples for a step of 16 reads
-      the error's sample-to-sample part 4 times too large (docs/probe_check.md). One probe's error
-      can come out below 0; pool errors before clipping.
-    - error_to_noise: max(error, 0) / noise; cosine: of j to g on the probe's batch."""
+      the error's sample-to-sample part 4 times too large (docs/probe_check.md). The estimate is
+      unbiased, so one probe's can come out below 0: an error lost in the probe's own scatter.
+    - error_to_noise: error / noise, not clipped (pool the parts over probes, then divide);
+      cosine: of j to g on the probe's batch."""
     vectors, B = (g_1, g_2, j_1, j_2), n_1 + n_2
     gram = [[_dot(a, b) if k <= m else None for m, b in enumerate(vectors)] for k, a in enumerate(vectors)]
 
@@ -658,7 +659,7 @@ def probe_figures(g_1, g_2, j_1, j_2, n_1, n_2, train_batch):
     gg, jj = quad(g, g), quad(j, j)
     cosine = quad(g, j) / math.sqrt(gg * jj) if gg * jj > 0 else 0.0
     error, noise = quad(e, e) + sigma_e * (1 / train_batch - 1 / B), sigma / train_batch
-    return cosine, (max(error, 0.0) / noise if sigma > 0 else math.inf), error, noise
+    return cosine, (error / noise if sigma > 0 else math.inf), error, noise
 
 
 def probe_average(average, cosines, decay):

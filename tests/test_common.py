@@ -121,8 +121,8 @@ def test_probe_error_to_noise_pools_the_probes_parts():
     assert common.probe_error_to_noise_by_position(rows) == pytest.approx([4.0 / 10.1, 0.0])
     assert common.probe_error_to_noise_by_position([{"step": 1}]) is None
     below = [{"probe/error": [-0.5], "probe/noise": [1.0]}, {"probe/error": [2.0], "probe/noise": [1.0]}]
-    assert common.probe_error_to_noise_by_position(below) == pytest.approx([0.75])  # summed, then clipped
-    assert common.probe_error_to_noise_by_position(below[:1]) == [0.0]
+    assert common.probe_error_to_noise_by_position(below) == pytest.approx([0.75])  # an unbiased part below 0 counts
+    assert common.probe_error_to_noise_by_position(below[:1]) == [-0.5]  # not clipped: read with its interval
 
 
 def test_probe_error_to_noise_comes_with_its_standard_error():

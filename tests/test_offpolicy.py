@@ -92,7 +92,7 @@ def test_probe_check_takes_steps_and_probes_at_random_as_training_does():
     opts = jagg_options.JaggOptions(task.window, 1.0)
     rows = probe_check.check(task, opts, 3, 16, torch.Generator().manual_seed(4), step_batch=8, probe_batch=4)
     g = torch.Generator().manual_seed(4)
-    pairs, probes = [], []
+    pairs, probes, own = [], [], []
     for _ in range(3):
         b = task.draw(16, g)
         step, probed = torch.randperm(16, generator=g)[:8], torch.randperm(16, generator=g)[:4]
@@ -100,11 +100,15 @@ def test_probe_check_takes_steps_and_probes_at_random_as_training_does():
                                                           b.adv[step], task.loss_cfg, opts))[0])
         probes.append(jagg_options.probe_segments(lambda idx: (task.velocity_fn, None), task.params,
                                                   b.traj.subset(probed), b.adv[probed], task.loss_cfg, opts, train_batch=8))
+        own.append(jagg_options.probe_segments(lambda idx: (task.velocity_fn, None), task.params,
+                                               b.traj.subset(probed), b.adv[probed], task.loss_cfg, opts, train_batch=4))
     noise = sum((pairs[i][0] - pairs[j][0]).square().sum() for i, j in ((0, 1), (0, 2), (1, 2))) / 2 / 3
     error = sum((j - e).square().sum() for e, j in pairs) / 3
     assert rows[0]["independent"] == pytest.approx((error / noise).item(), rel=1e-9)
-    pooled = max(sum(p["error"][0] for p in probes), 0) / sum(p["noise"][0] for p in probes)
-    assert rows[0]["pooled"] == pytest.approx(pooled, rel=1e-9)
+    pooled = sum(p["error"][0] for p in probes) / sum(p["noise"][0] for p in probes)
+    assert rows[0]["pooled"] == pytest.approx(pooled, rel=1e-9) and rows[0]["pooled_stderr"] > 0
+    # before the fix the probe read |j - g|^2 on its own 4 samples: that error at B = 4, over the step's noise
+    assert rows[0]["old_way"] == pytest.approx(sum(p["error"][0] for p in own) / sum(p["noise"][0] for p in probes))
     assert rows[0]["probes"] == sorted(p["error_to_noise"][0] for p in probes)
     whole = probe_check.check(task, opts, 3, 16, torch.Generator().manual_seed(4))  # the default: the whole batch
     assert whole[0]["independent"] != pytest.approx(rows[0]["independent"], rel=1e-3)

@@ -55,7 +55,7 @@ def test_short_grpo_run_raises_reward_for_both_methods(base_ckpt, tmp_path):
         cos = s["probe_cosine_by_position"]
         assert len(cos) == 4 and all(0.3 < c < 1.0 for c in cos)
         err = s["probe_error_to_noise_by_position"]  # JAGG's error in units of the step's own noise
-        assert len(err) == 4 and all(0 <= e < math.inf for e in err)  # pooled, then clipped at 0
+        assert len(err) == 4 and all(-math.inf < e < math.inf for e in err)  # pooled; below 0 where lost in the scatter
         assert all(se > 0 for se in s["probe_error_to_noise_stderr_by_position"])  # 3 probes: their scatter
     assert jg["routed_frac_by_position"] == [1.0] * 4 and ex["routed_frac_by_position"] == [0.0] * 4
     for picture in ("samples.png", "reward_curves.png", "trajectories.png", "probe.png", "score_vs_cosine.png"):

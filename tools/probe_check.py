@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg_options  # noqa: E402
+from common import probe_error_to_noise_by_position, probe_error_to_noise_stderr_by_position  # noqa: E402
 from offpolicy_error import MINI_PRESETS, MODES, MiniTask, ToyTask  # noqa: E402
 
 
@@ -73,13 +74,16 @@ def main(argv=None):
         f", the probe on {args.probe_batch} of them" if args.probe_batch else "")
     print(f"{args.model_kind}, {task.setting}{window}, mode {args.mode} at W = {task.window}: {args.batches} batches of "
           f"{args.batch}{probe}, the base model")
+    old = args.probe_batch and args.probe_batch < step
     print("| segment (steps) | one probe: error / noise, median (range) | probes: their errors' sum / their noises' sum "
-          "| independent batches: error / noise |")
-    print("|---|---|---|---|")
+          "(± 95 %) |" + (" the same, read as before the probe's fix |" if old else "")
+          + " independent batches: error / noise |")
+    print("|---|---|---|" + ("---|" if old else "") + "---|")
     for r in rows:
         figures = r["probes"]
         print(f"| {r['segment']} ({r['steps'][0]}-{r['steps'][1] - 1}) | {figures[len(figures) // 2]:.4f} "
-              f"({figures[0]:.4f}-{figures[-1]:.4f}) | {r['pooled']:.4f} | {r['independent']:.4f} |")
+              f"({figures[0]:.4f}-{figures[-1]:.4f}) | {r['pooled']:.4f} ± {1.96 * r['pooled_stderr']:.4f} |"
+              + (f" {r['old_way']:.4f} |" if old else "") + f" {r['independent']:.4f} |")
     return rows
 
 
@@ -96,16 +100,20 @@ def check(task, opts, batches, batch_size, generator, window_start=None, step_ba
     def some(n):  # n of the batch's samples at random, or all of them in order
         return torch.arange(batch_size) if n == batch_size else torch.randperm(batch_size, generator=generator)[:n]
 
-    probes, pairs = [], []  # per batch: the probe's figures; the (exact, JAGG) gradients per segment
+    probes, old_way, pairs = [], [], []  # per batch: the probe's figures; the (exact, JAGG) gradients per segment
     for _ in range(batches):
         batch = task.draw(batch_size, generator, window_start)
         ref = task.loss_cfg.beta > 0
         fns = lambda idx, batch=batch: (batch.fns(idx)[0], batch.fns(idx)[1] if ref else None)  # noqa: E731
         step = some(step_batch)
         probed = step if probe_batch == step_batch else some(probe_batch)
-        probes.append(jagg_options.probe_segments(lambda i, probed=probed, fns=fns: fns(probed[i]), task.params,
-                                                  batch.traj.subset(probed), batch.adv[probed], task.loss_cfg, opts,
-                                                  train_batch=step_batch))
+        def probe(size, probed=probed, fns=fns):  # the probe on the samples probed, for a step of size samples
+            return jagg_options.probe_segments(lambda i: fns(probed[i]), task.params, batch.traj.subset(probed),
+                                               batch.adv[probed], task.loss_cfg, opts, train_batch=size)
+
+        probes.append(probe(step_batch))
+        if probe_batch < step_batch:  # |j - g|^2 on the probe's own samples: how the probe read before its fix
+            old_way.append(probe(probe_batch))
         fn, ref_fn = fns(step)
         pairs.append(list(jagg_options._segment_gradients(fn, task.params, batch.traj.subset(step), batch.adv[step],
                                                           task.loss_cfg, opts, ref_fn)))
@@ -117,8 +125,13 @@ def check(task, opts, batches, batch_size, generator, window_start=None, step_ba
         noise = sum((a - b).square().sum().item() for a, b in itertools.combinations(exact, 2)) / 2 / (
             len(exact) * (len(exact) - 1) / 2)
         error = sum((p[s][1] - p[s][0]).square().sum().item() for p in pairs) / len(pairs)
+        parts = [{"probe/error": p["error"], "probe/noise": p["noise"]} for p in probes]
         rows.append({"segment": s, "steps": (start, stop), "probes": sorted(p["error_to_noise"][s] for p in probes),
-                     "pooled": max(sum(p["error"][s] for p in probes), 0) / sum(p["noise"][s] for p in probes),
+                     "pooled": probe_error_to_noise_by_position(parts)[s],
+                     "pooled_stderr": probe_error_to_noise_stderr_by_position(parts)[s],
+                     # before the fix: |j - g|^2 on the probe's own samples over the step's noise
+                     "old_way": (sum(p["error"][s] for p in old_way) / sum(p["noise"][s] for p in probes)
+                                 if old_way else None),
                      "independent": error / noise})
     return rows
 
