@@ -314,17 +314,22 @@ def probe_cosine_by_position(rows):
     return [sum(c) / len(probes) for c in zip(*probes)] if probes else None
 
 
+def _probe_parts(rows):
+    """Per segment position, the run's probes' (errors, noises) as two lists; None without probes."""
+    probes = [(r["probe/error"], r["probe/noise"]) for r in rows if "probe/error" in r]
+    if not probes:
+        return None
+    return [([e[j] for e, _ in probes], [v[j] for _, v in probes]) for j in range(len(probes[0][0]))]
+
+
 def probe_error_to_noise_by_position(rows):
     """JAGG's error over the batch's noise per segment position, over all the run's probes: their
     errors summed over their noises summed (a mean of the ratios would be biased high, each
     probe's noise being one pair of halves); None without probes. Not clipped: below 0 means the
     error is lost in the probes' own scatter (jagg_options.probe_figures); read it with
     probe_error_to_noise_stderr_by_position."""
-    probes = [(r["probe/error"], r["probe/noise"]) for r in rows if "probe/error" in r]
-    if not probes:
-        return None
-    return [sum(e[j] for e, _ in probes) / n if (n := sum(v[j] for _, v in probes)) > 0 else 0.0
-            for j in range(len(probes[0][0]))]
+    parts = _probe_parts(rows)
+    return None if parts is None else [sum(e) / sum(v) if sum(v) > 0 else 0.0 for e, v in parts]
 
 
 def probe_error_to_noise_stderr_by_position(rows):
@@ -332,12 +337,11 @@ def probe_error_to_noise_stderr_by_position(rows):
     the scatter of the run's probes about it (a ratio of sums: sqrt(n / (n - 1) sum_i (e_i - R
     v_i)^2) / sum_i v_i, R that figure); None per position with fewer than 2 probes, and
     None without probes. With a few probes of a few samples it is often as large as the figure."""
-    probes = [(r["probe/error"], r["probe/noise"]) for r in rows if "probe/error" in r]
-    if not probes:
+    parts = _probe_parts(rows)
+    if parts is None:
         return None
     out = []
-    for j in range(len(probes[0][0])):
-        e, v = [p[0][j] for p in probes], [p[1][j] for p in probes]
+    for e, v in parts:
         n, total = len(e), sum(v)
         if n < 2 or total <= 0:
             out.append(None if n < 2 else 0.0)

@@ -74,7 +74,7 @@ def main(argv=None):
         f", the probe on {args.probe_batch} of them" if args.probe_batch else "")
     print(f"{args.model_kind}, {task.setting}{window}, mode {args.mode} at W = {task.window}: {args.batches} batches of "
           f"{args.batch}{probe}, the base model")
-    old = args.probe_batch and args.probe_batch < step
+    old = bool(rows) and rows[0]["old_way"] is not None  # the probe smaller than the step: its old reading too
     print("| segment (steps) | one probe: error / noise, median (range) | probes: their errors' sum / their noises' sum "
           "(± 95 %) |" + (" the same, read as before the probe's fix |" if old else "")
           + " independent batches: error / noise |")
@@ -107,6 +107,7 @@ def check(task, opts, batches, batch_size, generator, window_start=None, step_ba
         fns = lambda idx, batch=batch: (batch.fns(idx)[0], batch.fns(idx)[1] if ref else None)  # noqa: E731
         step = some(step_batch)
         probed = step if probe_batch == step_batch else some(probe_batch)
+
         def probe(size, probed=probed, fns=fns):  # the probe on the samples probed, for a step of size samples
             return jagg_options.probe_segments(lambda i: fns(probed[i]), task.params, batch.traj.subset(probed),
                                                batch.adv[probed], task.loss_cfg, opts, train_batch=size)
@@ -117,6 +118,8 @@ def check(task, opts, batches, batch_size, generator, window_start=None, step_ba
         fn, ref_fn = fns(step)
         pairs.append(list(jagg_options._segment_gradients(fn, task.params, batch.traj.subset(step), batch.adv[step],
                                                           task.loss_cfg, opts, ref_fn)))
+    parts = [{"probe/error": p["error"], "probe/noise": p["noise"]} for p in probes]  # as metrics rows keep them
+    pooled, pooled_stderr = probe_error_to_noise_by_position(parts), probe_error_to_noise_stderr_by_position(parts)
     rows = []
     for s, (start, stop) in enumerate(jagg_options.segment_bounds(batch.traj.z.shape[0], opts.window, opts.anchors)):
         if pairs[0][s] is None:
@@ -125,10 +128,8 @@ def check(task, opts, batches, batch_size, generator, window_start=None, step_ba
         noise = sum((a - b).square().sum().item() for a, b in itertools.combinations(exact, 2)) / 2 / (
             len(exact) * (len(exact) - 1) / 2)
         error = sum((p[s][1] - p[s][0]).square().sum().item() for p in pairs) / len(pairs)
-        parts = [{"probe/error": p["error"], "probe/noise": p["noise"]} for p in probes]
         rows.append({"segment": s, "steps": (start, stop), "probes": sorted(p["error_to_noise"][s] for p in probes),
-                     "pooled": probe_error_to_noise_by_position(parts)[s],
-                     "pooled_stderr": probe_error_to_noise_stderr_by_position(parts)[s],
+                     "pooled": pooled[s], "pooled_stderr": pooled_stderr[s],
                      # before the fix: |j - g|^2 on the probe's own samples over the step's noise
                      "old_way": (sum(p["error"][s] for p in old_way) / sum(p["noise"][s] for p in probes)
                                  if old_way else None),
