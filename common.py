@@ -308,47 +308,28 @@ def probe_report(summary):
             + " ".join(f"{e:.3f}" + (f" ±{1.96 * se:.3f}" if se is not None else "") for e, se in zip(errors, stderrs)))
 
 
+def probes_of(rows):
+    """The probes recorded in metrics rows, as jagg_options.pool_probes takes them."""
+    return [{"cosine": r["probe/grad_cosine"], "error": r["probe/error"], "noise": r["probe/noise"]}
+            for r in rows if "probe/error" in r]
+
+
 def probe_cosine_by_position(rows):
     """The mean of the probes' cosines per segment position over the metrics rows; None without probes."""
-    probes = [r["probe/grad_cosine"] for r in rows if "probe/grad_cosine" in r]
-    return [sum(c) / len(probes) for c in zip(*probes)] if probes else None
-
-
-def _probe_parts(rows):
-    """Per segment position, the run's probes' (errors, noises) as two lists; None without probes."""
-    probes = [(r["probe/error"], r["probe/noise"]) for r in rows if "probe/error" in r]
-    if not probes:
-        return None
-    return [([e[j] for e, _ in probes], [v[j] for _, v in probes]) for j in range(len(probes[0][0]))]
+    pooled = jagg_options.pool_probes(probes_of(rows))
+    return None if pooled is None else pooled["cosine"]
 
 
 def probe_error_to_noise_by_position(rows):
-    """JAGG's error over the batch's noise per segment position, over all the run's probes: their
-    errors summed over their noises summed (a mean of the ratios would be biased high, each
-    probe's noise being one pair of halves); None without probes. Not clipped: below 0 means the
-    error is lost in the probes' own scatter (jagg_options.probe_figures); read it with
-    probe_error_to_noise_stderr_by_position."""
-    parts = _probe_parts(rows)
-    return None if parts is None else [sum(e) / sum(v) if sum(v) > 0 else 0.0 for e, v in parts]
+    """jagg_options.pool_probes' error_to_noise over the run's metrics rows; None without probes."""
+    pooled = jagg_options.pool_probes(probes_of(rows))
+    return None if pooled is None else pooled["error_to_noise"]
 
 
 def probe_error_to_noise_stderr_by_position(rows):
-    """The standard error of probe_error_to_noise_by_position's figure per segment position, from
-    the scatter of the run's probes about it (a ratio of sums: sqrt(n / (n - 1) sum_i (e_i - R
-    v_i)^2) / sum_i v_i, R that figure); None per position with fewer than 2 probes, and
-    None without probes. With a few probes of a few samples it is often as large as the figure."""
-    parts = _probe_parts(rows)
-    if parts is None:
-        return None
-    out = []
-    for e, v in parts:
-        n, total = len(e), sum(v)
-        if n < 2 or total <= 0:
-            out.append(None if n < 2 else 0.0)
-            continue
-        ratio = sum(e) / total
-        out.append(math.sqrt(n / (n - 1) * sum((a - ratio * b) ** 2 for a, b in zip(e, v))) / total)
-    return out
+    """jagg_options.pool_probes' stderr over the run's metrics rows; None without probes."""
+    pooled = jagg_options.pool_probes(probes_of(rows))
+    return None if pooled is None else pooled["stderr"]
 
 
 def step_metrics(step_stats):

@@ -88,8 +88,9 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     sigma_next = sigma_next.to(dtype).reshape(shape)  # [B, 1, ...]
     dt = sigma_next - sigma  # [B, 1, ...], < 0: sigma decreases from noise to data
     # std_t = noise_level * sqrt(sigma / (1 - sigma)). At sigma = 1 (the first step) this is
-    # infinite; like Flow-GRPO we use the next sigma in the denominator there instead.
-    denom = 1 - torch.where(sigma >= 1, sigma_next, sigma)  # [B, 1, ...]
+    # infinite; like Flow-GRPO we use the next sigma in the denominator there instead. "1" within
+    # 1e-4: some schedulers start just below it (Wan's UniPC flow sigmas at 1 - 1e-6, std_t ~700 eta).
+    denom = 1 - torch.where(sigma > 1 - 1e-4, sigma_next, sigma)  # [B, 1, ...]
     std_t = noise_level * torch.sqrt(sigma / denom)  # [B, 1, ...]
     # Euler on dz = [v + std_t^2 / (2 sigma) (z + (1 - sigma) v)] dsigma + std_t dw (the ODE's marginals):
     # mu = z (1 + std_t^2 / (2 sigma) dt) + v (1 + std_t^2 (1 - sigma) / (2 sigma)) dt

@@ -662,6 +662,34 @@ def probe_figures(g_1, g_2, j_1, j_2, n_1, n_2, train_batch):
     return cosine, (error / noise if sigma > 0 else math.inf), error, noise
 
 
+def pool_probes(probes):
+    """A run's probes pooled per segment position: probes, a list of probe_segments' dicts (their
+    "cosine", "error" and "noise" lists). Returns {"cosine": the mean cosine, "error_to_noise":
+    the errors summed over the noises summed (a mean of the ratios would be biased high, each
+    probe's noise being one pair of halves), "stderr": that figure's standard error from the
+    probes' scatter about it, sqrt(n / (n - 1) sum_i (e_i - R v_i)^2) / sum_i v_i (None with
+    fewer than 2 probes)}, each a list over positions; None without probes. The figure is not
+    clipped: below 0, JAGG's error is lost in the probes' own scatter. How to read it: an upper
+    end (figure + 1.96 stderr) at 0.1 or less, JAGG's error weighs less than a tenth of the
+    step's own noise; near 1 or above, as much as the noise: train those segments exactly (or
+    route="probe"); between, it costs a little of the reward gain (docs/probe_check.md)."""
+    if not probes:
+        return None
+    out = {"cosine": [], "error_to_noise": [], "stderr": []}
+    for j in range(len(probes[0]["cosine"])):
+        e, v = [p["error"][j] for p in probes], [p["noise"][j] for p in probes]
+        n, total = len(e), sum(v)
+        ratio = sum(e) / total if total > 0 else 0.0
+        out["cosine"].append(sum(p["cosine"][j] for p in probes) / n)
+        out["error_to_noise"].append(ratio)
+        if n < 2:
+            out["stderr"].append(None)
+        else:
+            out["stderr"].append(math.sqrt(n / (n - 1) * sum((a - ratio * b) ** 2 for a, b in zip(e, v))) / total
+                                 if total > 0 else 0.0)
+    return out
+
+
 def probe_average(average, cosines, decay):
     """The running average route="probe" ranks by: average <- decay * average + (1 - decay) *
     cosines per segment position; the first probe (average None) starts it."""
@@ -814,11 +842,15 @@ def optimizer_step(params, optimizer, losses, *, micro_batches=1, max_grad_norm=
     return {"grad_norm": grad_norm, "skipped": not finite}
 
 
-def train_step(velocity_fn, params, optimizer, traj, advantages, cfg, opts, *, ref_velocity_fn=None,
+def train_step(velocity_fn, optimizer, traj, advantages, cfg, opts, *, ref_velocity_fn=None, params=None,
                max_grad_norm=1.0, no_sync=contextlib.nullcontext, probe_cosines=None, step=None):
     """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
-    advantages: [B]; cfg: jagg.LossConfig; opts: JaggOptions): accumulate_gradients, then
-    optimizer_step (pass DDP's model.no_sync as no_sync; under FSDP, nothing). Returns (stats, routed)."""
+    advantages: [B]; cfg: jagg.LossConfig; opts: JaggOptions), in jagg.paper_train_step's argument
+    order: accumulate_gradients, then optimizer_step (pass DDP's model.no_sync as no_sync; under
+    FSDP, nothing). params: those clipped and averaged over ranks; None: the optimizer's. Returns
+    (stats, routed)."""
+    if params is None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
     optimizer.zero_grad(set_to_none=True)
     stats, routed = accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=ref_velocity_fn,
                                          no_sync=no_sync, probe_cosines=probe_cosines)

@@ -362,7 +362,7 @@ def train(cfg, method, base, rank, world):
         step_stats = []
         for idx in perm.chunk(cfg.minibatches):
             stats, routed = jagg_options.train_step(
-                make_velocity_fn(net, labels[idx]), model.parameters(), opt, traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg,
+                make_velocity_fn(net, labels[idx]), opt, traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg,
                 opts, ref_velocity_fn=ref_fn(idx), max_grad_norm=cfg.max_grad_norm, no_sync=no_sync,
                 probe_cosines=probe_avg, step=opt_steps + 1)
             step_stats.append(stats)

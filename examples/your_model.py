@@ -86,7 +86,7 @@ def main(epochs=20, seed=0):
             probe_avg = jagg_options.probe_average(probe_avg, probe["cosine"], decay=0.5)
         for idx in perm.split(MINIBATCH):  # minibatches: slice the trajectories AND their conditioning alike
             stats, routed = jagg_options.train_step(
-                make_velocity_fn(model, c[idx]), model.parameters(), opt, traj.subset(idx), adv[idx], cfg, opts,
+                make_velocity_fn(model, c[idx]), opt, traj.subset(idx), adv[idx], cfg, opts,
                 ref_velocity_fn=make_velocity_fn(ref, c[idx]), probe_cosines=probe_avg)
         print(f"epoch {epoch:2d}  reward {history[-1]:+.3f}  routed to JAGG {routed}  kl {stats['kl']:.4f}")
     return history, routed

@@ -111,33 +111,3 @@ def test_gradient_signal_stats_on_known_gradients():
     assert noisy["signal_kept_stderr"] < 0.1 and 0 < noisy["batch_agreement_stderr"] < 0.05
     wrong = signal_stats(exact, [-x for x in exact])  # the opposite direction loses the signal
     assert wrong["signal_kept"] == pytest.approx(-1.0)
-
-
-def test_probe_error_to_noise_pools_the_probes_parts():
-    """Summed errors over summed noises, per segment position: not the mean of the ratios, which one
-    small noise estimate would blow up."""
-    rows = [{"probe/error": [1.0, 0.0], "probe/noise": [10.0, 0.0]}, {"probe/error": [3.0, 0.0], "probe/noise": [0.1, 0.0]},
-            {"step": 3}]
-    assert common.probe_error_to_noise_by_position(rows) == pytest.approx([4.0 / 10.1, 0.0])
-    assert common.probe_error_to_noise_by_position([{"step": 1}]) is None
-    below = [{"probe/error": [-0.5], "probe/noise": [1.0]}, {"probe/error": [2.0], "probe/noise": [1.0]}]
-    assert common.probe_error_to_noise_by_position(below) == pytest.approx([0.75])  # an unbiased part below 0 counts
-    assert common.probe_error_to_noise_by_position(below[:1]) == [-0.5]  # not clipped: read with its interval
-
-
-def test_probe_error_to_noise_comes_with_its_standard_error():
-    """The ratio of sums' standard error from the probes' scatter about it, computed here again; a
-    run whose probes all agree has none, one probe gives no estimate, and the report prints the 95 %
-    interval's half-width beside each figure."""
-    e, v = [1.0, 3.0, -0.5, 2.0], [2.0, 1.0, 1.5, 2.5]
-    rows = [{"probe/error": [a, 0.0], "probe/noise": [b, 0.0]} for a, b in zip(e, v)] + [{"step": 9}]
-    ratio = sum(e) / sum(v)
-    expected = math.sqrt(4 / 3 * sum((a - ratio * b) ** 2 for a, b in zip(e, v))) / sum(v)
-    assert common.probe_error_to_noise_stderr_by_position(rows) == pytest.approx([expected, 0.0])
-    same = [{"probe/error": [0.5 * b], "probe/noise": [b]} for b in v]  # every probe reads 0.5
-    assert common.probe_error_to_noise_stderr_by_position(same) == pytest.approx([0.0], abs=1e-15)
-    assert common.probe_error_to_noise_stderr_by_position(rows[:1]) == [None, None]
-    assert common.probe_error_to_noise_stderr_by_position([{"step": 1}]) is None
-    summary = {"probe_cosine_by_position": [0.9, 1.0], "probe_error_to_noise_by_position": [ratio, 0.0],
-               "probe_error_to_noise_stderr_by_position": [expected, None]}
-    assert f"{ratio:.3f} ±{1.96 * expected:.3f} 0.000\n" in common.probe_report(summary) + "\n"

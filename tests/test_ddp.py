@@ -77,7 +77,7 @@ def train(model, ref, traj, adv, mode, no_sync=contextlib.nullcontext, steps=2):
     for step in range(steps):  # the second step is off-policy: rollout interiors are then approximate
         opts = jagg_options.JaggOptions(W, frac, anchors=anchors, interior=interior, route="probe", max_graph_rows=rows,
                                 max_drift=max_drift)
-        stats, _ = jagg_options.train_step(velocity_fn_of(model), list(model.parameters()), opt, traj, adv, cfg, opts,
+        stats, _ = jagg_options.train_step(velocity_fn_of(model), opt, traj, adv, cfg, opts,
                                    max_grad_norm=1e9, ref_velocity_fn=velocity_fn_of(ref) if beta else None,
                                    no_sync=no_sync, probe_cosines=PROBE[anchors], step=step)
         skipped.append(stats["skipped"])

@@ -29,7 +29,7 @@ def test_example_raises_its_reward_and_routes_by_the_probe(monkeypatch):
         return probe(*args, **kwargs)
 
     def recording_train_step(*args, **kwargs):
-        calls["train_step"].append(dict(kwargs, opts=args[6]))
+        calls["train_step"].append(dict(kwargs, opts=args[5]))
         return train_step(*args, **kwargs)
 
     monkeypatch.setattr(jagg_options, "probe_segments", counting_probe)

@@ -628,7 +628,7 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     traj, adv = _toy_batch(model, T=8, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats, _ = jagg_options.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=6)
+    stats, _ = jagg_options.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=6)
     assert stats["skipped"] is False  # a normal step first, so the optimizer has state to keep
 
     def nan_at_one_step(z, t):  # a velocity that is NaN at one sampling time, as a bf16 overflow would be
@@ -638,7 +638,7 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
     with pytest.warns(RuntimeWarning, match="optimizer step 7 skipped: non-finite"):
-        stats, _ = jagg_options.train_step(nan_at_one_step, model.parameters(), opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=7)
+        stats, _ = jagg_options.train_step(nan_at_one_step, opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=7)
     assert stats["skipped"] is True and not math.isfinite(stats["loss"])
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     for p, saved in zip(model.parameters(), state):
@@ -905,7 +905,7 @@ def test_jagg_frac_zero_reproduces_exact_training(beta):
         model.load_state_dict(base.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         # W changes nothing for exact training: windows only group the steps.
-        stats, routed = jagg_options.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv, cfg, jagg_options.JaggOptions(W, frac),
+        stats, routed = jagg_options.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(W, frac),
                                         ref_velocity_fn=as_velocity_fn(ref))
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), stats, routed))
     (p0, s0, r0), (p1, _, _), (p2, s2, r2) = results
@@ -951,7 +951,7 @@ def test_a_loss_at_another_noise_level_than_the_rollouts_is_refused():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="drawn at noise_level 0.7 but the loss scores them at 1.0"):
-        jagg_options.train_step(as_velocity_fn(model), model.parameters(), opt, traj, adv,
+        jagg_options.train_step(as_velocity_fn(model), opt, traj, adv,
                         jagg.LossConfig(noise_level=1.0, clip_range=0.2), jagg_options.JaggOptions(2, 1.0))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     other = jagg.Trajectory(**{f: getattr(traj, f) for f in jagg.Trajectory.TENSORS}, noise_level=1.0)
@@ -991,9 +991,9 @@ def test_bad_input_raises_clear_errors():
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="advantages must be"):
-        jagg_options.train_step(fn, model.parameters(), opt, traj, adv[:-1], cfg, jagg_options.JaggOptions(4, 1.0))
+        jagg_options.train_step(fn, opt, traj, adv[:-1], cfg, jagg_options.JaggOptions(4, 1.0))
     with pytest.raises(ValueError, match="longer than the trajectory"):
-        jagg_options.train_step(fn, model.parameters(), opt, traj, adv, cfg, jagg_options.JaggOptions(16, 1.0))
+        jagg_options.train_step(fn, opt, traj, adv, cfg, jagg_options.JaggOptions(16, 1.0))
     for kwargs, message in (({"anchors": "overlap"}, "anchors must be one of"),
                             ({"interior": "cache"}, "interior must be one of"),
                             ({"route": "random"}, "route must be one of"),
@@ -1001,7 +1001,7 @@ def test_bad_input_raises_clear_errors():
                             ({"route": "probe", "probe_cosines": [0.9]}, "one value per segment")):
         probe = {"probe_cosines": kwargs.pop("probe_cosines")} if "probe_cosines" in kwargs else {}
         with pytest.raises(ValueError, match=message):
-            jagg_options.train_step(fn, model.parameters(), opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, **kwargs), **probe)
+            jagg_options.train_step(fn, opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, **kwargs), **probe)
     # Nothing was changed by the failed calls.
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
 
@@ -1264,3 +1264,30 @@ def test_exact_and_jagg_inside_a_window_against_autograd_and_explicit_jacobians(
     expected = explicit_anchor_gradient(model, traj.z, traj.t, step_loss, anchors, v_old)
     torch.testing.assert_close(grad(1.0), expected, rtol=1e-9, atol=1e-10)
     assert (expected - expected_exact).norm() > 1e-6 * expected_exact.norm()
+
+
+def test_pool_probes_sums_errors_over_noises():
+    """Summed errors over summed noises, per segment position: not the mean of the ratios, which one
+    small noise estimate would blow up; an unbiased part below 0 counts and is not clipped."""
+    probes = [{"cosine": [0.8, 1.0], "error": [1.0, 0.0], "noise": [10.0, 0.0]},
+              {"cosine": [0.6, 1.0], "error": [3.0, 0.0], "noise": [0.1, 0.0]}]
+    pooled = jagg_options.pool_probes(probes)
+    assert pooled["error_to_noise"] == pytest.approx([4.0 / 10.1, 0.0])
+    assert pooled["cosine"] == pytest.approx([0.7, 1.0])
+    assert jagg_options.pool_probes([]) is None
+    below = [{"cosine": [1.0], "error": [-0.5], "noise": [1.0]}, {"cosine": [1.0], "error": [2.0], "noise": [1.0]}]
+    assert jagg_options.pool_probes(below)["error_to_noise"] == pytest.approx([0.75])
+    assert jagg_options.pool_probes(below[:1])["error_to_noise"] == [-0.5]
+
+
+def test_pool_probes_gives_the_standard_error_of_the_pooled_figure():
+    """The ratio of sums' standard error from the probes' scatter about it, computed here again; probes
+    that all agree have none, and one probe gives no estimate."""
+    e, v = [1.0, 3.0, -0.5, 2.0], [2.0, 1.0, 1.5, 2.5]
+    probes = [{"cosine": [1.0, 1.0], "error": [a, 0.0], "noise": [b, 0.0]} for a, b in zip(e, v)]
+    ratio = sum(e) / sum(v)
+    expected = math.sqrt(4 / 3 * sum((a - ratio * b) ** 2 for a, b in zip(e, v))) / sum(v)
+    assert jagg_options.pool_probes(probes)["stderr"] == pytest.approx([expected, 0.0])
+    same = [{"cosine": [1.0], "error": [0.5 * b], "noise": [b]} for b in v]  # every probe reads 0.5
+    assert jagg_options.pool_probes(same)["stderr"] == pytest.approx([0.0], abs=1e-15)
+    assert jagg_options.pool_probes(probes[:1])["stderr"] == [None, None]

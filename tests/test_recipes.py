@@ -172,7 +172,7 @@ def test_recipe_trains_exact_and_jagg_and_one_window_matches_explicit_jacobians(
             p.data.copy_(p0)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
         for _ in range(2):
-            stats, routed = jagg_options.train_step(fn, model.parameters(), optimizer, traj, adv, cfg, opts)
+            stats, routed = jagg_options.train_step(fn, optimizer, traj, adv, cfg, opts)
             assert not stats["skipped"] and stats["grad_norm"] > 0
         assert any(routed) == (opts.jagg_frac > 0)
         assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), start))

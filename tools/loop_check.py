@@ -86,7 +86,7 @@ def policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args):
     before, v0 = log_ratio_and_v()
     params = [p for p in transformer.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    stats, _ = jagg_options.train_step(fn, params, opt, traj, adv, loss_cfg, cfg.jagg_options("exact"), ref_velocity_fn=ref_fn,
+    stats, _ = jagg_options.train_step(fn, opt, traj, adv, loss_cfg, cfg.jagg_options("exact"), ref_velocity_fn=ref_fn, params=params,
                                max_grad_norm=cfg.max_grad_norm)
     after, v1 = log_ratio_and_v()
     # the direction GRPO wants: samples with positive advantage more likely, negative less

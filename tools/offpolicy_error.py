@@ -180,8 +180,9 @@ def train_exact(task, optimizer, epochs, batch_size, inner_steps, generator):
         perm = torch.randperm(len(batch.adv), generator=generator)
         for idx in perm.chunk(inner_steps):
             fn, ref_fn = batch.fns(idx)
-            jagg_options.train_step(fn, task.params, optimizer, batch.traj.subset(idx), batch.adv[idx], task.loss_cfg,
-                            jagg_options.JaggOptions(task.window, 0.0), ref_velocity_fn=ref_fn if task.loss_cfg.beta > 0 else None)
+            jagg_options.train_step(fn, optimizer, batch.traj.subset(idx), batch.adv[idx], task.loss_cfg,
+                            jagg_options.JaggOptions(task.window, 0.0), ref_velocity_fn=ref_fn if task.loss_cfg.beta > 0 else None,
+                            params=task.params)
 
 
 def measure(task, args, generator, optimizer):

@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg_options  # noqa: E402
-from common import probe_error_to_noise_by_position, probe_error_to_noise_stderr_by_position  # noqa: E402
 from offpolicy_error import MINI_PRESETS, MODES, MiniTask, ToyTask  # noqa: E402
 
 
@@ -118,8 +117,8 @@ def check(task, opts, batches, batch_size, generator, window_start=None, step_ba
         fn, ref_fn = fns(step)
         pairs.append(list(jagg_options._segment_gradients(fn, task.params, batch.traj.subset(step), batch.adv[step],
                                                           task.loss_cfg, opts, ref_fn)))
-    parts = [{"probe/error": p["error"], "probe/noise": p["noise"]} for p in probes]  # as metrics rows keep them
-    pooled, pooled_stderr = probe_error_to_noise_by_position(parts), probe_error_to_noise_stderr_by_position(parts)
+    pooled_probes = jagg_options.pool_probes(probes)
+    pooled, pooled_stderr = pooled_probes["error_to_noise"], pooled_probes["stderr"]
     rows = []
     for s, (start, stop) in enumerate(jagg_options.segment_bounds(batch.traj.z.shape[0], opts.window, opts.anchors)):
         if pairs[0][s] is None:
