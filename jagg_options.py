@@ -57,6 +57,18 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
                          averaged over probes (probe_average). min_cosine [None; route="probe"
                          only] trains any segment whose average is below it EXACT. Routing chooses
                          which segments are approximated, not how.
+    boundaries=(b, ...)  [(): one network] For models with two experts (Wan 2.2 A14B switches
+                         transformers at a timestep): the steps where another network takes over,
+                         each the first step it runs (expert_boundaries computes them from the
+                         schedule). The steps from one boundary to the next are tiled into
+                         windows, or shared-anchor segments, as a trajectory of their own, so no
+                         segment holds steps of two networks (T = 10, W = 4, boundaries (5,):
+                         windows 0-3 | 4 | 5-8 | 9). A segment across the switch would interpolate
+                         between two networks' Jacobians, crediting each with the other's steps:
+                         EXACT under no condition. With boundaries, EXACT when the paper's
+                         condition holds on each segment for the one network that runs it. Costs
+                         up to one segment more per switch, whose steps then train exactly if it
+                         is shorter than 3.
 Then the SDE window (section 6) and the real-run step (section 7): many ranks (DDP, one all-reduce
 per optimizer step), gradient accumulation, and non-finite steps skipped on every rank alike.
 
@@ -103,11 +115,12 @@ class JaggOptions:
     max_drift: float = 0.5  # rollout interiors only while the anchors' ratios stay within this share of the clip (2)
     route: str = "velocity"  # "velocity": by linearity_score; "probe": by the probe's cosines (gradient_cosines, 5)
     min_cosine: float = None  # route="probe" never lets JAGG take a window whose cosine is below this
+    boundaries: tuple = ()  # two experts: each network's first step (expert_boundaries); no segment spans two (1)
 
     def is_paper(self):
         """True when nothing beyond the paper is asked for: jagg.paper_gradients computes it all
         (a bound of 2 or more rows changes nothing for the paper's windows of two anchors)."""
-        return self.paper_backward() and self.route == "velocity"
+        return self.paper_backward() and self.route == "velocity" and not self.boundaries
 
     def paper_backward(self):
         """True when a JAGG segment's backward is the paper's, jagg.backward_jagg_window."""
@@ -177,17 +190,57 @@ def _anchor_steps(anchors, S):
     return [int(a) for a in steps]
 
 
-def segment_bounds(num_steps, window, anchors="window"):
+# Two experts (boundaries). Wan 2.2 A14B runs one transformer at high noise and another below a
+# switch. A segment across the switch would interpolate between two networks' Jacobians, so each
+# network's steps are tiled on their own: segments end at every boundary.
+
+
+def expert_boundaries(sigmas, switch_sigma):
+    """JaggOptions.boundaries for a model with two experts: the first network runs the steps whose
+    sigma is >= switch_sigma, the second the others, as diffusers' WanPipeline does (its
+    transformer at timesteps >= boundary_ratio x 1000, so switch_sigma = boundary_ratio: Wan 2.2
+    A14B's 0.875 text-to-video, 0.9 image-to-video; a switch at timestep t_b of a model whose time
+    is sigma x 1000 is switch_sigma = t_b / 1000). sigmas: [T + 1], decreasing, the schedule
+    given to jagg.rollout (step k runs at sigmas[k]; the last entry runs no step). Returns (k,),
+    the second network's first step, or () when all T steps run one network. Training only a
+    trajectory's first n steps (first_steps), keep the boundaries below n."""
+    s = torch.as_tensor(sigmas, dtype=torch.float64).flatten()[:-1]  # the steps' sigmas [T]
+    _check(len(s) >= 1 and bool((s[1:] <= s[:-1]).all()),
+           f"sigmas must be a decreasing schedule [T + 1] as given to rollout, got {torch.as_tensor(sigmas).tolist()}")
+    k = int((s >= switch_sigma).sum())  # the steps of the first network: they come first
+    return (k,) if 0 < k < len(s) else ()
+
+
+def check_boundaries(boundaries, num_steps=None):
+    """boundaries: increasing step indices inside (0, T) (T = num_steps, if known)."""
+    steps = list(boundaries) if isinstance(boundaries, (tuple, list)) else None
+    _check(steps is not None and all(isinstance(b, int) and 0 < b and (num_steps is None or b < num_steps) for b in steps)
+           and all(a < b for a, b in zip(steps, steps[1:])),
+           f"boundaries must be increasing step indices inside (0, T{'' if num_steps is None else f' = {num_steps}'}), "
+           f"each the first step of another network (expert_boundaries computes them; drop those >= T when training "
+           f"fewer steps), got {boundaries!r}")
+
+
+def segment_bounds(num_steps, window, anchors="window", boundaries=()):
     """The segments routing chooses between, [(start, stop), ...]. "window": the paper's
     disjoint windows (jagg.window_bounds). "shared": anchors every W - 1 steps and at T - 1, each
     segment running from one anchor to the next inclusive: W steps (the last may be shorter),
-    and consecutive segments share their end step (T = 10, W = 4: anchors 0, 3, 6, 9)."""
+    and consecutive segments share their end step (T = 10, W = 4: anchors 0, 3, 6, 9).
+    boundaries (JaggOptions'): the steps from one to the next are tiled alone, as a trajectory of
+    their own, so that no segment holds steps of two networks (a network of 1 step: a segment of 1)."""
     _check(anchors in ANCHOR_MODES, f"anchors must be one of {ANCHOR_MODES}, got {anchors!r}")
+    check_boundaries(boundaries, num_steps)
     bounds = jagg.window_bounds(num_steps, window)
-    if anchors == "window":
+    if anchors == "window" and not boundaries:
         return bounds
-    ends = list(range(0, num_steps - 1, window - 1)) + [num_steps - 1]  # the anchor steps
-    return [(a, b + 1) for a, b in zip(ends, ends[1:])]
+    out = []
+    for first, end in zip((0, *boundaries), (*boundaries, num_steps)):  # one network's steps first .. end - 1
+        if anchors == "window":
+            out += [(a, min(a + window, end)) for a in range(first, end, window)]
+            continue
+        ends = list(range(first, end - 1, window - 1)) + [end - 1]  # the anchor steps
+        out += [(a, b + 1) for a, b in zip(ends, ends[1:])] or [(first, end)]
+    return out
 
 
 def backward_calls(bounds, routed, anchors="window"):
@@ -456,8 +509,9 @@ def timed_backward(backward, velocity_fn, z, t, step_loss, timings=None, **kwarg
     return total
 
 
-def check_options(opts, num_segments=None, probe_cosines=None):
+def check_options(opts, num_segments=None, probe_cosines=None, num_steps=None):
     """Every JaggOptions field in range, before any work (a ValueError that names the field)."""
+    check_boundaries(opts.boundaries, num_steps)
     _check(opts.anchors in ANCHOR_MODES, f"anchors must be one of {ANCHOR_MODES}, got {opts.anchors!r}")
     _check(opts.interior in INTERIOR_MODES, f"interior must be one of {INTERIOR_MODES}, got {opts.interior!r}")
     _check(opts.route in ROUTES, f"route must be one of {ROUTES}, got {opts.route!r}")
@@ -494,8 +548,8 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
     route="probe" ranks the segments by probe_cosines (probe_average's) once there are any,
     never routing one below opts.min_cosine; before the first probe, by velocity."""
     T = traj.z.shape[0]
-    bounds = segment_bounds(T, opts.window, opts.anchors)
-    check_options(opts, len(bounds), probe_cosines)
+    bounds = segment_bounds(T, opts.window, opts.anchors, opts.boundaries)
+    check_options(opts, len(bounds), probe_cosines, num_steps=T)
     jagg.check_batch(traj, advantages, cfg)
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
     velocity_fn = jagg.checked(velocity_fn)
@@ -556,7 +610,7 @@ def _segment_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_vel
     generator); leaves the parameters' .grad None."""
     check_options(opts)
     velocity_fn = jagg.checked(velocity_fn)
-    for start, stop in segment_bounds(traj.z.shape[0], opts.window, opts.anchors):
+    for start, stop in segment_bounds(traj.z.shape[0], opts.window, opts.anchors, opts.boundaries):
         if stop - start < 2:
             yield None
             continue
