@@ -67,8 +67,7 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
                          between two networks' Jacobians, crediting each with the other's steps:
                          EXACT under no condition. With boundaries, EXACT when the paper's
                          condition holds on each segment for the one network that runs it. Costs
-                         up to one segment more per switch, whose steps then train exactly if it
-                         is shorter than 3.
+                         up to one segment more per switch (one under 3 steps trains exactly).
 Then the SDE window (section 6) and the real-run step (section 7): many ranks (DDP, one all-reduce
 per optimizer step), gradient accumulation, and non-finite steps skipped on every rank alike.
 
