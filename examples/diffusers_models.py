@@ -1,22 +1,26 @@
 """velocity_fn recipes for the diffusers transformers people train with GRPO: what jagg.py needs
-from SD3 / SD3.5, Flux and Qwen-Image. tests/test_recipes.py builds each at a tiny random size,
-checks it with jagg.check_velocity_fn, trains it exact and with JAGG, and checks one window's
-JAGG gradient against explicit Jacobians.
+from SD3 / SD3.5, Flux, Qwen-Image and Wan 2.1 / 2.2 (video). tests/test_recipes.py builds each at
+a tiny random size, checks it with jagg.check_velocity_fn, trains it exact and with JAGG, checks
+one window's JAGG gradient against explicit Jacobians, and checks that jagg.rollout at noise level
+0 with the recipe and scheduler_sigmas gives the final latents of the family's own diffusers
+pipeline (same latents, same embeddings, same guidance).
 
 jagg.py's contract: velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], t = sigma (1 = noise),
-v = noise - data. All three families are rectified flows with that sign (their pipelines step
+v = noise - data. All four families are rectified flows with that sign (their pipelines step
 z += (sigma_next - sigma) * v with FlowMatchEulerDiscreteScheduler); they differ in these:
 
 | family | transformer | time input | latents, *D | conditioning, repeated over S as a block | sigmas |
 |---|---|---|---|---|---|
-| SD3 / SD3.5 | SD3Transformer2DModel | sigma * 1000 | [C, H, W] | prompt_embeds [B, L, E], pooled [B, P] | static shift (3.0): scheduler_sigmas |
-| Flux | FluxTransformer2DModel | sigma (x 1000 inside) | packed [H/2 * W/2, 4C] | prompt_embeds, pooled; txt_ids [L, 3] and img_ids [seq, 3], not repeated; guidance [B] if distilled (dev) | shifted by the image's token count: scheduler_sigmas(..., seq) |
-| Qwen-Image | QwenImageTransformer2DModel | sigma (x 1000 inside) | packed [H/2 * W/2, 4C] | prompt_embeds [B, L, E] and its mask [B, L]; img_shapes, one per row | shifted by the image's token count |
+| SD3 / SD3.5 | SD3Transformer2DModel | sigma * 1000 | [C, H, W] | prompt_embeds [B, L, E], pooled [B, P]; CFG | static shift (3.0): scheduler_sigmas |
+| Flux | FluxTransformer2DModel | sigma (x 1000 inside) | packed [H/2 * W/2, 4C] | prompt_embeds, pooled; txt_ids [L, 3] and img_ids [seq, 3], not repeated; guidance [B] if distilled (dev), no CFG | shifted by the image's token count: scheduler_sigmas(..., seq) |
+| Qwen-Image | QwenImageTransformer2DModel | sigma (x 1000 inside) | packed [H/2 * W/2, 4C] | prompt_embeds [B, L, E] and its mask [B, L]; img_shapes, one per row; true CFG rescaled to the conditional norm per token | shifted by the image's token count |
+| Wan 2.1 / 2.2 | WanTransformer3DModel | sigma * 1000 | video [C, F, H, W] | UMT5 prompt_embeds [B, L, E], no mask, no pooled; CFG with negative embeddings; 2.2 A14B: two experts, chosen per row at t >= boundary_ratio * 1000 | UniPC flow sigmas (flow_shift 3 or 5), first 1 - 1e-6 |
 
 SD3's recipe is train_sd.make_velocity_fn (with classifier-free guidance and bf16 autocast).
 Flux-dev is guidance-distilled: it takes the guidance scale as an input, one forward, no CFG.
-Qwen-Image uses true CFG (a second, unconditional forward); give it as train_sd.py's SD3 recipe
-does (the unconditional branch without graph), or train without CFG as here.
+Qwen-Image and Wan run their unconditional branch without graph, as train_sd.py's SD3 recipe does.
+Wan's pipeline samples with UniPC, a multistep solver; rollout steps Euler(-Maruyama) on UniPC's
+sigmas, as Flow-GRPO does, and passes sigma * 1000 where UniPC passes it truncated to an integer.
 """
 
 import numpy as np
@@ -113,7 +117,8 @@ def wan_velocity_fn(transformer, prompt_embeds, negative_embeds=None, guidance_s
     where WanPipeline does: at timestep boundary_ratio * 1000 (pipe.config.boundary_ratio, e.g. 0.875,
     times the scheduler's num_train_timesteps), with guidance_scale_2 (default guidance_scale) for
     transformer_2. The expert is chosen row by row: one call holds rows of many steps. Put both
-    experts' trainable parameters in the optimizer, and end JAGG's windows at the switch."""
+    experts' trainable parameters in the optimizer, and end JAGG's windows at the switch.
+    Not covered: Wan 2.2 TI2V-5B's per-token timesteps (WanPipeline's expand_timesteps)."""
     boundary = None if boundary_ratio is None else boundary_ratio * 1000  # WanPipeline's boundary_timestep
     scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
 
@@ -132,8 +137,9 @@ def wan_velocity_fn(transformer, prompt_embeds, negative_embeds=None, guidance_s
         cond = prompt_embeds.repeat(S, 1, 1)  # [S*B, L, E]
         uncond = cond if negative_embeds is None else negative_embeds.repeat(S, 1, 1)  # [S*B, L, E]
         if boundary is None:  # one network (Wan 2.1)
-            return guided(transformer, guidance_scale, x, timestep, cond, uncond).reshape(z.shape)
-        high = timestep >= boundary  # [S*B]: WanPipeline runs transformer at t >= boundary, else transformer_2
+            return guided(transformer, guidance_scale, x, timestep, cond, uncond).to(z.dtype).reshape(z.shape)
+        # [S*B]: WanPipeline runs transformer at t >= boundary, else transformer_2 (t in t's precision, not bf16's)
+        high = t.reshape(S * B) * 1000 >= boundary
         v = torch.zeros_like(x)  # [S*B, C, F, H, W]
         for model, scale, rows in ((transformer, guidance_scale, high), (transformer_2, scale_2, ~high)):
             if rows.any():
