@@ -1,22 +1,26 @@
 """velocity_fn recipes for the diffusers transformers people train with GRPO: what jagg.py needs
-from SD3 / SD3.5, Flux and Qwen-Image. tests/test_recipes.py builds each at a tiny random size,
-checks it with jagg.check_velocity_fn, trains it exact and with JAGG, and checks one window's
-JAGG gradient against explicit Jacobians.
+from SD3 / SD3.5, Flux, Qwen-Image and Wan 2.1 / 2.2 (video). tests/test_recipes.py builds each at
+a tiny random size, checks it with jagg.check_velocity_fn, trains it exact and with JAGG, checks
+one window's JAGG gradient against explicit Jacobians, and checks that jagg.rollout at noise level
+0 with the recipe and scheduler_sigmas gives the final latents of the family's own diffusers
+pipeline (same latents, same embeddings, same guidance).
 
 jagg.py's contract: velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], t = sigma (1 = noise),
-v = noise - data. All three families are rectified flows with that sign (their pipelines step
+v = noise - data. All four families are rectified flows with that sign (their pipelines step
 z += (sigma_next - sigma) * v with FlowMatchEulerDiscreteScheduler); they differ in these:
 
 | family | transformer | time input | latents, *D | conditioning, repeated over S as a block | sigmas |
 |---|---|---|---|---|---|
-| SD3 / SD3.5 | SD3Transformer2DModel | sigma * 1000 | [C, H, W] | prompt_embeds [B, L, E], pooled [B, P] | static shift (3.0): scheduler_sigmas |
-| Flux | FluxTransformer2DModel | sigma (x 1000 inside) | packed [H/2 * W/2, 4C] | prompt_embeds, pooled; txt_ids [L, 3] and img_ids [seq, 3], not repeated; guidance [B] if distilled (dev) | shifted by the image's token count: scheduler_sigmas(..., seq) |
-| Qwen-Image | QwenImageTransformer2DModel | sigma (x 1000 inside) | packed [H/2 * W/2, 4C] | prompt_embeds [B, L, E] and its mask [B, L]; img_shapes, one per row | shifted by the image's token count |
+| SD3 / SD3.5 | SD3Transformer2DModel | sigma * 1000 | [C, H, W] | prompt_embeds [B, L, E], pooled [B, P]; CFG | static shift (3.0): scheduler_sigmas |
+| Flux | FluxTransformer2DModel | sigma (x 1000 inside) | packed [H/2 * W/2, 4C] | prompt_embeds, pooled; txt_ids [L, 3] and img_ids [seq, 3], not repeated; guidance [B] if distilled (dev), no CFG | shifted by the image's token count: scheduler_sigmas(..., seq) |
+| Qwen-Image | QwenImageTransformer2DModel | sigma (x 1000 inside) | packed [H/2 * W/2, 4C] | prompt_embeds [B, L, E] and its mask [B, L]; img_shapes, one per row; true CFG rescaled to the conditional norm per token | shifted by the image's token count |
+| Wan 2.1 / 2.2 | WanTransformer3DModel | sigma * 1000 | video [C, F, H, W] | UMT5 prompt_embeds [B, L, E], no mask, no pooled; CFG with negative embeddings; 2.2 A14B: two experts, chosen per row at t >= boundary_ratio * 1000 | UniPC flow sigmas (flow_shift 3 or 5), first 1 - 1e-6 |
 
 SD3's recipe is train_sd.make_velocity_fn (with classifier-free guidance and bf16 autocast).
 Flux-dev is guidance-distilled: it takes the guidance scale as an input, one forward, no CFG.
-Qwen-Image uses true CFG (a second, unconditional forward); give it as train_sd.py's SD3 recipe
-does (the unconditional branch without graph), or train without CFG as here.
+Qwen-Image and Wan run their unconditional branch without graph, as train_sd.py's SD3 recipe does.
+Wan's pipeline samples with UniPC, a multistep solver; rollout steps Euler(-Maruyama) on UniPC's
+sigmas, as Flow-GRPO does, and passes sigma * 1000 where UniPC passes it truncated to an integer.
 """
 
 import numpy as np
@@ -26,17 +30,21 @@ import torch
 def scheduler_sigmas(scheduler, num_steps, image_seq_len=None):
     """The sigmas your pipeline samples at, [T + 1] from 1 to 0, from its own scheduler (pass the
     pipeline's pipe.scheduler). With dynamic shifting (Flux, Qwen-Image) the shift depends on the
-    image's token count image_seq_len, as their pipelines compute it; SD3's shift is static."""
+    image's token count image_seq_len, as their pipelines compute it; SD3's and Wan's shifts are
+    static. Wan's UniPCMultistepScheduler(use_flow_sigmas=True) starts at 1 - 1e-6, which
+    jagg.sde_step takes as the first step, as it takes 1."""
     config = scheduler.config
     if config.get("use_dynamic_shifting"):
         # The pipelines' calculate_shift: mu linear in the token count between two anchors.
         slope = (config.get("max_shift", 1.15) - config.get("base_shift", 0.5)) / (
             config.get("max_image_seq_len", 4096) - config.get("base_image_seq_len", 256))
         mu = config.get("base_shift", 0.5) + slope * (image_seq_len - config.get("base_image_seq_len", 256))
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        # FluxPipeline and QwenImagePipeline pass these sigmas, to be shifted; UniPC's flow sigmas make their own.
+        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / num_steps, num_steps)
+        scheduler.set_timesteps(num_steps, sigmas=sigmas, mu=mu)
     else:
         scheduler.set_timesteps(num_steps)
-    return scheduler.sigmas.float()  # [T+1], the last 0
+    return scheduler.sigmas.float()  # [T+1], the last 0 (UniPC's with final_sigmas_type="sigma_min": its sigma_min)
 
 
 def pack_latents(latents):
@@ -72,18 +80,70 @@ def flux_velocity_fn(transformer, prompt_embeds, pooled, img_ids, guidance=None)
     return velocity_fn
 
 
-def qwen_image_velocity_fn(transformer, prompt_embeds, prompt_mask, height, width):
+def qwen_image_velocity_fn(transformer, prompt_embeds, prompt_mask, height, width, negative=None, true_cfg_scale=1.0):
     """Qwen-Image: z [S, B, seq, 4C] packed latents of height x width latent pixels;
-    prompt_embeds [B, L, E] and prompt_mask [B, L] (1 for a token, 0 for padding) of the B samples."""
+    prompt_embeds [B, L, E] and prompt_mask [B, L] (1 for a token, 0 for padding) of the B samples.
+    negative: (embeds, mask) of the negative prompt for true CFG at true_cfg_scale > 1, which
+    QwenImagePipeline rescales token by token to the conditional velocity's norm (below)."""
     img_shapes = [[(1, height // 2, width // 2)]]  # one image per row
 
     def velocity_fn(z, t):
         S, B = t.shape
         x = z.reshape(S * B, *z.shape[2:])  # [S*B, seq, 4C], step-major: row s * B + b
-        v = transformer(hidden_states=x, timestep=t.reshape(S * B).to(x.dtype),  # sigma: Qwen-Image multiplies by 1000
-                        encoder_hidden_states=prompt_embeds.repeat(S, 1, 1),
-                        encoder_hidden_states_mask=prompt_mask.repeat(S, 1), img_shapes=img_shapes * (S * B),
-                        return_dict=False)[0]
+
+        def forward(embeds, mask):  # sigma: Qwen-Image multiplies by 1000
+            return transformer(hidden_states=x, timestep=t.reshape(S * B).to(x.dtype),
+                               encoder_hidden_states=embeds.repeat(S, 1, 1), encoder_hidden_states_mask=mask.repeat(S, 1),
+                               img_shapes=img_shapes * (S * B), return_dict=False)[0]  # [S*B, seq, 4C]
+
+        v = forward(prompt_embeds, prompt_mask)
+        if negative is not None and true_cfg_scale > 1:
+            with torch.no_grad():  # the unconditional branch without graph, as train_sd.py's SD3 recipe
+                v_u = forward(*negative)
+            guided = v_u + true_cfg_scale * (v - v_u)  # [S*B, seq, 4C]
+            # QwenImagePipeline's rescale: each token's guided velocity takes the conditional one's norm.
+            v = guided * (v.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
         return v.reshape(z.shape)  # [S, B, seq, 4C]
+
+    return velocity_fn
+
+
+def wan_velocity_fn(transformer, prompt_embeds, negative_embeds=None, guidance_scale=5.0,
+                    transformer_2=None, boundary_ratio=None, guidance_scale_2=None):
+    """Wan 2.1 / 2.2 text-to-video (WanTransformer3DModel): z [S, B, C, F, H, W] video latents;
+    prompt_embeds and negative_embeds [B, L, E] of the B samples (UMT5's, no mask, no pooled);
+    CFG v = v_u + s (v_c - v_u) when negative_embeds is given and s > 1.
+    Wan 2.2 A14B has two experts: transformer for high noise, transformer_2 for low noise, switching
+    where WanPipeline does: at timestep boundary_ratio * 1000 (pipe.config.boundary_ratio, e.g. 0.875,
+    times the scheduler's num_train_timesteps), with guidance_scale_2 (default guidance_scale) for
+    transformer_2. The expert is chosen row by row: one call holds rows of many steps. Put both
+    experts' trainable parameters in the optimizer, and end JAGG's windows at the switch.
+    Not covered: Wan 2.2 TI2V-5B's per-token timesteps (WanPipeline's expand_timesteps)."""
+    boundary = None if boundary_ratio is None else boundary_ratio * 1000  # WanPipeline's boundary_timestep
+    scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
+
+    def guided(model, scale, x, timestep, cond, uncond):  # the rows one network runs: x [R, C, F, H, W]
+        v = model(hidden_states=x, timestep=timestep, encoder_hidden_states=cond, return_dict=False)[0]
+        if negative_embeds is not None and scale > 1:
+            with torch.no_grad():  # the unconditional branch without graph, as train_sd.py's SD3 recipe
+                v_u = model(hidden_states=x, timestep=timestep, encoder_hidden_states=uncond, return_dict=False)[0]
+            v = v_u + scale * (v - v_u)
+        return v  # [R, C, F, H, W]
+
+    def velocity_fn(z, t):
+        S, B = t.shape
+        x = z.reshape(S * B, *z.shape[2:])  # [S*B, C, F, H, W], step-major: row s * B + b
+        timestep = (t.reshape(S * B) * 1000).to(x.dtype)  # [S*B]: Wan takes sigma * 1000, as SD3 does
+        cond = prompt_embeds.repeat(S, 1, 1)  # [S*B, L, E]
+        uncond = cond if negative_embeds is None else negative_embeds.repeat(S, 1, 1)  # [S*B, L, E]
+        if boundary is None:  # one network (Wan 2.1)
+            return guided(transformer, guidance_scale, x, timestep, cond, uncond).to(z.dtype).reshape(z.shape)
+        # [S*B]: WanPipeline runs transformer at t >= boundary, else transformer_2 (t in t's precision, not bf16's)
+        high = t.reshape(S * B) * 1000 >= boundary
+        v = torch.zeros_like(x)  # [S*B, C, F, H, W]
+        for model, scale, rows in ((transformer, guidance_scale, high), (transformer_2, scale_2, ~high)):
+            if rows.any():
+                v[rows] = guided(model, scale, x[rows], timestep[rows], cond[rows], uncond[rows]).to(v.dtype)
+        return v.reshape(z.shape)  # [S, B, C, F, H, W]
 
     return velocity_fn

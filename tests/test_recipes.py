@@ -2,7 +2,9 @@
 random diffusers transformers of each family: jagg.check_velocity_fn passes them and catches the
 two silent mistakes (a velocity not reshaped to z's shape, conditioning repeated in the wrong
 order); exact and JAGG both train; one window's JAGG gradient equals the explicit interpolation
-of Jacobians built row by row with autograd."""
+of Jacobians built row by row with autograd. Then what no check of velocity_fn alone can see:
+every family's scheduler gives a first SDE step of sane size, and each recipe reproduces its
+diffusers pipeline's own denoising loop (time convention, shift, packing, CFG, experts)."""
 
 import os
 import sys
@@ -12,6 +14,7 @@ import torch
 
 pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, QwenImageTransformer2DModel  # noqa: E402
+from diffusers import UniPCMultistepScheduler, WanTransformer3DModel  # noqa: E402
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
@@ -23,6 +26,10 @@ import diffusers_models as recipes  # noqa: E402
 
 B, L, E = 3, 5, 16  # samples, text tokens, text width
 DYNAMIC = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+# Qwen-Image's scheduler_config.json: its own dynamic shift, and the last sigma stretched to 0.02.
+QWEN = dict(DYNAMIC, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+# Wan 2.1 / 2.2's scheduler: UniPC on flow sigmas, flow_shift 3 (480p) or 5 (720p); its first sigma is 1 - 1e-6.
+WAN_UNIPC = dict(use_flow_sigmas=True, prediction_type="flow_prediction")
 
 
 def flux(dtype=torch.float64, interleave=False):
@@ -85,13 +92,34 @@ class _interleaved(torch.Tensor):
         return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
 
 
-FAMILIES = {"flux": flux, "qwen_image": qwen_image, "sd3": sd3}
+def tiny_wan(seed, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                                 out_channels=4, text_dim=E, freq_dim=32, ffn_dim=32, num_layers=1,
+                                 rope_max_seq_len=32).to(dtype).eval()
+
+
+def wan(dtype=torch.float64, interleave=False):
+    """Wan 2.2's two experts (switching at timestep 875) with CFG, on UniPC's flow sigmas: both
+    experts in one ModuleList, so that model.parameters() holds both, as the optimizer must."""
+    model = torch.nn.ModuleList([tiny_wan(3, dtype), tiny_wan(4, dtype)])
+    embeds, negative = torch.randn(B, L, E, dtype=dtype), torch.randn(B, L, E, dtype=dtype)
+    if interleave:
+        embeds, negative = _interleaved(embeds), _interleaved(negative)
+    fn = recipes.wan_velocity_fn(model[0], embeds, negative, 4.0, transformer_2=model[1], boundary_ratio=0.875,
+                                 guidance_scale_2=3.0)
+    z = torch.randn(B, 4, 1, 2, 4, dtype=dtype)  # [B, C, F, H, W]: one frame of 2 tokens keeps the Jacobians small
+    sigmas = recipes.scheduler_sigmas(UniPCMultistepScheduler(**WAN_UNIPC, flow_shift=3.0), 6)
+    return fn, model, z, sigmas  # timesteps 1000 (1 - 1e-6), 937.5 | 857, 750, 600, 375: both experts run
+
+
+FAMILIES = {"flux": flux, "qwen_image": qwen_image, "sd3": sd3, "wan": wan}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_check_velocity_fn_passes_the_recipe_and_catches_both_mistakes(family):
     fn, _, z, sigmas = FAMILIES[family]()
-    assert sigmas[0] == 1 and sigmas[-1] == 0 and len(sigmas) == 7
+    assert 1 - 1e-4 < sigmas[0] <= 1 and sigmas[-1] == 0 and len(sigmas) == 7
     assert jagg.check_velocity_fn(fn, z, sigmas) < 1e-10
     wrong_order, _, _, _ = FAMILIES[family](interleave=True)
     with pytest.raises(ValueError, match=r"repeat the conditioning as a block, c.repeat\(S\)"):
@@ -157,6 +185,8 @@ def test_recipe_trains_exact_and_jagg_and_one_window_matches_explicit_jacobians(
                      for p in model.parameters() if p.requires_grad])
     expected = explicit_window_gradient(model, fn, traj.z[1:5], traj.t[1:5], step_loss)
     tol = 1e-8 * expected.abs().max().item()  # fp64, but diffusers computes its time embedding in fp32
+    if family == "wan":  # and Wan's FP32LayerNorms run in fp32 inside an fp64 model: sums over rows round at ~1e-7
+        tol = 5e-7 * expected.abs().max().item()  # measured 6.3e-8 of the largest entry
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=tol)
     model.zero_grad(set_to_none=True)
     jagg.backward_exact(fn, traj.z[1:5], traj.t[1:5], step_loss)  # the window's exact gradient is another one
@@ -176,3 +206,184 @@ def test_recipe_trains_exact_and_jagg_and_one_window_matches_explicit_jacobians(
             assert not stats["skipped"] and stats["grad_norm"] > 0
         assert any(routed) == (opts.jagg_frac > 0)
         assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), start))
+
+
+def test_an_expert_chosen_once_per_call_is_caught():
+    """Wan 2.2's expert must be chosen per row: one call holds rows of several steps. Chosen once
+    from t[0], the batched call runs the high-noise expert on low-noise rows and the check sees it."""
+    fn, model, z, sigmas = wan()
+    high = recipes.wan_velocity_fn(model[0], torch.randn(B, L, E, dtype=z.dtype), None, 1.0)
+    low = recipes.wan_velocity_fn(model[1], torch.randn(B, L, E, dtype=z.dtype), None, 1.0)
+    per_call = lambda z_, t_: (high if t_[0, 0] * 1000 >= 875 else low)(z_, t_)  # noqa: E731  the mistake
+    with pytest.raises(ValueError, match=r"differs from 3 one-step calls"):
+        jagg.check_velocity_fn(per_call, z, sigmas)
+
+
+# === Every flow scheduler's sigmas give a first SDE step of SD3's size ===
+
+SCHEDULERS = {  # (scheduler, image_seq_len): each family's own scheduler at a typical size
+    "sd3": lambda: (FlowMatchEulerDiscreteScheduler(shift=3.0), None),
+    "flux_1024px": lambda: (FlowMatchEulerDiscreteScheduler(shift=3.0, **DYNAMIC), 64 * 64),
+    "qwen_image_1328px": lambda: (FlowMatchEulerDiscreteScheduler(**QWEN), 83 * 83),
+    "wan_480p": lambda: (UniPCMultistepScheduler(**WAN_UNIPC, flow_shift=3.0), None),
+    "wan_720p": lambda: (UniPCMultistepScheduler(**WAN_UNIPC, flow_shift=5.0), None),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_every_flow_schedulers_sigmas_give_a_first_sde_step_of_sd3s_size(name):
+    scheduler, seq = SCHEDULERS[name]()
+    sigmas = recipes.scheduler_sigmas(scheduler, 10, seq)  # [11]
+    assert 1 - 1e-4 < sigmas[0] <= 1 and sigmas[-1] == 0 and bool((sigmas.diff() < 0).all())
+    noise = torch.randn(16, 4, 8, 8, generator=torch.Generator().manual_seed(0))  # [B, C, H, W]
+    zero = lambda z, t: torch.zeros_like(z)  # noqa: E731  v = 0: the step is the SDE's own
+
+    def first_std(s):  # std of the 16 states after step 0 at Flow-GRPO's noise level
+        traj = jagg.rollout(zero, noise, s, 0.7, generator=torch.Generator().manual_seed(1))
+        assert bool(torch.isfinite(traj.z_next).all() and torch.isfinite(traj.log_prob).all())
+        return traj.z_next[0].std().item()
+
+    # The first step maps z to z (1 - eta^2 / 2) + eta eps whatever the sigmas: std
+    # sqrt(0.755^2 + 0.7^2) = 1.03. Before 6ab88df only sigma >= 1 was the first step, and
+    # UniPC's 1 - 1e-6 gave std_t = 0.7 sqrt(1e6) = 700: std 8,626 (flow_shift 3), 5,250 (5).
+    sd3 = first_std(recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0), 10))
+    assert first_std(sigmas) == pytest.approx(sd3, rel=1e-3)
+    assert sd3 == pytest.approx(1.03, abs=0.03)
+
+
+# === Each recipe reproduces its own pipeline's denoising loop ===
+# rollout at noise level 0 is the Euler ODE z += (sigma_next - sigma) v, FlowMatchEulerDiscreteScheduler's
+# step. Given the same latents and prompt embeddings (no text encoder, no VAE: output_type="latent"),
+# the recipe with scheduler_sigmas must give the pipeline's final latents. fp32 throughout; tolerance
+# 2e-5 (absolute, latents of size ~4): the same operations up to batching (SD3's pipeline runs both
+# CFG branches as one batch of 2B, the recipe as two) and the order of float32 sums, over 3-4 steps.
+# Measured: 0 (Flux, Qwen-Image, Wan) to 1.7e-6 (SD3). A wrong time convention moves them by 0.07-0.75,
+# more than 1000x the tolerance (checked in each test).
+
+T_PIPE, ATOL = 3, 2e-5
+
+
+def rollout_ode(fn, latents, sigmas):
+    with torch.no_grad():
+        return jagg.rollout(fn, latents, sigmas, 0.0).sample  # noise level 0: the deterministic ODE
+
+
+def assert_reproduces(pipeline_latents, fn, wrong_time_fn, latents, sigmas):
+    torch.testing.assert_close(rollout_ode(fn, latents, sigmas), pipeline_latents, rtol=0, atol=ATOL)
+    assert (rollout_ode(wrong_time_fn, latents, sigmas) - pipeline_latents).abs().max() > 1000 * ATOL
+
+
+def test_sd3_recipe_reproduces_stable_diffusion_3_pipeline():
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    torch.manual_seed(5)
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                                  attention_head_dim=8, num_attention_heads=2, joint_attention_dim=E,
+                                  caption_projection_dim=16, pooled_projection_dim=8, pos_embed_max_size=8).eval()
+    pipe = StableDiffusion3Pipeline(transformer=model, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=None,
+                                    text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+                                    text_encoder_3=None, tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    embeds, pooled, neg_embeds, neg_pooled = torch.randn(B, L, E), torch.randn(B, 8), torch.randn(B, L, E), torch.randn(B, 8)
+    latents = torch.randn(B, 4, 8, 8)  # [B, C, H, W]; no VAE: the pipeline's 64 pixels are 8 latent pixels
+    with torch.no_grad():
+        out = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, negative_prompt_embeds=neg_embeds,
+                   negative_pooled_prompt_embeds=neg_pooled, latents=latents, height=64, width=64,
+                   num_inference_steps=T_PIPE, guidance_scale=4.5, output_type="latent").images
+    fn = train_sd.make_velocity_fn(model, (embeds, pooled), (neg_embeds, neg_pooled), 4.5, use_bf16=False)
+    sigmas = recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0), T_PIPE)
+    assert_reproduces(out, fn, lambda z, t: fn(z, t / 1000), latents, sigmas)  # wrong: sigma where SD3 wants x1000
+
+
+def test_flux_recipe_reproduces_flux_pipeline():
+    from diffusers import FluxPipeline
+
+    fn_, model, _, _ = flux(dtype=torch.float32)  # Flux-dev: guidance-distilled, guidance 3.5 is an input, no CFG
+    pipe = FluxPipeline(transformer=model, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, **DYNAMIC), vae=None,
+                        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    pipe.set_progress_bar_config(disable=True)
+    torch.manual_seed(6)
+    embeds, pooled = torch.randn(B, L, E), torch.randn(B, 8)
+    latents = recipes.pack_latents(torch.randn(B, 4, 8, 8))  # [B, 16, 16]: the pipeline takes packed latents
+    with torch.no_grad():
+        out = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, latents=latents, height=64, width=64,
+                   num_inference_steps=T_PIPE, guidance_scale=3.5, output_type="latent").images
+    fn = recipes.flux_velocity_fn(model, embeds, pooled, recipes.flux_image_ids(8, 8), guidance=3.5)
+    sigmas = recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0, **DYNAMIC), T_PIPE, latents.shape[1])
+    assert_reproduces(out, fn, lambda z, t: fn(z, t * 1000), latents, sigmas)  # wrong: x1000 where Flux does it inside
+
+
+def test_qwen_image_recipe_reproduces_qwen_image_pipeline_with_true_cfg():
+    from diffusers import QwenImagePipeline
+
+    _, model, _, _ = qwen_image(dtype=torch.float32)
+    pipe = QwenImagePipeline(transformer=model, scheduler=FlowMatchEulerDiscreteScheduler(**QWEN), vae=None,
+                             text_encoder=None, tokenizer=None)
+    pipe.set_progress_bar_config(disable=True)
+    torch.manual_seed(7)
+    embeds, neg_embeds = torch.randn(B, L, E), torch.randn(B, L, E)
+    mask, neg_mask = torch.ones(B, L, dtype=torch.long), torch.ones(B, L, dtype=torch.long)
+    mask[0, 3:], neg_mask[1, 2:] = 0, 0  # padded prompts, so that the masks matter
+    latents = recipes.pack_latents(torch.randn(B, 4, 8, 8))  # [B, 16, 16]
+    with torch.no_grad():
+        out = pipe(prompt_embeds=embeds, prompt_embeds_mask=mask, negative_prompt_embeds=neg_embeds,
+                   negative_prompt_embeds_mask=neg_mask, true_cfg_scale=4.0, latents=latents, height=64, width=64,
+                   num_inference_steps=T_PIPE, output_type="latent").images
+    fn = recipes.qwen_image_velocity_fn(model, embeds, mask, 8, 8, negative=(neg_embeds, neg_mask), true_cfg_scale=4.0)
+    sigmas = recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(**QWEN), T_PIPE, latents.shape[1])
+    assert_reproduces(out, fn, lambda z, t: fn(z, t * 1000), latents, sigmas)  # wrong: x1000 where Qwen does it inside
+
+
+def wan_pipeline(scheduler, two_experts):
+    from diffusers import WanPipeline
+
+    experts = dict(transformer_2=tiny_wan(9), boundary_ratio=0.875) if two_experts else {}  # Wan 2.2 A14B's boundary
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=scheduler, transformer=tiny_wan(8), **experts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_wan(pipe, embeds, neg_embeds, latents):  # the pipeline's loop: CFG 4.0, and 3.0 for Wan 2.2's low-noise expert
+    with torch.no_grad():
+        return pipe(prompt_embeds=embeds, negative_prompt_embeds=neg_embeds, latents=latents, height=64, width=64,
+                    num_frames=5, num_inference_steps=4, guidance_scale=4.0,
+                    guidance_scale_2=3.0 if pipe.transformer_2 is not None else None, output_type="latent").frames
+
+
+@pytest.mark.parametrize("two_experts", [False, True], ids=["wan2.1", "wan2.2_two_experts"])
+def test_wan_recipe_reproduces_wan_pipeline(two_experts):
+    """On FlowMatchEuler sigmas (shift 3), timesteps 1000, 857.7, 602.2, 8.9: Wan 2.2's pipeline runs
+    its high-noise expert at step 0 only (t >= 875), and the recipe must too, row by row."""
+    pipe = wan_pipeline(FlowMatchEulerDiscreteScheduler(shift=3.0), two_experts)
+    torch.manual_seed(10)
+    embeds, neg_embeds = torch.randn(B, L, E), torch.randn(B, L, E)  # UMT5's: no mask, no pooled
+    latents = torch.randn(B, 4, 2, 8, 8)  # [B, C, F, H, W]: 2 latent frames are the pipeline's 5 frames
+    out = run_wan(pipe, embeds, neg_embeds, latents)
+    experts = dict(transformer_2=pipe.transformer_2, boundary_ratio=0.875, guidance_scale_2=3.0) if two_experts else {}
+    fn = recipes.wan_velocity_fn(pipe.transformer, embeds, neg_embeds, 4.0, **experts)
+    sigmas = recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0), 4)
+    assert_reproduces(out, fn, lambda z, t: fn(z, t / 1000), latents, sigmas)  # wrong: sigma, as for Flux
+    if two_experts:  # one expert throughout is wrong too
+        one = recipes.wan_velocity_fn(pipe.transformer, embeds, neg_embeds, 4.0)
+        assert (rollout_ode(one, latents, sigmas) - out).abs().max() > 1000 * ATOL
+
+
+def test_wan_recipe_on_unipc_sigmas_differs_from_wan_pipeline_only_by_its_solver_and_integer_timesteps():
+    """Wan ships UniPCMultistepScheduler (a 2nd-order multistep solver with a corrector); rollout
+    steps Euler(-Maruyama) on the same sigmas, as Flow-GRPO does. With UniPC at order 1 and no
+    corrector (which is Euler for a flow), the pipeline equals rollout with the recipe once the
+    recipe's time is truncated as UniPC's int64 timesteps are (999.999 -> 999, 900.12 -> 900, ...):
+    the two differences, and nothing else (no shift, packing or CFG error). Measured on this tiny
+    model: the recipe's exact sigma * 1000 moves the latents by 0.051 (of ~4), UniPC's own order 2
+    and corrector by 0.44."""
+    unipc = UniPCMultistepScheduler(**WAN_UNIPC, flow_shift=3.0, solver_order=1, disable_corrector=[0, 1, 2, 3])
+    pipe = wan_pipeline(unipc, two_experts=True)  # timesteps 999, 900, 750, 500: two steps per expert
+    torch.manual_seed(11)
+    embeds, neg_embeds = torch.randn(B, L, E), torch.randn(B, L, E)
+    latents = torch.randn(B, 4, 2, 8, 8)  # [B, C, F, H, W]
+    out = run_wan(pipe, embeds, neg_embeds, latents)
+    fn = recipes.wan_velocity_fn(pipe.transformer, embeds, neg_embeds, 4.0, transformer_2=pipe.transformer_2,
+                                 boundary_ratio=0.875, guidance_scale_2=3.0)
+    sigmas = recipes.scheduler_sigmas(UniPCMultistepScheduler(**WAN_UNIPC, flow_shift=3.0), 4)
+    truncated = lambda z, t: fn(z, torch.floor(t * 1000) / 1000)  # noqa: E731  UniPC's int64 timesteps
+    assert_reproduces(out, truncated, lambda z, t: fn(z, t / 1000), latents, sigmas)
