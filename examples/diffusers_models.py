@@ -1,6 +1,6 @@
 """velocity_fn recipes for the diffusers transformers people train with GRPO: what jagg.py needs
 from SD3 / SD3.5, Flux and Qwen-Image. tests/test_recipes.py builds each at a tiny random size,
-checks it with jagg.check_velocity_fn, trains it exact and with JAGG, and checks one window's
+checks it with jagg_options.check_velocity_fn, trains it exact and with JAGG, and checks one window's
 JAGG gradient against explicit Jacobians.
 
 jagg.py's contract: velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], t = sigma (1 = noise),
