@@ -212,16 +212,29 @@ def test_the_papers_function_equals_the_general_one_and_training_uses_it(monkeyp
     assert loss_p == pytest.approx(loss_g, rel=1e-12)
     torch.testing.assert_close(g_paper, g_general, rtol=1e-12, atol=1e-14)
     used = []
-    for module, name in ((jagg, "backward_jagg_window"), (jagg_options, "backward_jagg")):
+    for module, name in ((jagg, "backward_jagg_window"), (jagg_options, "backward_jagg"), (jagg, "backward_exact")):
         fn = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _fn=fn, _name=name, **k: used.append(_name) or _fn(*a, **k))
+    jagg_calls = lambda: [name for name in used if name != "backward_exact"]  # noqa: E731
     traj, adv = _toy_batch(model, T=8, B=4)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, 1.0))
-    assert used == ["backward_jagg_window"] * 2
+    assert jagg_calls() == ["backward_jagg_window"] * 2
     used.clear()
     jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, anchors="shared"))
-    assert used == ["backward_jagg"]
+    assert jagg_calls() == ["backward_jagg"]
+    # What the trainers call, train_step with the default options, trains every window through jagg.py's own two
+    # functions, in routing's order (T = 10: windows of 4, 4 and 2 steps; the 2-step one is always exact).
+    traj, adv = _toy_batch(model, T=10, B=4)
+    for frac, expected in ((1.0, ["backward_jagg_window", "backward_jagg_window", "backward_exact"]),
+                           (0.0, ["backward_exact"] * 3)):
+        used.clear()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        jagg_options.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(jagg_frac=frac))
+        assert used == expected, (frac, used)
+    used.clear()
+    _, routed = jagg_options.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(jagg_frac=0.5))
+    assert used == ["backward_jagg_window" if r else "backward_exact" for r in routed] and sum(routed) == 1
 
 
 # ------------------------------------------------------------------ beyond the paper: anchors, rollout interiors
