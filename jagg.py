@@ -102,10 +102,7 @@ class Trajectory:
     noise_level: float | None = None  # the SDE's noise level that drew it (the loss must score at the same)
     TENSORS = ("z", "z_next", "t", "t_next", "log_prob", "v")
 
-    @property
-    def sample(self):  # the final clean samples z_T: [B, *D], what the reward sees
-        return self.z_next[-1]
-
+    sample = property(lambda self: self.z_next[-1])  # the final clean samples z_T: [B, *D], what the reward sees
     def first_steps(self, n):  # the first n steps, the ones Flow-GRPO trains (timestep_fraction: 9 of T = 10)
         _check(1 <= n <= self.z.shape[0], f"a trajectory of {self.z.shape[0]} steps has no first {n} steps to train")
         return Trajectory(**{name: getattr(self, name)[:n] for name in self.TENSORS}, noise_level=self.noise_level)
@@ -216,11 +213,12 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # Cost per window, in the abstract's unit, rows with grad (backward passes over B samples; the double batch
 # counts 2): exact W, JAGG 2. In forward-units (a row with grad ~3, as a backward costs about two forwards; a row
 # without graph 1) 3W becomes 2 x 3 + (W - 2) = W + 4: 1.5x at W = 4, under 3x at any W.
-# When it is exact (OURS: the abstract says "velocity linear in (z, t)"; the algebra needs more): the error is
-# sum_k g_k^T (J_k - (1 - alpha_k) J_a - alpha_k J_b). v = A_theta z + c_theta t + e_theta makes J = A'z + c't + e'
-# affine in (z, t), so J_k interpolates exactly iff (z_k, t_k) sits at alpha_k on the segment from (z_a, t_a) to
-# (z_b, t_b): t_k does by alpha's definition, z_k only on a straight path, and the SDE's noise never leaves the
-# states on one (self-check A). Weights in t: flow paths z_t = (1 - t) x_0 + t noise are straight in t. W = 2: exact.
+# When it is exact (OURS, more than the abstract's "velocity linear in (z, t)"): the error is sum_k g_k^T (J_k -
+# (1 - alpha_k) J_a - alpha_k J_b). (1) v = A z + c t + e, with A, c, e any functions of theta, makes J = A'z + c't
+# + e' (' = d/dtheta) affine in (z, t), so J_k interpolates exactly if (z_k, t_k) = (1 - alpha_k)(z_a, t_a) +
+# alpha_k (z_b, t_b). (2) t_k is there by alpha's definition; z_k only if the states lie on the straight segment,
+# and the SDE's noise takes them off it (self-check A: bent states break it). Why weights in t: flow paths
+# z_t = (1 - t) x_0 + t noise are straight lines in t. W = 2 (no interior step) is always exact.
 
 def interpolation_weights(t):
     """alpha_k = (t_a - t_k) / (t_a - t_b) for a window's times t: [W, B]. Returns [W, B]: 0 at a, 1 at b."""
@@ -364,7 +362,7 @@ def _self_check():  # what a learner should see, each line checked
     z = (1 - alpha) * torch.randn(B, D) + alpha * torch.randn(B, D)  # [W, B, D], on the straight segment
     def error(net, z):  # |JAGG - exact| / |exact| of net's gradient on the window z, loss sum_i w_i.v_i + |v_i|^2
         (exact, _), (approx, _) = (grad(net, f, z, t, lambda i, v: (w[i] * v).sum() + (v**2).sum())
-                                   for f in (backward_exact, backward_jagg_window))
+                                     for f in (backward_exact, backward_jagg_window))
         return ((approx - exact).norm() / exact.norm()).item()
     net = torch.nn.Sequential(torch.nn.Linear(D + 1, 32), torch.nn.Tanh(), torch.nn.Linear(32, D))  # v, J not affine
     rel, bent, curved_j = error(linear, z), error(linear, z + 0.5 * alpha * (1 - alpha)), error(net, z)
@@ -378,12 +376,13 @@ def _self_check():  # what a learner should see, each line checked
     ref, cfg = velocity_fn_of(frozen, "reference"), LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04)
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # reward: near 0
+    assert window_bounds(T, W) == [(0, 4), (4, 8), (8, 10)] and window_bounds(9, W) == [(0, 4), (4, 8), (8, 9)]
     print(f"B. a tanh network on its own rollouts, T = {T}, W = {W}: windows {window_bounds(T, W)} (start, stop)")
     for start, stop in window_bounds(T, W):
         z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, D], [W, B]
-        exact, jagg = (grad(net, f, z, t, make_step_loss(traj, advantages, start, stop, cfg, ref(z, t)))[0]
-                       for f in (backward_exact, backward_jagg_window))
-        score, cos = linearity_score(traj.v[start:stop], traj.t[start:stop]), cosine(exact, jagg)
+        exact, approx = (grad(net, f, z, t, make_step_loss(traj, advantages, start, stop, cfg, ref(z, t)))[0]
+                         for f in (backward_exact, backward_jagg_window))
+        score, cos = linearity_score(traj.v[start:stop], traj.t[start:stop]), cosine(exact, approx)
         assert cos > 0.9 if stop - start > 2 else abs(cos - 1) < 1e-12, (cos, score)
         print(f"   steps {start}-{stop - 1}: routing score {score:.5f}, JAGG's gradient cosine to exact {cos:.5f}")
 
