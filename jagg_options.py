@@ -70,6 +70,8 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
                          up to one segment more per switch (one under 3 steps trains exactly).
 Then the SDE window (section 6) and the real-run step (section 7): many ranks (DDP, one all-reduce
 per optimizer step), gradient accumulation, and non-finite steps skipped on every rank alike.
+Section 0 holds what callers need from jagg.py's world but a learner does not: check_velocity_fn
+(run it once before training), cat_trajectories, check_batch.
 
 Notation beyond jagg.py's
     anchors    a_0 = 0 < a_1 < ... < a_m = S - 1, the steps whose Jacobians are back-propagated
@@ -125,6 +127,55 @@ class JaggOptions:
         """True when a JAGG segment's backward is the paper's, jagg.backward_jagg_window."""
         return (self.anchors == "window" and self.interior == "forward" and self.weights == "time"
                 and (self.max_graph_rows is None or self.max_graph_rows >= 2))
+
+
+# === 0. Helpers for callers (moved from jagg.py) ===
+# jagg.py keeps what a learner reads; what the trainers, the tests and the lab call besides lives here.
+
+
+@torch.no_grad()
+def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
+    """Check velocity_fn once before training, on noise z: [B, *D] of samples with different
+    conditioning and the schedule sigmas: [T + 1]: v of z's shape and finite, two equal calls
+    equal, one call on S steps equal to S one-step calls (jagg.py section 2: step-major). A
+    ValueError names the mistake and its fix. rtol, relative to |v|; None: 1e-4 in fp32, 2e-2 in
+    bf16 / fp16 or under autocast (pass 2e-2 if velocity_fn autocasts inside). Returns the largest
+    relative difference."""
+    S = min(3, len(sigmas) - 1)  # steps spread over the schedule: its first, middle and last: [S]
+    t = sigmas[torch.linspace(0, len(sigmas) - 2, S).round().long()].to(z.device)[:, None].expand(S, z.shape[0])  # [S, B]
+    zs = torch.stack([z * (1 - 0.1 * s) for s in range(S)])  # [S, B, *D]: a different state at each step
+    v = jagg.checked(velocity_fn)(zs, t)  # [S, B, *D]
+    _check(v.dtype.is_floating_point and bool(torch.isfinite(v).all()), "velocity_fn returned non-finite values")
+    low = v.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(z.device.type)
+    rtol = (2e-2 if low else 1e-4) if rtol is None else rtol
+    again = (jagg.checked(velocity_fn)(zs, t).float() - v.float()).norm().item() / v.float().norm().item()
+    _check(again <= rtol, f"two equal calls of velocity_fn differ by {again:.1e} of |v|: put the model in eval mode "
+                          f"(no dropout) for rollouts and training alike, or the first ratio is not 1")
+    one = torch.stack([jagg.checked(velocity_fn)(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
+    error = (v.float() - one.float()).norm().item() / v.float().norm().item()
+    _check(error <= rtol, f"velocity_fn on {S} steps at once differs from {S} one-step calls by {error:.1e} of |v| "
+                          f"(rtol {rtol:.0e}): it is step-major (entry s * B + i is sample i at step s), so repeat "
+                          f"the conditioning as a block, c.repeat(S) or .repeat(S, 1, 1), never repeat_interleave; "
+                          f"choose a network (an expert, e.g. Wan 2.2's two) per row from t, not once per call from "
+                          f"t[0]; and make no row depend on the others (batch statistics)")
+    return max(error, again)
+
+
+def cat_trajectories(trajs):
+    """One jagg.Trajectory from several, joined on B (a rollout drawn in chunks, or gathered from ranks)."""
+    levels = {traj.noise_level for traj in trajs}
+    _check(len(levels) == 1, f"trajectories drawn at different noise levels cannot form one batch: {levels}")
+    return jagg.Trajectory(**{name: torch.cat([getattr(traj, name) for traj in trajs], dim=1)
+                              for name in jagg.Trajectory.TENSORS}, noise_level=levels.pop())
+
+
+def check_batch(traj, advantages, cfg):
+    """A batch's trajectories, advantages and loss agree (before any work)."""
+    _check(traj.noise_level is None or traj.noise_level == cfg.noise_level,
+           f"the trajectories were drawn at noise_level {traj.noise_level} but the loss scores them at "
+           f"{cfg.noise_level}: pass the same noise level to rollout and LossConfig")
+    _check(advantages.shape == traj.log_prob.shape[1:],
+           f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, got {tuple(advantages.shape)}")
 
 
 # Many ranks: every decision is taken on all ranks' samples, as one process on all of them would
@@ -549,7 +600,7 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
     T = traj.z.shape[0]
     bounds = segment_bounds(T, opts.window, opts.anchors, opts.boundaries)
     check_options(opts, len(bounds), probe_cosines, num_steps=T)
-    jagg.check_batch(traj, advantages, cfg)
+    check_batch(traj, advantages, cfg)
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
     velocity_fn = jagg.checked(velocity_fn)
     scores = _agreed([jagg.linearity_score(traj.v[start:stop], traj.t[start:stop]) for start, stop in bounds], "mean",
@@ -863,7 +914,7 @@ def accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, *, ref_veloci
                          no_sync=contextlib.nullcontext, probe_cosines=None):
     """Add one batch's gradient (window_gradients') to the parameters' .grad, inside no_sync and
     timed: one micro-batch of an optimizer step. Returns (stats, routed)."""
-    jagg.check_batch(traj, advantages, cfg)
+    check_batch(traj, advantages, cfg)
     timings, start = {}, time.perf_counter()
     with no_sync():
         stats, routed = window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn, timings,

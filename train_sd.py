@@ -532,14 +532,14 @@ def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_
                                                       cfg.sde_window, generator=generator)
         trajs.append(traj), conds.append(cond), unconds.append(uncond)
         images += decode(pipe, final)
-    traj = jagg.Trajectory.cat(trajs)  # [T, B, C, h, w] and the like
+    traj = jagg_options.cat_trajectories(trajs)  # [T, B, C, h, w] and the like
     cond = tuple(torch.cat([c[i] for c in conds]) for i in range(2))  # ([B, L, E], [B, P])
     uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
     return traj, cond, uncond, images
 
 
 def check_model(pipe, transformer, prompts, cfg, sigmas, use_bf16):
-    """jagg.check_velocity_fn on two different prompts, before any training: v of z's shape, equal
+    """jagg_options.check_velocity_fn on two different prompts, before any training: v of z's shape, equal
     calls equal, and S steps at once equal to S single steps (conditioning repeated as a block).
     A few forwards; its own noise, so the run's random streams are untouched."""
     transformer.eval()
@@ -547,8 +547,8 @@ def check_model(pipe, transformer, prompts, cfg, sigmas, use_bf16):
     h = cfg.resolution // pipe.vae_scale_factor
     g = torch.Generator(device=sigmas.device).manual_seed(0)
     noise = torch.randn(len(cond[0]), pipe.transformer.config.in_channels, h, h, generator=g, device=sigmas.device)
-    jagg.check_velocity_fn(make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16), noise, sigmas,
-                           rtol=2e-2 if use_bf16 else None)
+    jagg_options.check_velocity_fn(make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16), noise, sigmas,
+                                   rtol=2e-2 if use_bf16 else None)
 
 
 def _is_main():

@@ -308,8 +308,8 @@ def train(cfg, method, base, rank, world):
         opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / (cfg.steps * cfg.minibatches))) if cfg.cosine_lr else 1.0)
     sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)  # [T+1]
     # The contract, checked once on every prompt (its own noise: the run's random streams are untouched).
-    jagg.check_velocity_fn(make_velocity_fn(model, torch.arange(len(PROMPTS))),
-                           torch.randn(len(PROMPTS), 2, generator=torch.Generator().manual_seed(0)), sigmas)
+    jagg_options.check_velocity_fn(make_velocity_fn(model, torch.arange(len(PROMPTS))),
+                                   torch.randn(len(PROMPTS), 2, generator=torch.Generator().manual_seed(0)), sigmas)
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     opts = cfg.jagg_options(method)  # exact: every window exact (jagg_frac 0)
     n_train = trained_steps(cfg)  # the first steps of each rollout, in order

@@ -61,7 +61,7 @@ def main(epochs=20, seed=0):
     sigmas = jagg.sigma_schedule(T, shift=3.0)  # [T + 1]
     # Once, before training: v of z's shape, no dropout, and S steps at once equal S single steps
     # (the conditioning repeated as a block). A ValueError names the mistake and its fix.
-    jagg.check_velocity_fn(make_velocity_fn(model, torch.arange(PROMPTS)), torch.randn(PROMPTS, 2), sigmas)
+    jagg_options.check_velocity_fn(make_velocity_fn(model, torch.arange(PROMPTS)), torch.randn(PROMPTS, 2), sigmas)
     # CONVENTION: the same noise_level for rollout and loss (train_step refuses a mismatch).
     cfg = jagg.LossConfig(noise_level=NOISE_LEVEL, clip_range=0.2, beta=0.04)
     # One JaggOptions for the probe and training alike, so the probe measures the mode that trains:

@@ -128,7 +128,7 @@ def test_ranks_stay_identical_and_equal_one_process_on_both_batches(ranks, i):
     # One process on both ranks' batches together: its loss is the mean over 2B samples, so its
     # gradient is the mean of the ranks' gradients, what DDP's all-reduce computes.
     (t0, a0), (t1, a1) = rank_data(0), rank_data(1)
-    both = jagg.Trajectory.cat([t0, t1])
+    both = jagg_options.cat_trajectories([t0, t1])
     model, ref = models()
     train(model, ref, both, torch.cat([a0, a1]), mode)
     assert not torch.equal(flat(model), flat(models()[0]))  # it did train

@@ -107,7 +107,7 @@ def ranks(tmp_path_factory):
 def test_fsdp_ranks_agree_and_equal_one_process_on_both_batches(ranks, i):
     mode = MODES[i]
     (t0, a0), (t1, a1) = rank_data(0), rank_data(1)
-    both = jagg.Trajectory.cat([t0, t1])
+    both = jagg_options.cat_trajectories([t0, t1])
     model, ref = models()
     train(model, ref, [(both, torch.cat([a0, a1]))], mode)  # one process, the mean over 2B samples
     assert not torch.equal(flat(model), flat(models()[0]))  # it did train
@@ -123,8 +123,8 @@ def test_fsdp_accumulation_equals_one_process_accumulating_alike(ranks):
     for i, mode in enumerate(MODES):
         (t0, a0), (t1, a1) = rank_data(0), rank_data(1)
         (m00, m01), (m10, m11) = split(t0, a0), split(t1, a1)
-        micro = [(jagg.Trajectory.cat([m00[0], m10[0]]), torch.cat([m00[1], m10[1]])),
-                 (jagg.Trajectory.cat([m01[0], m11[0]]), torch.cat([m01[1], m11[1]]))]
+        micro = [(jagg_options.cat_trajectories([m00[0], m10[0]]), torch.cat([m00[1], m10[1]])),
+                 (jagg_options.cat_trajectories([m01[0], m11[0]]), torch.cat([m01[1], m11[1]]))]
         model, ref = models()
         train(model, ref, micro, mode)
         torch.testing.assert_close(ranks[0][f"{i}_accumulated"], flat(model), rtol=0, atol=1e-12, msg=str(mode))
