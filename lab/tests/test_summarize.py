@@ -1,4 +1,4 @@
-"""tools/summarize.py's interval arithmetic: the retention tables' 95 % intervals and seed counts."""
+"""lab/summarize.py's interval arithmetic: the retention tables' 95 % intervals and seed counts."""
 
 import json
 import math
@@ -195,7 +195,7 @@ def test_two_way_matches_the_textbook_mean_squares():
 
 
 def test_retention_pairs_each_mode_with_exact_and_the_papers_mode_seed_by_seed(tmp_path, capsys):
-    """tools/toy_quality.sh's layout, OUT/<mode>/seed<S>/summary.json: gain kept per seed is the
+    """lab/toy_quality.sh's layout, OUT/<mode>/seed<S>/summary.json: gain kept per seed is the
     mode's gain over exact's of the same seed; the paired difference is to the paper's mode."""
     import json
 

@@ -1,6 +1,6 @@
 """A small Stable Diffusion 3 trained here: SD3.5's pipeline on a GenEval-like task in miniature.
 
-    python mini_sd3.py                 # build and pretrain the mini pipeline once (about 10 min on 2 cores)
+    python lab/mini_sd3.py                 # build and pretrain the mini pipeline once (about 10 min on 2 cores)
     python train_sd.py --model mini --reward shapes --method compare   # GRPO on it, exact vs JAGG
 
 You do not need to read this file to learn JAGG: it is the model and the task, not the algorithm.

@@ -1,10 +1,10 @@
 """What FSDP saves per rank, measured: weights, gradients and optimizer state per rank, and each
 mode's activations saved for backward, for one training step of the reduced SD3 transformer.
 
-    for n in 1 2 4; do torchrun --standalone --nproc_per_node=$n tools/fsdp_memory.py --out runs/fsdp_memory; done
-    python tools/fsdp_memory.py --report runs/fsdp_memory      # the table in docs/benchmarks.md
+    for n in 1 2 4; do torchrun --standalone --nproc_per_node=$n lab/fsdp_memory.py --out runs/fsdp_memory; done
+    python lab/fsdp_memory.py --report runs/fsdp_memory      # the table in docs/benchmarks.md
 
-    torchrun --standalone --nproc_per_node=8 tools/fsdp_memory.py --size sd35-medium --out runs/fsdp_gpu   # GPUs
+    torchrun --standalone --nproc_per_node=8 lab/fsdp_memory.py --size sd35-medium --out runs/fsdp_gpu   # GPUs
 
 Every weight is trained (full fine-tuning, AdamW), sharded with train_sd.py's shard_transformer.
 On GPUs each rank takes its own (LOCAL_RANK) and the peak memory per mode is recorded too.

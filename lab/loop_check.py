@@ -1,7 +1,7 @@
 """Check the GRPO loop of train_sd.py on a model, part by part, before trusting any reward curve.
 
-    python tools/loop_check.py                         # the mini SD3 (cached), the darkness reward
-    python tools/loop_check.py --reward shapes --prompts-per-batch 8
+    python lab/loop_check.py                         # the mini SD3 (cached), the darkness reward
+    python lab/loop_check.py --reward shapes --prompts-per-batch 8
 
 A loop that cannot raise an easy reward fails in one of a few places. This tool measures each
 on fresh rollouts from the model, with train_sd.py's own functions:

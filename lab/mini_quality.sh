@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# JAGG's quality on the mini SD3 (mini_sd3.py), on a CPU: the table in docs/mini_sd3.md.
+# JAGG's quality on the mini SD3 (lab/mini_sd3.py), on a CPU: the table in docs/mini_sd3.md.
 # Seeds 0-4; per seed exact GRPO once, then the paper's JAGG and shared anchors + rollout
 # interiors from the same model and seed with --exact-from it; two runs at a time, one thread each.
 # A run that has finished before is not run again, so an interrupted table resumes; one that
 # finished at fewer epochs continues from its checkpoint, so a table can be trained longer.
 #
-#   tools/mini_quality.sh darkness [OUT]   # 15 epochs a run: about 20 minutes on 2 cores
-#   tools/mini_quality.sh cover [OUT]      # 20 epochs a run: about 30 minutes on 2 cores
-#   tools/mini_quality.sh geneval [OUT]    # 12 epochs, LoRA, global std, 8 prompts an epoch: about 15 minutes a seed
-#   SEEDS="$(seq -s ' ' 0 19)" tools/mini_quality.sh darkness   # 20 seeds: summarize prints how many ±10 points need
-#   SEEDS="$(seq -s ' ' 0 23)" EPOCHS=2 EVAL_SAMPLES=192 tools/mini_quality.sh geneval runs/geneval_2ep
+#   lab/mini_quality.sh darkness [OUT]   # 15 epochs a run: about 20 minutes on 2 cores
+#   lab/mini_quality.sh cover [OUT]      # 20 epochs a run: about 30 minutes on 2 cores
+#   lab/mini_quality.sh geneval [OUT]    # 12 epochs, LoRA, global std, 8 prompts an epoch: about 15 minutes a seed
+#   SEEDS="$(seq -s ' ' 0 19)" lab/mini_quality.sh darkness   # 20 seeds: summarize prints how many ±10 points need
+#   SEEDS="$(seq -s ' ' 0 23)" EPOCHS=2 EVAL_SAMPLES=192 lab/mini_quality.sh geneval runs/geneval_2ep
 #                      # the short-run table: 2 epochs from the base, both evaluations with the same noise
-#   cp -r runs/mini_geneval runs/mini_geneval_24 && EPOCHS=24 tools/mini_quality.sh geneval runs/mini_geneval_24
+#   cp -r runs/mini_geneval runs/mini_geneval_24 && EPOCHS=24 lab/mini_quality.sh geneval runs/mini_geneval_24
 #                      # the 12-epoch table trained on to 24 epochs (the same runs as 24 epochs from the start)
-#   DRAWS=4 tools/mini_quality.sh geneval OUT   # then each seed's final models redrawn 4 times with fresh noise
-#                      # (tools/eval_noise.py): summarize.py paired splits JAGG - exact's spread into the
+#   DRAWS=4 lab/mini_quality.sh geneval OUT   # then each seed's final models redrawn 4 times with fresh noise
+#                      # (lab/eval_noise.py): summarize.py paired splits JAGG - exact's spread into the
 #                      # evaluation's and the runs' own; DRAWS=16 later grows the same files to 16 draws
-#   python tools/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
-#   TABLE=window tools/mini_quality.sh darkness runs/mini_window_darkness
+#   python lab/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
+#   TABLE=window lab/mini_quality.sh darkness runs/mini_window_darkness
 #                      # JAGG or an SDE window (docs/sde_window.md): per seed exact and the paper's JAGG on
 #                      # every step, and an SDE window of WINDOW (4) steps placed as Flow-GRPO-Fast does (a
 #                      # random start in steps 0 to WINDOW_RANGE_END - 1 (6)), trained exact and by JAGG at
@@ -35,7 +35,7 @@
 # prompts x 8 samples an epoch in optimizer steps of 16; with full fine-tuning it falls (docs/mini_sd3.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-reward=${1:?usage: tools/mini_quality.sh darkness|cover|geneval [OUT]}
+reward=${1:?usage: lab/mini_quality.sh darkness|cover|geneval [OUT]}
 out=${2:-runs/mini_$reward}
 preset=mini  # train_sd.py's --preset for the reward
 case "$reward" in
@@ -59,7 +59,7 @@ lr_control=${LR_CONTROL:-}
 [ -z "$lr_control" ] || python3 -c 'import sys; assert float(sys.argv[1]) > 0' "$lr_control" 2>/dev/null \
   || { echo "error: LR_CONTROL must be a learning rate above 0, e.g. 7.5e-4, got '$lr_control'"; exit 1; }
 [ "$range_end" -ge "$window" ] || { echo "error: WINDOW_RANGE_END ($range_end) must be at least WINDOW ($window)"; exit 1; }
-seeds=${SEEDS:-0 1 2 3 4}  # SEEDS="0 1 ... 19" tools/mini_quality.sh ...: more seeds, a narrower interval
+seeds=${SEEDS:-0 1 2 3 4}  # SEEDS="0 1 ... 19" lab/mini_quality.sh ...: more seeds, a narrower interval
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
 run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished before, continued where it stopped short
@@ -94,7 +94,7 @@ noise() {  # SEED: its exact and JAGG final models, each drawn $draws times with
   # a file with fewer draws grows: eval_noise.py keeps the draws it holds and draws only the rest
   have=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["draws"])' "$file" 2>/dev/null || echo 0)
   [ "$have" -ge "$draws" ] && return 0
-  python3 tools/eval_noise.py "$out/paper_seed$s/exact" "$out/paper_seed$s/jagg" "$out/shared_seed$s/jagg" \
+  python3 lab/eval_noise.py "$out/paper_seed$s/exact" "$out/paper_seed$s/jagg" "$out/shared_seed$s/jagg" \
     --draws "$draws" $([ "$s" = "$first" ] || echo --no-base) --out "$file" >> "$out/noise_seed$s.log" 2>&1
   tail -n 1 "$out/noise_seed$s.log"
 }
@@ -107,15 +107,15 @@ if [ "$table" = window ]; then
   for s in $seeds; do echo "exact $s"; echo "wexact $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
   for s in $seeds; do echo "paper $s"; echo "wpaper $s"; [ -z "$lr_control" ] || echo "lexact $s"; done \
     | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
-  python3 tools/summarize.py wallclock $(for s in $seeds; do echo "$out/paper_seed$s $out/window_seed$s"
+  python3 lab/summarize.py wallclock $(for s in $seeds; do echo "$out/paper_seed$s $out/window_seed$s"
     [ -z "$lr_control" ] || echo "$out/lr_seed$s"; done) --png "$out/wallclock.png"
   exit 0
 fi
 for s in $seeds; do echo "exact $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
 for s in $seeds; do echo "paper $s"; echo "shared $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
-python3 tools/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \
+python3 lab/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \
   $(for s in $seeds; do echo "$out/shared_seed$s"; done)
 if [ "$draws" -gt 0 ]; then
   for s in $seeds; do echo "$s"; done | xargs -P 2 -L 1 bash -c 'noise "$0"'
-  python3 tools/summarize.py paired $(for s in $seeds; do echo "$out/noise_seed$s.json"; done)
+  python3 lab/summarize.py paired $(for s in $seeds; do echo "$out/noise_seed$s.json"; done)
 fi

@@ -1,9 +1,9 @@
 """The evaluation's own sampling error: each model's evaluation redrawn with independent noise.
 
-    python tools/eval_noise.py runs/mini_geneval/paper_seed0/exact runs/mini_geneval/paper_seed0/jagg ... --draws 4
-    python tools/eval_noise.py runs/mini_geneval/paper_seed*/exact --draws 4 --out runs/eval_noise.json
-    python tools/eval_noise.py OUT/paper_seed0/exact OUT/paper_seed0/jagg OUT/shared_seed0/jagg --out seed0.json
-        # then tools/summarize.py paired seed*.json: how much of JAGG - exact's spread is the evaluation's
+    python lab/eval_noise.py runs/mini_geneval/paper_seed0/exact runs/mini_geneval/paper_seed0/jagg ... --draws 4
+    python lab/eval_noise.py runs/mini_geneval/paper_seed*/exact --draws 4 --out runs/eval_noise.json
+    python lab/eval_noise.py OUT/paper_seed0/exact OUT/paper_seed0/jagg OUT/shared_seed0/jagg --out seed0.json
+        # then lab/summarize.py paired seed*.json: how much of JAGG - exact's spread is the evaluation's
 
 A train_sd.py run evaluates with one fixed noise draw per sample (--seed's), the same at every
 epoch, so the spread of its last evaluations is the model's drift between epochs, not the error
@@ -14,9 +14,9 @@ sampling error of one evaluation of --eval-samples samples, the number to set be
 beside the spread between seeds. Writes every draw to --out (JSON) and prints a table. An --out
 that already holds draws of the same models keeps them and draws only the missing ones up to
 --draws (draw k's noise is always --noise-seed + k), so a table of 4 draws grows to 16 for the cost
-of 12. Give each seed's file its own --noise-seed (tools/gpu_mini_quality.sh does): with one
+of 12. Give each seed's file its own --noise-seed (lab/gpu_mini_quality.sh does): with one
 noise for all seeds a draw's luck is partly common to them, and averaging seeds does not shrink
-that part (tools/summarize.py paired measures it).
+that part (lab/summarize.py paired measures it).
 """
 
 import argparse

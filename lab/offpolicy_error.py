@@ -1,8 +1,8 @@
 """How far each JAGG mode's gradient is from exact's as training moves, in units of GRPO's own noise.
 
-    python tools/offpolicy_error.py mini                      # the mini SD3 at train_sd.py --preset mini
-    python tools/offpolicy_error.py toy --checkpoints 0 10 30 # the toy DiT of train_toy.py
-    python tools/offpolicy_error.py report runs/offpolicy_mini.json   # the docs' markdown table of a run
+    python lab/offpolicy_error.py mini                      # the mini SD3 at train_sd.py --preset mini
+    python lab/offpolicy_error.py toy --checkpoints 0 10 30 # the toy DiT of train_toy.py
+    python lab/offpolicy_error.py report runs/offpolicy_mini.json   # the docs' markdown table of a run
 
 Exact GRPO trains the model as the setting does (rollouts, then --inner-steps optimizer steps on
 minibatches of each rollout). At each checkpoint epoch the tool draws --batches independent

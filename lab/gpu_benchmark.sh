@@ -6,10 +6,10 @@
 #   full   every weight trained, no gradient checkpointing, B = 4, at W = 4 and W = 8 (the README's earlier table)
 #   lora   Flow-GRPO's setting: LoRA rank 32 (alpha 64) on the attention, no checkpointing, its train batch of 9, W = 4
 #   lora_ckpt  the same with gradient checkpointing (train_sd.py's training default), W = 4
-# and on a machine with more than one GPU, FSDP over all of them (tools/fsdp_memory.py).
+# and on a machine with more than one GPU, FSDP over all of them (lab/fsdp_memory.py).
 #
-#   tools/gpu_benchmark.sh [OUT] [more train_sd.py flags]    # writes OUT/<config>_w<W> (default runs/gpu_bench)
-#   tools/gpu_benchmark.sh /tmp/b --bench-size tiny --device cpu   # the same script, tested on a CPU
+#   lab/gpu_benchmark.sh [OUT] [more train_sd.py flags]    # writes OUT/<config>_w<W> (default runs/gpu_bench)
+#   lab/gpu_benchmark.sh /tmp/b --bench-size tiny --device cpu   # the same script, tested on a CPU
 #
 # A machine without diffusers (e.g. a lent GPU with no network): put its wheels in .whl/ first,
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl diffusers==0.42.1 importlib_metadata peft
@@ -41,8 +41,8 @@ bench lora_ckpt 4 --bench-train lora --lora-rank 32 --lora-alpha 64 --bench-batc
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -gt 1 ]; then  # FSDP: per-GPU state and each mode's activations, on every GPU of the machine
   echo "=== FSDP, $gpus GPUs"
-  torchrun --standalone --nproc_per_node="$gpus" tools/fsdp_memory.py --size sd35-medium --out "$out/fsdp"
-  python3 tools/fsdp_memory.py --report "$out/fsdp"
+  torchrun --standalone --nproc_per_node="$gpus" lab/fsdp_memory.py --size sd35-medium --out "$out/fsdp"
+  python3 lab/fsdp_memory.py --report "$out/fsdp"
 fi
 echo "=== JSON"
 for f in "$out"/*/benchmark.json; do python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))['result']))" "$f"; done
