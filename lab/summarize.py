@@ -17,7 +17,7 @@ import json
 import math
 import os
 
-MODES = ["exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"]  # jagg.TRAINING_MODES' order
+MODES = ["exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"]  # bench.TRAINING_MODES' order (a test checks)
 
 
 def load(path):
@@ -127,14 +127,11 @@ def seeds_for(sd, half):
 
 
 # Student's t, two-sided 95 %, by degrees of freedom (the seeds of a table are few)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
-       25: 2.060, 30: 2.042}
-
-
 def t95(df):
-    """Student's t, two-sided 95 %, at df degrees of freedom (the table's nearest lower entry; 1.96 past 30)."""
-    return T95[max(k for k in T95 if k <= df)] if df <= 30 else 1.96
+    """Student's t, two-sided 95 %, at df degrees of freedom (scipy.stats: pip install -e '.[lab]')."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, df))
 
 
 def mean_interval(xs):
@@ -257,10 +254,7 @@ def curves(paths, last, png=""):
               f"| {mean:.3f} ± {sd:.3f} | {s['train_seconds']:.0f} | {s['backward_seconds']:.0f} |")
         drawn[s["mode"] if s["mode"] not in drawn else path] = curve
     if png:
-        import sys
-
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from common import chart, save_png
+        from charts import chart, save_png
 
         config = load(paths[0])["config"]
         save_png(png, chart(drawn, f"evaluation reward ({config['reward']}, {config['eval_samples']} samples, fixed noise)",
@@ -391,10 +385,7 @@ def wallclock(paths, png=""):
     print("\nthe budget per seed (the shortest run's training time): "
           + ", ".join(f"seed {seed} {budget[seed]:.0f} s" for seed in seeds))
     if png:
-        import sys
-
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from common import chart, save_png
+        from charts import chart, save_png
 
         # each setting's mean curve over seeds, on a grid up to where every seed's run of it reaches
         series = {}

@@ -11,7 +11,7 @@ import torch
 import jagg
 import jagg_options
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import offpolicy_error  # noqa: E402
 import probe_check  # noqa: E402
 
