@@ -815,11 +815,10 @@ def compare(cfg):
 
 
 def benchmark(cfg, repeats=5):
-    """Exact vs the flags' JAGG mode on a randomly initialised transformer of --model's shape (timing
-    does not depend on the weights), with --train-batch samples, --lora-rank and
-    --gradient-checkpointing as training has them: one window's gradient on the conditional branch
-    (the backward JAGG shrinks, ideally by W / 2), and one training step as train() runs it (CFG,
-    the KL reference, the trained steps). Interleaved repeats after a warm-up; medians."""
+    """Exact vs the flags' JAGG mode: one training step as train() runs it (CFG, the KL reference, the
+    trained steps), on a randomly initialised transformer of --model's shape (timing does not depend on
+    the weights), with --train-batch samples, --lora-rank and --gradient-checkpointing as in training.
+    Interleaved repeats after a warm-up; medians."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -834,50 +833,40 @@ def benchmark(cfg, repeats=5):
         add_lora(transformer, cfg.lora_rank)
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    tc, B, W, L = transformer.config, cfg.train_batch, cfg.window, 77
-    h = (cfg.resolution or min(512, tc.sample_size * 8)) // 8  # latent side
-    cond, uncond = ((torch.randn(B, L, tc.joint_attention_dim, device=device),
+    tc, B, h = transformer.config, cfg.train_batch, (cfg.resolution or min(512, transformer.config.sample_size * 8)) // 8
+    cond, uncond = ((torch.randn(B, 77, tc.joint_attention_dim, device=device),
                      torch.randn(B, tc.pooled_projection_dim, device=device)) for _ in range(2))
     velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)
     sigmas = sampling_sigmas(cfg, FlowMatchEulerDiscreteScheduler(shift=3.0)).to(device)  # [T+1], SD3's
     noise = torch.randn(B, tc.in_channels, h, h, device=device)  # [B, C, h, w]
     start, traj = time.perf_counter(), jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level)
-    rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)
+    rollout_s, adv, traj = time.perf_counter() - start, torch.randn(B, device=device), traj.first_steps(cfg.trained_steps())
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    cases = {"window": (make_velocity_fn(transformer, cond, None, 1.0, use_bf16), traj.first_steps(W),
-                        dataclasses.replace(loss_cfg, beta=0.0), None),
-             "step": (velocity_fn, traj.first_steps(cfg.trained_steps()), loss_cfg, velocity_fn if cfg.beta else None)}
-    runs = {(c, m): [] for c in cases for m in ("exact", "jagg")}
-    for r in range(repeats + 1):  # round 0 warms up; each round starts with another, so drift hits all alike
-        for c, m in list(runs)[r % 4:] + list(runs)[: r % 4]:
-            fn, tr, lc, ref = cases[c]
+    runs = {"exact": [], "jagg": []}
+    for r in range(repeats + 1):  # round 0 warms up; the order alternates, so drift hits both alike
+        for method in ("exact", "jagg")[:: 1 if r % 2 else -1]:
             transformer.zero_grad(set_to_none=True)
             timings, start = {}, time.perf_counter()
-            stats = jagg_options.window_gradients(fn, tr, adv, lc, cfg.jagg_options(m), ref, timings)[0]
+            stats = jagg_options.window_gradients(velocity_fn, traj, adv, loss_cfg, cfg.jagg_options(method),
+                                                  velocity_fn if cfg.beta else None, timings)[0]
             torch.cuda.synchronize(device) if use_bf16 else None
-            runs[(c, m)] += [(timings["backward"], time.perf_counter() - start, stats["grad_rows"])] if r else []
+            runs[method] += [(timings["backward"], time.perf_counter() - start, stats["grad_rows"])] if r else []
+    (ex_bwd, ex_s), (jg_bwd, jg_s) = (np.median([x[:2] for x in runs[m]], axis=0).tolist() for m in ("exact", "jagg"))
     result = {"model": name, "device": torch.cuda.get_device_name(device) if use_bf16 else "cpu", "batch": B,
-              "params": sum(p.numel() for p in transformer.parameters()), "window": W, "num_steps": cfg.num_steps,
-              "trained_params": sum(p.numel() for p in trainable(transformer).values()), "rollout_s": rollout_s,
-              "trained_steps": cfg.trained_steps(), "mode": mode_name("jagg", cfg.jagg_options()), "bf16": use_bf16,
-              "gradient_checkpointing": cfg.gradient_checkpointing, "tokens": (h // tc.patch_size) ** 2 + L}
-    for (c, m), v in runs.items():
-        result[f"{c}_{m}_backward_s"], result[f"{c}_{m}_s"] = np.median([x[:2] for x in v], axis=0).tolist()
-        result[f"{c}_{m}_rows"] = v[0][2]
-    for c in cases:
-        result[f"{c}_backward_speedup"] = result[f"{c}_exact_backward_s"] / result[f"{c}_jagg_backward_s"]
-        result[f"{c}_speedup"] = result[f"{c}_exact_s"] / result[f"{c}_jagg_s"]
-    result["epoch_speedup"] = (rollout_s + result["step_exact_s"]) / (rollout_s + result["step_jagg_s"])
+              "window": cfg.window, "mode": mode_name("jagg", cfg.jagg_options()), "trained_steps": cfg.trained_steps(),
+              "rows": {m: runs[m][0][2] for m in runs}, "exact_backward_s": ex_bwd, "jagg_backward_s": jg_bwd,
+              "exact_step_s": ex_s, "jagg_step_s": jg_s, "rollout_s": rollout_s, "backward_speedup": ex_bwd / jg_bwd,
+              "step_speedup": ex_s / jg_s, "epoch_speedup": (rollout_s + ex_s) / (rollout_s + jg_s),
+              "tokens": (h // tc.patch_size) ** 2 + 77, "gradient_checkpointing": cfg.gradient_checkpointing,
+              "params": sum(p.numel() for p in transformer.parameters()), "bf16": use_bf16,
+              "trained_params": sum(p.numel() for p in trainable(transformer).values())}
     print(f"{name}: {result['params'] / 1e6:.1f}M parameters ({result['trained_params'] / 1e6:.2f}M trained), "
           f"{result['device']}, B = {B}, {result['tokens']} tokens, bf16 {use_bf16}, gradient checkpointing "
-          f"{cfg.gradient_checkpointing}; {result['mode']} at W = {W}; medians of {repeats}")
-    for c, what in (("window", f"one window's gradient, conditional branch (ideal backward speedup {W / 2:.1f}x)"),
-                    ("step", f"one training step: {cfg.trained_steps()} of {cfg.num_steps} steps, CFG "
-                             f"{cfg.guidance_scale}, beta {cfg.beta}")):
-        print(f"{what}: backward {result[f'{c}_exact_backward_s']:.3f} s exact, {result[f'{c}_jagg_backward_s']:.3f} s "
-              f"JAGG: {result[f'{c}_backward_speedup']:.2f}x; whole {result[f'{c}_speedup']:.2f}x; rows with grad "
-              f"{result[f'{c}_exact_rows']} vs {result[f'{c}_jagg_rows']}")
-    print(f"an epoch, its rollout ({rollout_s:.3f} s) included: {result['epoch_speedup']:.2f}x")
+          f"{cfg.gradient_checkpointing}; one training step ({cfg.trained_steps()} of {cfg.num_steps} steps, CFG "
+          f"{cfg.guidance_scale}, beta {cfg.beta}), medians of {repeats}\n{result['mode']} at W = {cfg.window}: "
+          f"backward {result['backward_speedup']:.2f}x faster than exact ({ex_bwd:.3f} s -> {jg_bwd:.3f} s, rows with "
+          f"grad {result['rows']['exact']} -> {result['rows']['jagg']}); the step {result['step_speedup']:.2f}x; an "
+          f"epoch with its rollout ({rollout_s:.3f} s) {result['epoch_speedup']:.2f}x")
     write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
     return result
 
