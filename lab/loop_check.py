@@ -85,9 +85,9 @@ def policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args):
 
     before, v0 = log_ratio_and_v()
     params = [p for p in transformer.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=train_sd.FIXED["weight_decay"])
     stats, _ = jagg_options.train_step(fn, opt, traj, adv, loss_cfg, cfg.jagg_options("exact"), ref_velocity_fn=ref_fn, params=params,
-                               max_grad_norm=cfg.max_grad_norm)
+                               max_grad_norm=train_sd.FIXED["max_grad_norm"])
     after, v1 = log_ratio_and_v()
     # the direction GRPO wants: samples with positive advantage more likely, negative less
     want = (after * adv).mean().item() - (before * adv).mean().item()
