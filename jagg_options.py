@@ -85,6 +85,7 @@ Notation beyond jagg.py's
 
 import contextlib
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -560,7 +561,12 @@ def timed_backward(backward, velocity_fn, z, t, step_loss, timings=None, **kwarg
 
 
 def check_options(opts, num_segments=None, probe_cosines=None, num_steps=None):
-    """Every JaggOptions field in range, before any work (a ValueError that names the field)."""
+    """Every JaggOptions field in range, before any work: a ValueError whose first word is the field
+    (so that a script can report it under its flag's name)."""
+    _check(isinstance(opts.window, int) and opts.window >= 2, f"window must be an integer >= 2, got {opts.window!r}")
+    _check(0 <= opts.jagg_frac <= 1, f"jagg_frac must be in [0, 1], got {opts.jagg_frac!r}")
+    _check(opts.min_cosine is None or -1 <= opts.min_cosine <= 1, f"min_cosine must be in [-1, 1] or None, got "
+                                                                  f"{opts.min_cosine!r}")
     check_boundaries(opts.boundaries, num_steps)
     _check(opts.anchors in ANCHOR_MODES, f"anchors must be one of {ANCHOR_MODES}, got {opts.anchors!r}")
     _check(opts.interior in INTERIOR_MODES, f"interior must be one of {INTERIOR_MODES}, got {opts.interior!r}")
@@ -870,6 +876,25 @@ def window_rollout(velocity_fn, noise, sigmas, noise_level, start, size, generat
 # backward adds its averaged shard to .grad. Its own accumulation switch, fsdp_no_sync, keeps the
 # gradients unreduced through the micro-batches before an optimizer step's last, and
 # optimizer_step leaves the already averaged (DTensor) gradients alone: one mechanism for both.
+
+
+def init_distributed(always=False):
+    """(rank, world) for a trainer: torch.distributed started under torchrun (NCCL on GPUs, gloo on
+    CPUs); with always, on a single rank too (FSDP shards over a process group). Outside torchrun: (0, 1)."""
+    if "WORLD_SIZE" not in os.environ or (int(os.environ["WORLD_SIZE"]) == 1 and not always):
+        return 0, 1
+    if not torch.distributed.is_initialized():  # a second run in one process keeps the group
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def all_gather_cat(x):
+    """Every rank's tensor x concatenated along dim 0 (x itself on one process): groups spread over ranks."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return x
+    parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
 
 
 def _average_gradients_over_ranks(params):

@@ -1,18 +1,22 @@
 """A small Stable Diffusion 3 trained here: SD3.5's pipeline on a GenEval-like task in miniature.
 
-    python mini_sd3.py                 # build and pretrain the mini pipeline once (about 10 min on 2 cores)
-    python train_sd.py --model mini --reward shapes --method compare   # GRPO on it, exact vs JAGG
+    python lab/mini_sd3.py                          # build and pretrain it once (about 10 min on 2 cores);
+                                                    # prints its folder (runs/cache/mini_sd3_...)
+    python lab/mini_sd3.py --out DIR                # ... into DIR; DIR/prompts.txt holds its 48 task prompts
+    python train_sd.py --model DIR --prompts DIR/prompts.txt --reward lab.mini_sd3:geneval_reward ...
+    python train_sd.py $(python lab/presets.py mini) --method compare   # the docs' setting (lab/presets.py)
 
 You do not need to read this file to learn JAGG: it is the model and the task, not the algorithm.
 Real SD3.5 weights cannot be downloaded on the machines this project is built on, so this file
-makes a model that `train_sd.py` can train unchanged, with images that mean something:
+makes a pipeline that `train_sd.py --model DIR` trains like any other, with images that mean something:
 
 - A prompt grammar over 4 colours, 3 shapes, one or two objects, "left of" / "right of" and
   the count "two" (Flow-GRPO's GenEval task in miniature: objects, colours, counts, positions),
   and a renderer that draws a prompt with pillow at 32x32 with jitter in position and size.
-- A checker that scores a decoded image against its prompt from its pixels alone, GenEval-style:
-  every object present with its colour and shape, and the relation or count the prompt asks for.
-  It is `train_sd.py --reward shapes`.
+- Checkers that score a decoded image against its prompt from its pixels alone, GenEval-style, as
+  train_sd.py rewards (--reward lab.mini_sd3:NAME, run from the repository's root): geneval_reward
+  (GenEval's graded reward, logging the strict accuracy per kind at evaluations), shapes_reward,
+  cover_reward, shapes_cover_reward.
 - build_pipeline: a diffusers StableDiffusion3Pipeline with SD3.5's parts at a small size: two
   CLIP-shaped text encoders and a T5-shaped one (random and frozen, as SD3 keeps its encoders
   frozen; tokenizers built here over the grammar's words), an AutoencoderKL, an MMDiT-X
@@ -20,7 +24,7 @@ makes a model that `train_sd.py` can train unchanged, with images that mean some
   FlowMatchEulerDiscreteScheduler(shift=3.0).
 - pretrain: the VAE as an autoencoder, then the transformer by rectified flow on its latents,
   conditioned through the three text encoders, with prompt dropout so that classifier-free
-  guidance works. cached_pipeline saves it with save_pretrained in runs/cache/ and reuses it.
+  guidance works. cached_pipeline saves it with save_pretrained (in runs/cache/ or --out) and reuses it.
 """
 
 import collections
@@ -445,6 +449,44 @@ def geneval_strict(image, prompt):
     return geneval_details(image, prompt)["strict"]
 
 
+# --- the checkers as train_sd.py rewards: reward_fn(images, prompts) -> B numbers (--reward lab.mini_sd3:NAME)
+
+
+def geneval_reward(images, prompts):
+    """GenEval's graded reward (geneval); evaluations also log its strict accuracy per kind."""
+    return [geneval(im, p) for im, p in zip(images, prompts)]
+
+
+def strict_accuracy(images, prompts):
+    """{"strict": ..., "strict_<kind>": ...}: the share of images geneval_strict counts all correct,
+    overall and per kind of prompt (single, count, relation); train_sd.py logs them as eval/<name>."""
+    details = [geneval_details(im, p) for im, p in zip(images, prompts)]
+    out = {"strict": sum(d["strict"] for d in details) / len(details)}
+    for kind in ("single", "count", "relation"):
+        of_kind = [d["strict"] for d in details if d["kind"] == kind]
+        if of_kind:
+            out[f"strict_{kind}"] = sum(of_kind) / len(of_kind)
+    return out
+
+
+geneval_reward.eval_metrics = strict_accuracy
+
+
+def shapes_reward(images, prompts):
+    """The GenEval-like checker by fill thresholds (score)."""
+    return [score(im, p) for im, p in zip(images, prompts)]
+
+
+def cover_reward(images, prompts):
+    """How much of the image the asked colours cover (coverage): dense, layout and colour."""
+    return [coverage(im, p) for im, p in zip(images, prompts)]
+
+
+def shapes_cover_reward(images, prompts):
+    """The mean of score and coverage (score_cover)."""
+    return [score_cover(im, p) for im, p in zip(images, prompts)]
+
+
 # =====================================================================================
 # 3. The pipeline: SD3.5's parts at a small size
 # =====================================================================================
@@ -688,12 +730,12 @@ def cache_path(cfg, cache="runs/cache"):
     return os.path.join(cache, f"mini_sd3_{cfg.size}_v{cfg.vae_steps}_s{cfg.steps}_b{cfg.batch}_seed{cfg.seed}")
 
 
-def cached_pipeline(cfg=None, cache="runs/cache", log=print):
-    """The folder of the pretrained mini pipeline: built, pretrained and saved on first use
-    (into a temporary folder renamed into place, so an interrupted build leaves nothing), then
-    reused."""
+def cached_pipeline(cfg=None, cache="runs/cache", log=print, out=None):
+    """The folder of the pretrained mini pipeline (out, or one named for cfg in cache): built,
+    pretrained and saved on first use (into a temporary folder renamed into place, so an
+    interrupted build leaves nothing), then reused."""
     cfg = cfg or PretrainConfig()
-    path = cache_path(cfg, cache)
+    path = out or cache_path(cfg, cache)
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return path
     log(f"pretraining the mini SD3 once ({cfg.size}: VAE {cfg.vae_steps} steps, transformer {cfg.steps} steps of "
@@ -704,6 +746,8 @@ def cached_pipeline(cfg=None, cache="runs/cache", log=print):
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
+    with open(os.path.join(tmp, "prompts.txt"), "w") as f:  # train_sd.py --prompts: the task's 48 prompts
+        f.write("\n".join(training_prompts()) + "\n")
     with open(os.path.join(tmp, "pretrain.json"), "w") as f:
         json.dump({"config": dataclasses.asdict(cfg), "history": history,
                    "seconds": time.perf_counter() - start}, f, indent=1)
@@ -720,7 +764,9 @@ if __name__ == "__main__":
     for f in dataclasses.fields(PretrainConfig):
         parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
                             choices=list(SIZES) if f.name == "size" else None)
-    parser.add_argument("--cache", default="runs/cache", help="cache folder")
+    parser.add_argument("--cache", default="runs/cache", help="cache folder (without --out)")
+    parser.add_argument("--out", default=None, help="the pipeline's folder (default: one named for the settings "
+                                                    "in --cache)")
     args = vars(parser.parse_args(sys.argv[1:]))
-    cache = args.pop("cache")
-    print(cached_pipeline(PretrainConfig(**args), cache))
+    cache, out = args.pop("cache"), args.pop("out")
+    print(cached_pipeline(PretrainConfig(**args), cache, log=lambda *a: print(*a, file=sys.stderr), out=out))

@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
-# JAGG's quality on the mini SD3 (mini_sd3.py) on one GPU: tools/mini_quality.sh's table, with
-# train_sd.py --preset mini (lr 3e-4, CFG 2.5, Flow-GRPO's T = 10, noise level 0.7 and KL beta
+# JAGG's quality on the mini SD3 (lab/mini_sd3.py) on one GPU: lab/mini_quality.sh's table, with
+# lab/presets.py mini (lr 3e-4, CFG 2.5, Flow-GRPO's T = 10, noise level 0.7 and KL beta
 # 0.04) and, for geneval, the LoRA and global std that let exact GRPO raise it on the CPU
 # (docs/mini_sd3.md; full fine-tuning lowers it), with more samples and epochs than a CPU
 # affords: 16 prompts x 8 samples per epoch in optimizer steps of 32, the seeds side by side (the
-# mini transformer leaves a large GPU mostly idle). Not yet run on a GPU.
+# mini transformer leaves a large GPU mostly idle), in bf16 autocast (train_sd.py's on a GPU; before the
+# layout change this script ran fp32). Not yet run on a GPU.
 #
-#   tools/gpu_mini_quality.sh [OUT] [EPOCHS] [more train_sd.py flags]   # default runs/gpu_mini, 40
-#   REWARD=darkness tools/gpu_mini_quality.sh ...                        # the reward (default geneval)
-#   SEEDS="0 1 2 3 4" JOBS=10 tools/gpu_mini_quality.sh ...              # the seeds (default 0-19: the
+#   lab/gpu_mini_quality.sh [OUT] [EPOCHS] [more train_sd.py flags]   # default runs/gpu_mini, 40
+#   REWARD=darkness lab/gpu_mini_quality.sh ...                        # the reward (default geneval)
+#   SEEDS="0 1 2 3 4" JOBS=10 lab/gpu_mini_quality.sh ...              # the seeds (default 0-19: the
 #                                                                        # CPU tables' spread asks for 15-90; geneval's
 #                                                                        # shared + rollout about 60), runs at a time
-#   PHASE=exact tools/gpu_mini_quality.sh ...; PHASE=jagg tools/gpu_mini_quality.sh ...   # in two calls
-#   DRAWS=64 tools/gpu_mini_quality.sh ...   # each seed's final models redrawn 64 times with fresh noise
-#                                            # (tools/eval_noise.py; default 16, 0: none), then
+#   PHASE=exact lab/gpu_mini_quality.sh ...; PHASE=jagg lab/gpu_mini_quality.sh ...   # in two calls
+#   DRAWS=64 lab/gpu_mini_quality.sh ...   # each seed's final models redrawn 64 times with fresh noise
+#                                            # (lab/eval_noise.py; default 16, 0: none), then
 #                                            # summarize.py paired: the intervals and the draws ±10 points need
-#   tools/gpu_mini_quality.sh /tmp/q 1 --device cpu --eval-samples 8 --prompts-per-epoch 2 --group-size 4 \
-#     --rollout-batch 8 --train-batch 8 --probe-batch 2                  # the same script, tested on a CPU
+#   CUDA_VISIBLE_DEVICES= lab/gpu_mini_quality.sh /tmp/q 1 --eval-samples 8 --prompts-per-epoch 2 --group-size 4 \
+#     --train-batch 8                                                    # the same script, tested on a CPU
 #
 # Each seed: exact GRPO into OUT/paper_seedS/exact, then the paper's JAGG (OUT/paper_seedS) and
-# shared anchors + rollout interiors (OUT/shared_seedS) with --exact-from that exact run. The
+# shared anchors + rollout interiors (OUT/shared_seedS), each compared with that exact run
+# (lab/compare_runs.py). The
 # mini model is taken from runs/cache/ (carry it) or pretrained first. Needs diffusers and peft: as
-# tools/gpu_benchmark.sh, from wheels in .whl/ where they are not installed.
+# lab/gpu_benchmark.sh, from wheels in .whl/ where they are not installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu_mini}
@@ -41,17 +43,16 @@ fi
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 python3 -c "import torch, diffusers; print('torch', torch.__version__, '| diffusers', diffusers.__version__, '| device',
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
-python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
+preset=mini  # geneval: mini-geneval, the setting exact GRPO raises it at (its LoRA and global std)
+[ "${REWARD:-geneval}" = geneval ] && preset=mini-geneval
+preset_flags=$(python3 lab/presets.py "$preset")  # pretrains the mini SD3 once, before the runs share it
 every=$(( epochs >= 10 ? epochs / 10 : 1 ))
 reward=${REWARD:-geneval}
-preset=mini  # geneval: --preset mini-geneval, the setting exact GRPO raises it at (its LoRA and global std)
-[ "$reward" = geneval ] && preset=mini-geneval
+[ "$reward" = geneval ] || preset_flags="$preset_flags --reward $reward"
 run() {  # DIR FLAGS...: one train_sd.py compare or exact run
   local dir=$1; shift
-  python3 train_sd.py --preset "$preset" --reward "$reward" --train-batch 32 --mixed-precision fp32 \
-    --prompts-per-epoch 16 --group-size 8 --rollout-batch 128 --epochs "$epochs" --eval-every "$every" \
-    --eval-samples 192 --final-evals 3 \
-    --probe-every "$every" --probe-batch 8 --save-every "$epochs" --window 4 --out "$dir" "$@" > "$dir.log" 2>&1
+  python3 train_sd.py $preset_flags --train-batch 32 --prompts-per-epoch 16 --group-size 8 --epochs "$epochs" \
+    --eval-every "$every" --eval-samples 192 --probe-every "$every" --window 4 --out "$dir" "$@" > "$dir.log" 2>&1
   tail -n 2 "$dir.log"
 }
 slot() { while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done; }  # wait for a free slot
@@ -65,12 +66,18 @@ if [ "$phase" != jagg ]; then
 fi
 [ "$phase" = exact ] && exit 0
 for seed in $seeds; do
-  slot; run "$out/paper_seed$seed" --method compare --exact-from "$out/paper_seed$seed/exact" --seed "$seed" "$@" &
-  slot; run "$out/shared_seed$seed" --method compare --exact-from "$out/paper_seed$seed/exact" --seed "$seed" \
-    --anchors shared --interior rollout "$@" &
+  slot; run "$out/paper_seed$seed/jagg" --method jagg --seed "$seed" "$@" &
+  mkdir -p "$out/shared_seed$seed"
+  slot; run "$out/shared_seed$seed/jagg" --method jagg --seed "$seed" --anchors shared --interior rollout "$@" &
 done
 wait
-python3 tools/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \
+for seed in $seeds; do  # OUT/<mode>_seed<S>/summary.json against the seed's exact run (what summarize.py compare reads)
+  python3 lab/compare_runs.py "$out/paper_seed$seed/exact" "$out/paper_seed$seed/jagg" --out "$out/paper_seed$seed" \
+    --final-evals 3 --no-samples | tail -n 1
+  python3 lab/compare_runs.py "$out/paper_seed$seed/exact" "$out/shared_seed$seed/jagg" --out "$out/shared_seed$seed" \
+    --final-evals 3 --no-samples | tail -n 1
+done
+python3 lab/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \
   $(for s in $seeds; do echo "$out/shared_seed$s"; done)
 [ "$draws" -gt 0 ] || exit 0
 first=${seeds%% *}
@@ -78,10 +85,10 @@ first=${seeds%% *}
 # part of a draw's luck common to them, which more seeds do not average out: docs/mini_sd3.md);
 # the base model in the first seed's file
 for seed in $seeds; do
-  slot; python3 tools/eval_noise.py "$out/paper_seed$seed/exact" "$out/paper_seed$seed/jagg" "$out/shared_seed$seed/jagg" \
+  slot; python3 lab/eval_noise.py "$out/paper_seed$seed/exact" "$out/paper_seed$seed/jagg" "$out/shared_seed$seed/jagg" \
     --draws "$draws" $([ "$seed" = "$first" ] || echo --no-base) --noise-seed $((7000000 + 1000 * (seed + 1))) \
     --out "$out/noise_seed$seed.json" \
     >> "$out/noise_seed$seed.log" 2>&1 &
 done
 wait
-python3 tools/summarize.py paired $(for s in $seeds; do echo "$out/noise_seed$s.json"; done)
+python3 lab/summarize.py paired $(for s in $seeds; do echo "$out/noise_seed$s.json"; done)

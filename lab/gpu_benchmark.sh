@@ -6,10 +6,10 @@
 #   full   every weight trained, no gradient checkpointing, B = 4, at W = 4 and W = 8 (the README's earlier table)
 #   lora   Flow-GRPO's setting: LoRA rank 32 (alpha 64) on the attention, no checkpointing, its train batch of 9, W = 4
 #   lora_ckpt  the same with gradient checkpointing (train_sd.py's training default), W = 4
-# and on a machine with more than one GPU, FSDP over all of them (tools/fsdp_memory.py).
+# and on a machine with more than one GPU, FSDP over all of them (lab/fsdp_memory.py).
 #
-#   tools/gpu_benchmark.sh [OUT] [more train_sd.py flags]    # writes OUT/<config>_w<W> (default runs/gpu_bench)
-#   tools/gpu_benchmark.sh /tmp/b --bench-size tiny --device cpu   # the same script, tested on a CPU
+#   lab/gpu_benchmark.sh [OUT] [more train_sd.py flags]    # writes OUT/<config>_w<W> (default runs/gpu_bench)
+#   lab/gpu_benchmark.sh /tmp/b --size tiny --device cpu   # the same script, tested on a CPU
 #
 # A machine without diffusers (e.g. a lent GPU with no network): put its wheels in .whl/ first,
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl diffusers==0.42.1 importlib_metadata peft
@@ -30,19 +30,20 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 bench() {  # NAME W FLAGS...: one benchmark into $out/NAME_wW
   local name=$1 W=$2; shift 2
   echo "=== $name, W = $W"
-  python3 train_sd.py --benchmark --random-init --bench-size sd35-medium --resolution 512 --mixed-precision auto \
-    --num-steps 10 --guidance-scale 4.5 --beta 0.04 --window "$W" --bench-repeats 3 --max-graph-rows 2 \
-    --out "$out/${name}_w$W" "$@"
+  python3 lab/sd_benchmark.py --size sd35-medium --resolution 512 --num-steps 10 --guidance-scale 4.5 --beta 0.04 \
+    --window "$W" --repeats 3 --max-graph-rows 2 --out "$out/${name}_w$W" "$@"
 }
 bench full 4 "$@"
 bench full 8 "$@"
-bench lora 4 --bench-train lora --lora-rank 32 --lora-alpha 64 --bench-batch 9 "$@"
-bench lora_ckpt 4 --bench-train lora --lora-rank 32 --lora-alpha 64 --bench-batch 9 --bench-checkpointing "$@"
+bench lora 4 --train lora --lora-rank 32 --batch 9 "$@"
+bench lora_ckpt 4 --train lora --lora-rank 32 --batch 9 --checkpointing "$@"
+echo "=== train_sd.py --benchmark (the user's card: the flags' mode against exact, in one process)"
+python3 train_sd.py --benchmark --lora-rank 0 --no-gradient-checkpointing --window 4 --out "$out/card"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -gt 1 ]; then  # FSDP: per-GPU state and each mode's activations, on every GPU of the machine
   echo "=== FSDP, $gpus GPUs"
-  torchrun --standalone --nproc_per_node="$gpus" tools/fsdp_memory.py --size sd35-medium --out "$out/fsdp"
-  python3 tools/fsdp_memory.py --report "$out/fsdp"
+  torchrun --standalone --nproc_per_node="$gpus" lab/fsdp_memory.py --size sd35-medium --out "$out/fsdp"
+  python3 lab/fsdp_memory.py --report "$out/fsdp"
 fi
 echo "=== JSON"
 for f in "$out"/*/benchmark.json; do python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))['result']))" "$f"; done

@@ -1,14 +1,14 @@
 """Does the probe's error_to_noise read what independent batches measure? docs/probe_check.md.
 
-    python tools/probe_check.py toy --batches 8 --batch 16     # train_toy.py's base model and setting
-    python tools/probe_check.py mini --batches 8 --batch 16    # the mini SD3 at train_sd.py --preset mini
-    python tools/probe_check.py mini --preset mini-geneval      # ... at --preset mini-geneval (LoRA, GenEval-like)
+    python lab/probe_check.py toy --batches 8 --batch 16     # train_toy.py's base model and setting
+    python lab/probe_check.py mini --batches 8 --batch 16    # the mini SD3 at train_sd.py --preset mini
+    python lab/probe_check.py mini --preset mini-geneval      # ... at --preset mini-geneval (LoRA, GenEval-like)
 
 On the base model, for --batches independent rollout batches of --batch samples, per segment of
 the mode (the paper's windows by default): the probe's own figure, jagg_options.probe_segments on
 each batch alone (its two halves give the noise), and the same quantity from the independent
 batches, |j - g|^2 over the noise of one batch's exact gradient, mean |g_a - g_b|^2 / 2 over pairs
-of batches (tools/offpolicy_error.py's measure, per segment). One probe's figure scatters widely (its
+of batches (lab/offpolicy_error.py's measure, per segment). One probe's figure scatters widely (its
 noise is one pair of halves); the probes' errors summed over their noises summed should match the
 independent batches' figure up to the sampling error of both.
 """

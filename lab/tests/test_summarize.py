@@ -1,4 +1,4 @@
-"""tools/summarize.py's interval arithmetic: the retention tables' 95 % intervals and seed counts."""
+"""lab/summarize.py's interval arithmetic: the retention tables' 95 % intervals and seed counts."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import summarize  # noqa: E402
 
@@ -17,14 +17,20 @@ import summarize  # noqa: E402
 def test_mean_interval_is_students_t():
     mean, half = summarize.mean_interval([1, 2, 3, 4, 5])
     assert mean == 3
-    assert half == pytest.approx(2.776 * math.sqrt(2.5) / math.sqrt(5), rel=1e-6)
+    assert half == pytest.approx(2.7764451 * math.sqrt(2.5) / math.sqrt(5), rel=1e-6)
     assert summarize.mean_interval([0.7]) == (0.7, 0.0)
 
 
-def test_t95_takes_the_nearest_lower_entry_and_the_normal_far_out():
-    assert summarize.t95(4) == 2.776
-    assert summarize.t95(22) == summarize.T95[20]  # conservative: the larger t of fewer degrees
-    assert summarize.t95(500) == 1.96
+def test_t95_is_students_t_and_tends_to_the_normal():
+    assert summarize.t95(4) == pytest.approx(2.776, abs=5e-4) and summarize.t95(1) == pytest.approx(12.706, abs=5e-4)
+    assert summarize.t95(22) == pytest.approx(2.074, abs=5e-4)
+    assert summarize.t95(10**6) == pytest.approx(1.96, abs=5e-4)
+
+
+def test_the_mode_order_is_the_benchmarks_own():
+    import bench
+
+    assert summarize.MODES == list(bench.TRAINING_MODES)
 
 
 def test_ratio_interval_is_exact_when_jagg_is_a_fixed_share_of_exact():
@@ -195,7 +201,7 @@ def test_two_way_matches_the_textbook_mean_squares():
 
 
 def test_retention_pairs_each_mode_with_exact_and_the_papers_mode_seed_by_seed(tmp_path, capsys):
-    """tools/toy_quality.sh's layout, OUT/<mode>/seed<S>/summary.json: gain kept per seed is the
+    """lab/toy_quality.sh's layout, OUT/<mode>/seed<S>/summary.json: gain kept per seed is the
     mode's gain over exact's of the same seed; the paired difference is to the paper's mode."""
     import json
 

@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# JAGG's quality on the mini SD3 (mini_sd3.py), on a CPU: the table in docs/mini_sd3.md.
+# JAGG's quality on the mini SD3 (lab/mini_sd3.py), on a CPU: the table in docs/mini_sd3.md.
 # Seeds 0-4; per seed exact GRPO once, then the paper's JAGG and shared anchors + rollout
-# interiors from the same model and seed with --exact-from it; two runs at a time, one thread each.
+# interiors from the same model and seed, each compared with that exact run (lab/compare_runs.py);
+# two runs at a time, one thread each.
 # A run that has finished before is not run again, so an interrupted table resumes; one that
 # finished at fewer epochs continues from its checkpoint, so a table can be trained longer.
 #
-#   tools/mini_quality.sh darkness [OUT]   # 15 epochs a run: about 20 minutes on 2 cores
-#   tools/mini_quality.sh cover [OUT]      # 20 epochs a run: about 30 minutes on 2 cores
-#   tools/mini_quality.sh geneval [OUT]    # 12 epochs, LoRA, global std, 8 prompts an epoch: about 15 minutes a seed
-#   SEEDS="$(seq -s ' ' 0 19)" tools/mini_quality.sh darkness   # 20 seeds: summarize prints how many ±10 points need
-#   SEEDS="$(seq -s ' ' 0 23)" EPOCHS=2 EVAL_SAMPLES=192 tools/mini_quality.sh geneval runs/geneval_2ep
+#   lab/mini_quality.sh darkness [OUT]   # 15 epochs a run: about 20 minutes on 2 cores
+#   lab/mini_quality.sh cover [OUT]      # 20 epochs a run: about 30 minutes on 2 cores
+#   lab/mini_quality.sh geneval [OUT]    # 12 epochs, LoRA, global std, 8 prompts an epoch: about 15 minutes a seed
+#   SEEDS="$(seq -s ' ' 0 19)" lab/mini_quality.sh darkness   # 20 seeds: summarize prints how many ±10 points need
+#   SEEDS="$(seq -s ' ' 0 23)" EPOCHS=2 EVAL_SAMPLES=192 lab/mini_quality.sh geneval runs/geneval_2ep
 #                      # the short-run table: 2 epochs from the base, both evaluations with the same noise
-#   cp -r runs/mini_geneval runs/mini_geneval_24 && EPOCHS=24 tools/mini_quality.sh geneval runs/mini_geneval_24
+#   cp -r runs/mini_geneval runs/mini_geneval_24 && EPOCHS=24 lab/mini_quality.sh geneval runs/mini_geneval_24
 #                      # the 12-epoch table trained on to 24 epochs (the same runs as 24 epochs from the start)
-#   DRAWS=4 tools/mini_quality.sh geneval OUT   # then each seed's final models redrawn 4 times with fresh noise
-#                      # (tools/eval_noise.py): summarize.py paired splits JAGG - exact's spread into the
+#   DRAWS=4 lab/mini_quality.sh geneval OUT   # then each seed's final models redrawn 4 times with fresh noise
+#                      # (lab/eval_noise.py): summarize.py paired splits JAGG - exact's spread into the
 #                      # evaluation's and the runs' own; DRAWS=16 later grows the same files to 16 draws
-#   python tools/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
-#   TABLE=window tools/mini_quality.sh darkness runs/mini_window_darkness
+#   python lab/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
+#   TABLE=window lab/mini_quality.sh darkness runs/mini_window_darkness
 #                      # JAGG or an SDE window (docs/sde_window.md): per seed exact and the paper's JAGG on
 #                      # every step, and an SDE window of WINDOW (4) steps placed as Flow-GRPO-Fast does (a
 #                      # random start in steps 0 to WINDOW_RANGE_END - 1 (6)), trained exact and by JAGG at
@@ -26,21 +27,21 @@
 #                      # LR_CONTROL=7.5e-4 adds every step's exact run at that learning rate (10/K times the
 #                      # default): does a larger update alone close the gap to the window?
 #
-# The setting is train_sd.py --preset mini, the one the sanity ladder in docs/mini_sd3.md found to
+# The setting is lab/presets.py mini, the one the sanity ladder in docs/mini_sd3.md found to
 # learn: full fine-tuning at lr 3e-4, CFG 2.5 (at Flow-GRPO's 4.5 the darkness rose +0.15 in 15
 # epochs, short of the ladder's +0.2), Flow-GRPO's T = 10, noise level 0.7 and KL beta 0.04, all 10
 # steps trained, 4 prompts x 8 samples per epoch in optimizer steps of 8 (docs/flow_grpo.md lists
-# where that departs from Flow-GRPO's own setting). geneval runs --preset mini-geneval, which adds
+# where that departs from Flow-GRPO's own setting). geneval runs mini-geneval, which adds
 # what exact GRPO needed to raise it: Flow-GRPO's LoRA (rank 32, alpha 64) and global std, and 8
 # prompts x 8 samples an epoch in optimizer steps of 16; with full fine-tuning it falls (docs/mini_sd3.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-reward=${1:?usage: tools/mini_quality.sh darkness|cover|geneval [OUT]}
+reward=${1:?usage: lab/mini_quality.sh darkness|cover|geneval [OUT]}
 out=${2:-runs/mini_$reward}
-preset=mini  # train_sd.py's --preset for the reward
+preset=mini  # lab/presets.py's setting for the reward
 case "$reward" in
   darkness) epochs=15 evals="--eval-samples 48 --eval-every 2" ;;
-  cover) epochs=20 evals="--eval-samples 96 --eval-every 2" ;;
+  cover) epochs=20 evals="--eval-samples 96 --eval-every 2 --reward lab.mini_sd3:cover_reward" ;;
   geneval) epochs=12 evals="--eval-samples 96 --eval-every 2" preset=mini-geneval ;;
   *) echo "error: the reward must be darkness, cover or geneval, got '$reward'"; exit 1 ;;
 esac
@@ -59,34 +60,37 @@ lr_control=${LR_CONTROL:-}
 [ -z "$lr_control" ] || python3 -c 'import sys; assert float(sys.argv[1]) > 0' "$lr_control" 2>/dev/null \
   || { echo "error: LR_CONTROL must be a learning rate above 0, e.g. 7.5e-4, got '$lr_control'"; exit 1; }
 [ "$range_end" -ge "$window" ] || { echo "error: WINDOW_RANGE_END ($range_end) must be at least WINDOW ($window)"; exit 1; }
-seeds=${SEEDS:-0 1 2 3 4}  # SEEDS="0 1 ... 19" tools/mini_quality.sh ...: more seeds, a narrower interval
+seeds=${SEEDS:-0 1 2 3 4}  # SEEDS="0 1 ... 19" lab/mini_quality.sh ...: more seeds, a narrower interval
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
-python3 -c "import mini_sd3; mini_sd3.cached_pipeline()"  # pretrain once, before the runs share it
+preset_flags=$(python3 lab/presets.py "$preset")  # pretrains the mini SD3 once, before the runs share it
 run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished before, continued where it stopped short
   local dir=$1; shift
   local done resume=()
   done=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["config"]["epochs"])' "$dir/summary.json" \
          2>/dev/null || echo 0)
   [ "$done" -ge "$epochs" ] && { [ "$done" -gt "$epochs" ] && echo "note: $dir has $done epochs, kept"; return 0; }
-  # a shorter finished run's checkpoint (a compare's is in jagg/: --resume continues that one)
-  [ -f "$dir/checkpoint/state.json" ] || [ -f "$dir/jagg/checkpoint/state.json" ] && resume=(--resume "$dir")
-  python3 train_sd.py --preset "$preset" --reward "$reward" --epochs "$epochs" $evals --save-every "$epochs" \
-    --out "$dir" "${resume[@]}" "$@" >> "$dir.log" 2>&1
+  [ -f "$dir/checkpoint/state.json" ] && resume=(--resume "$dir")  # a shorter finished run continues
+  mkdir -p "$(dirname "$dir")"
+  python3 train_sd.py $preset_flags --epochs "$epochs" $evals --out "$dir" "${resume[@]}" "$@" >> "$dir.log" 2>&1
   tail -n 1 "$dir.log"
 }
-job() {  # KIND SEED: exact, or a JAGG mode with --exact-from the seed's exact run
+compared() {  # EXACT JAGG OUT: OUT/summary.json (what summarize.py compare reads) and pictures
+  python3 lab/compare_runs.py "$1" "$2" --out "$3" --final-evals 3 >> "$3.log" 2>&1 && tail -n 1 "$3.log"
+}
+job() {  # KIND SEED: exact, or a JAGG mode compared with the seed's exact run
   local kind=$1 s=$2
   local base="$out/paper_seed$s" sde=()
   if [ "$kind" = wexact ] || [ "$kind" = wpaper ]; then  # an SDE window, longer in epochs; JAGG's W = its length
     local epochs=$window_epochs
     base="$out/window_seed$s" sde=(--sde-window "$window" --sde-range-end "$range_end" --window "$window")
   fi
-  local jagg_flags=(--method compare --exact-from "$base/exact" --seed "$s" --probe-every 5 --probe-batch 4 "${sde[@]}")
+  local jagg_flags=(--method jagg --seed "$s" --probe-every 5 "${sde[@]}")
   case "$kind" in
-    exact|wexact) mkdir -p "$base"; run "$base/exact" --method exact --seed "$s" "${sde[@]}" ;;
-    paper|wpaper) run "$base" "${jagg_flags[@]}" ;;
+    exact|wexact) run "$base/exact" --method exact --seed "$s" "${sde[@]}" ;;
+    paper|wpaper) run "$base/jagg" "${jagg_flags[@]}" && compared "$base/exact" "$base/jagg" "$base" ;;
     lexact) run "$out/lr_seed$s" --method exact --seed "$s" --lr "$lr_control" ;;
-    shared) run "$out/shared_seed$s" "${jagg_flags[@]}" --anchors shared --interior rollout ;;
+    shared) run "$out/shared_seed$s/jagg" "${jagg_flags[@]}" --anchors shared --interior rollout \
+              && compared "$out/paper_seed$s/exact" "$out/shared_seed$s/jagg" "$out/shared_seed$s" ;;
   esac
 }
 noise() {  # SEED: its exact and JAGG final models, each drawn $draws times with the same fresh noise (the base model: the first seed's file)
@@ -94,28 +98,28 @@ noise() {  # SEED: its exact and JAGG final models, each drawn $draws times with
   # a file with fewer draws grows: eval_noise.py keeps the draws it holds and draws only the rest
   have=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["draws"])' "$file" 2>/dev/null || echo 0)
   [ "$have" -ge "$draws" ] && return 0
-  python3 tools/eval_noise.py "$out/paper_seed$s/exact" "$out/paper_seed$s/jagg" "$out/shared_seed$s/jagg" \
+  python3 lab/eval_noise.py "$out/paper_seed$s/exact" "$out/paper_seed$s/jagg" "$out/shared_seed$s/jagg" \
     --draws "$draws" $([ "$s" = "$first" ] || echo --no-base) --out "$file" >> "$out/noise_seed$s.log" 2>&1
   tail -n 1 "$out/noise_seed$s.log"
 }
-export -f run job noise
+export -f run compared job noise
 first=${seeds%% *}
-export reward out epochs evals preset draws first window range_end window_epochs lr_control
+export reward out epochs evals preset preset_flags draws first window range_end window_epochs lr_control
 mkdir -p "$out"
 # two runs at a time: every seed's exact runs first, then the JAGG runs that start from them
 if [ "$table" = window ]; then
   for s in $seeds; do echo "exact $s"; echo "wexact $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
   for s in $seeds; do echo "paper $s"; echo "wpaper $s"; [ -z "$lr_control" ] || echo "lexact $s"; done \
     | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
-  python3 tools/summarize.py wallclock $(for s in $seeds; do echo "$out/paper_seed$s $out/window_seed$s"
+  python3 lab/summarize.py wallclock $(for s in $seeds; do echo "$out/paper_seed$s $out/window_seed$s"
     [ -z "$lr_control" ] || echo "$out/lr_seed$s"; done) --png "$out/wallclock.png"
   exit 0
 fi
 for s in $seeds; do echo "exact $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
 for s in $seeds; do echo "paper $s"; echo "shared $s"; done | xargs -P 2 -L 1 bash -c 'job "$0" "$1"'
-python3 tools/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \
+python3 lab/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s"; done) \
   $(for s in $seeds; do echo "$out/shared_seed$s"; done)
 if [ "$draws" -gt 0 ]; then
   for s in $seeds; do echo "$s"; done | xargs -P 2 -L 1 bash -c 'noise "$0"'
-  python3 tools/summarize.py paired $(for s in $seeds; do echo "$out/noise_seed$s.json"; done)
+  python3 lab/summarize.py paired $(for s in $seeds; do echo "$out/noise_seed$s.json"; done)
 fi

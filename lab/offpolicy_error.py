@@ -1,8 +1,8 @@
 """How far each JAGG mode's gradient is from exact's as training moves, in units of GRPO's own noise.
 
-    python tools/offpolicy_error.py mini                      # the mini SD3 at train_sd.py --preset mini
-    python tools/offpolicy_error.py toy --checkpoints 0 10 30 # the toy DiT of train_toy.py
-    python tools/offpolicy_error.py report runs/offpolicy_mini.json   # the docs' markdown table of a run
+    python lab/offpolicy_error.py mini                      # the mini SD3 at train_sd.py --preset mini
+    python lab/offpolicy_error.py toy --checkpoints 0 10 30 # the toy DiT of train_toy.py
+    python lab/offpolicy_error.py report runs/offpolicy_mini.json   # the docs' markdown table of a run
 
 Exact GRPO trains the model as the setting does (rollouts, then --inner-steps optimizer steps on
 minibatches of each rollout). At each checkpoint epoch the tool draws --batches independent
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-from common import write_json  # noqa: E402
+from train_sd import write_json  # noqa: E402
 
 # name -> JaggOptions fields; "guarded" is rollout interiors with the drift guard (the default),
 # "unguarded" the rollout rule at any drift (max_drift None: the code before the guard).
@@ -66,38 +66,36 @@ class Batch:
     fns: object  # idx -> (velocity_fn, ref_velocity_fn) of the samples idx
 
 
-MINI_PRESETS = ("mini", "mini-geneval")  # train_sd.py presets MiniTask can take
+MINI_PRESETS = ("mini", "mini-geneval")  # lab/presets.py's, which MiniTask can take
 
 
 class MiniTask:
-    """The mini SD3 at train_sd.py --preset mini (darkness: full fine-tuning, lr 3e-4, CFG 2.5, clip
+    """The mini SD3 at lab/presets.py mini (darkness: full fine-tuning, lr 3e-4, CFG 2.5, clip
     0.2, beta 0.04), or with args.preset "mini-geneval" (the GenEval-like reward, LoRA, global std)."""
 
     def __init__(self, args):
+        import presets
         import train_sd
         from base_batches import draw_groups
 
         self.train_sd, self.draw_groups = train_sd, draw_groups
         preset = getattr(args, "preset", "mini")
-        cfg = train_sd.Config(**{**train_sd.PRESETS[preset], "device": "cpu", "seed": args.seed,
-                                 "rollout_batch": args.batch, "model": args.model, "resolution": args.resolution})
-        torch.manual_seed(args.seed)
-        self.pipe, self.model = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
-        self.cfg = dataclasses.replace(cfg, resolution=train_sd.default_resolution(self.pipe, cfg))
+        cfg = presets.config(preset, "--seed", args.seed, "--resolution", args.resolution, model=args.model)
+        self.pipe, self.model, self.cfg = presets.load(cfg, seed=args.seed)
         self.ref = copy.deepcopy(self.model).requires_grad_(False)
-        self.prompts = train_sd.default_prompts(self.cfg)
-        self.reward_fn = train_sd.make_reward_fn(self.cfg, "cpu")
+        self.prompts = train_sd.read_prompts(self.cfg)
+        self.reward_fn = lambda images, prompts: train_sd.rewards_of(train_sd.load_reward(cfg.reward), images, prompts)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
         self.lr, self.window, self.minibatch, self.group = cfg.lr, cfg.window, cfg.train_batch, cfg.group_size
-        self.setting = f"train_sd.py --preset {preset} ({cfg.reward})"
+        self.setting = f"lab/presets.py {preset} ({cfg.reward})"
 
     def draw(self, n, generator, window_start=None):
         """n samples' rollouts (with window_start, an SDE window of self.cfg.sde_window steps there)."""
         ids, prompts, traj, cond, uncond, images = self.draw_groups(self.pipe, self.model, self.cfg, self.prompts,
                                                                     n // self.group, self.group, generator, window_start)
         adv = jagg.group_advantages(self.reward_fn(images, prompts), ids, global_std=self.cfg.global_std,
-                                    clip=self.cfg.adv_clip)
+                                    clip=self.train_sd.FIXED["adv_clip"])
         sd, cfg = self.train_sd, self.cfg
 
         def fns(idx):

@@ -1,7 +1,7 @@
 """Check the GRPO loop of train_sd.py on a model, part by part, before trusting any reward curve.
 
-    python tools/loop_check.py                         # the mini SD3 (cached), the darkness reward
-    python tools/loop_check.py --reward shapes --prompts-per-batch 8
+    python lab/loop_check.py                         # the mini SD3 (cached), the darkness reward
+    python lab/loop_check.py --reward shapes --prompts-per-batch 8
 
 A loop that cannot raise an easy reward fails in one of a few places. This tool measures each
 on fresh rollouts from the model, with train_sd.py's own functions:
@@ -40,7 +40,7 @@ import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
 from base_batches import draw_groups  # noqa: E402
-from common import write_json  # noqa: E402
+from train_sd import write_json  # noqa: E402
 
 
 def rollouts(pipe, transformer, cfg, prompts_all, args, g):
@@ -72,7 +72,7 @@ def policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args):
     ids, prompts, traj, cond, uncond, images = rollouts(pipe, transformer, cfg, prompts_all, args, g)
     adv = jagg.group_advantages(reward_fn(images, prompts), ids)
     fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False)
-    ref_fn = train_sd.make_ref_velocity_fn(transformer, ref, cond, uncond, cfg, False) if cfg.beta > 0 else None
+    ref_fn = train_sd.make_ref_velocity_fn(transformer, ref, cond, uncond, cfg.guidance_scale, False) if cfg.beta else None
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     transformer.train()
 
@@ -85,9 +85,9 @@ def policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args):
 
     before, v0 = log_ratio_and_v()
     params = [p for p in transformer.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=train_sd.FIXED["weight_decay"])
     stats, _ = jagg_options.train_step(fn, opt, traj, adv, loss_cfg, cfg.jagg_options("exact"), ref_velocity_fn=ref_fn, params=params,
-                               max_grad_norm=cfg.max_grad_norm)
+                               max_grad_norm=train_sd.FIXED["max_grad_norm"])
     after, v1 = log_ratio_and_v()
     # the direction GRPO wants: samples with positive advantage more likely, negative less
     want = (after * adv).mean().item() - (before * adv).mean().item()
@@ -106,7 +106,7 @@ def pathwise_darkness_gradient(pipe, transformer, params, cfg, prompts, g):
     estimate of the same gradient GRPO's score-function estimate targets, with far less noise."""
     cond, uncond = train_sd.encode(pipe, prompts, "cpu")
     fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, uncond_grad=True)
-    sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler.config.get("shift", 3.0))
+    sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler)
     C, h = pipe.transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
     z = torch.randn(len(prompts), C, h, h, generator=g)  # [B, C, h, w]
     for k in range(cfg.num_steps):
@@ -168,7 +168,8 @@ def vae_reach(pipe, factors=(1.0, 0.75, 0.5, 0.25)):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mini", help="a saved SD3 pipeline folder, or mini (the cached mini SD3)")
-    parser.add_argument("--reward", default="darkness", choices=train_sd.REWARDS, help="train_sd.py's reward")
+    parser.add_argument("--reward", default="darkness", help="train_sd.py's --reward, or the mini task's shapes, "
+                                                               "geneval, cover, shapes_cover")
     parser.add_argument("--prompts-per-batch", type=int, default=4, help="prompts per rollout batch")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--guidance-scales", type=float, nargs="+", default=[4.5, 1.0], help="CFG scales to explore with")
@@ -186,28 +187,29 @@ def main(argv=None):
         kind, _, lr = spec.partition(":")
         if kind not in ("lora", "full") or not lr:
             parser.error(f"--train {spec!r}: expected lora:LR or full:LR, e.g. lora:1e-3")
-    torch.manual_seed(args.seed)
-    base = train_sd.Config(model=args.model, reward=args.reward, gradient_checkpointing=False, device="cpu", seed=args.seed,
-                           rollout_batch=args.prompts_per_batch * args.group, beta=args.beta, clip_range=0.2,
-                           guidance_scale=args.guidance_scale)
-    reward_fn = train_sd.make_reward_fn(base, "cpu")
+    import presets
+
+    folder = presets.mini_pipeline() if args.model == "mini" else args.model
+    base = train_sd.parse(["--model", folder, "--prompts", presets.prompts_file(folder), "--reward",
+                           presets.REWARDS.get(args.reward, args.reward), "--no-gradient-checkpointing", "--seed",
+                           str(args.seed), "--train-batch", str(args.prompts_per_batch * args.group), "--beta",
+                           str(args.beta), "--clip-range", "0.2", "--guidance-scale", str(args.guidance_scale)])
+    reward = train_sd.load_reward(base.reward)
+    reward_fn = lambda images, prompts: train_sd.rewards_of(reward, images, prompts)  # noqa: E731
     result = {}
 
     for spec in args.train:
         kind, _, lr = spec.partition(":")
-        cfg = dataclasses.replace(base, full_finetune=kind == "full", lr=float(lr))
-        torch.manual_seed(args.seed)
-        pipe, transformer = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
-        cfg = dataclasses.replace(cfg, resolution=train_sd.default_resolution(pipe, cfg))
-        prompts_all = train_sd.default_prompts(cfg)
+        cfg = dataclasses.replace(base, lora_rank=0 if kind == "full" else base.lora_rank, lr=float(lr))
+        pipe, transformer, cfg = presets.load(cfg, seed=args.seed)
+        prompts_all = train_sd.read_prompts(cfg)
         if "exploration" not in result:
             result["exploration"] = exploration(pipe, transformer, cfg, prompts_all, reward_fn, args)
             result["vae_reach"] = vae_reach(pipe) if args.model == "mini" else []
-        ref = copy.deepcopy(transformer).requires_grad_(False) if cfg.full_finetune and cfg.beta > 0 else None
+        ref = copy.deepcopy(transformer).requires_grad_(False) if cfg.lora_rank == 0 and cfg.beta > 0 else None
         result[f"step {spec}"] = policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args)
         if kind == "full" and args.reward == "darkness" and args.direction_batches > 1 and "direction" not in result:
-            torch.manual_seed(args.seed)
-            pipe, transformer = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
+            pipe, transformer, cfg = presets.load(cfg, seed=args.seed)
             result["direction"] = direction(pipe, transformer, cfg, prompts_all, reward_fn, args)
 
     print("exploration (rewards of one prompt's group):")

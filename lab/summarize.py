@@ -1,15 +1,15 @@
 """Markdown tables for the README from the runs' own files, so that no number is copied by hand.
 
-    python tools/summarize.py compare runs/toy runs/toy_seed1 ...          # train_toy.py / train_sd.py compare runs
-    python tools/summarize.py routing --exact runs/toy,runs/toy_seed1 runs/route_probe_seed0 ...
-    python tools/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # train_sd.py --benchmark
-    python tools/summarize.py toybench runs/toy_bench/benchmark.json       # train_toy.py --benchmark
-    python tools/summarize.py settings runs/bench_full runs/bench_lora ...  # train_sd.py benchmarks side by side
-    python tools/summarize.py curves runs/a runs/b ... [--last 3] [--png F] # single runs: their evaluation curves
-    python tools/summarize.py gains runs/mini_geneval/paper_seed*/exact     # one method over seeds: does it raise the reward
-    python tools/summarize.py paired runs/noise_seed*.json                  # tools/eval_noise.py's draws: the spread's sources
-    python tools/summarize.py retention runs/toy_quality                    # tools/toy_quality.sh: every mode over seeds
-    python tools/summarize.py wallclock OUT/paper_seed0 OUT/window_seed0 ... [--png F]  # JAGG or an SDE window
+    python lab/summarize.py compare runs/toy runs/toy_seed1 ...          # train_toy.py / train_sd.py compare runs
+    python lab/summarize.py routing --exact runs/toy,runs/toy_seed1 runs/route_probe_seed0 ...
+    python lab/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # train_sd.py --benchmark
+    python lab/summarize.py toybench runs/toy_bench/benchmark.json       # train_toy.py --benchmark
+    python lab/summarize.py settings runs/bench_full runs/bench_lora ...  # train_sd.py benchmarks side by side
+    python lab/summarize.py curves runs/a runs/b ... [--last 3] [--png F] # single runs: their evaluation curves
+    python lab/summarize.py gains runs/mini_geneval/paper_seed*/exact     # one method over seeds: does it raise the reward
+    python lab/summarize.py paired runs/noise_seed*.json                  # lab/eval_noise.py's draws: the spread's sources
+    python lab/summarize.py retention runs/toy_quality                    # lab/toy_quality.sh: every mode over seeds
+    python lab/summarize.py wallclock OUT/paper_seed0 OUT/window_seed0 ... [--png F]  # JAGG or an SDE window
 """
 
 import argparse
@@ -17,7 +17,7 @@ import json
 import math
 import os
 
-MODES = ["exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"]  # jagg.TRAINING_MODES' order
+MODES = ["exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"]  # bench.TRAINING_MODES' order (a test checks)
 
 
 def load(path):
@@ -127,14 +127,11 @@ def seeds_for(sd, half):
 
 
 # Student's t, two-sided 95 %, by degrees of freedom (the seeds of a table are few)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
-       25: 2.060, 30: 2.042}
-
-
 def t95(df):
-    """Student's t, two-sided 95 %, at df degrees of freedom (the table's nearest lower entry; 1.96 past 30)."""
-    return T95[max(k for k in T95 if k <= df)] if df <= 30 else 1.96
+    """Student's t, two-sided 95 %, at df degrees of freedom (scipy.stats: pip install -e '.[lab]')."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, df))
 
 
 def mean_interval(xs):
@@ -257,10 +254,7 @@ def curves(paths, last, png=""):
               f"| {mean:.3f} ± {sd:.3f} | {s['train_seconds']:.0f} | {s['backward_seconds']:.0f} |")
         drawn[s["mode"] if s["mode"] not in drawn else path] = curve
     if png:
-        import sys
-
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from common import chart, save_png
+        from charts import chart, save_png
 
         config = load(paths[0])["config"]
         save_png(png, chart(drawn, f"evaluation reward ({config['reward']}, {config['eval_samples']} samples, fixed noise)",
@@ -343,7 +337,7 @@ BUDGET_POINTS = (0.8, 0.9, 1.0)  # the gain at a time budget averages the curve 
 
 def wallclock(paths, png=""):
     """Reward against training time for several settings over the same seeds (train_sd.py compare
-    runs, each giving its exact run and its JAGG run, as tools/mini_quality.sh with TABLE=window
+    runs, each giving its exact run and its JAGG run, as lab/mini_quality.sh with TABLE=window
     makes them, and single runs; settings that differ in the learning rate are named with it).
     Per setting: epochs, seconds an epoch, the gain at its own end, and the gain at the same
     budget of training time, the shortest of the seed's runs (the mean of each curve at 80, 90 and
@@ -391,10 +385,7 @@ def wallclock(paths, png=""):
     print("\nthe budget per seed (the shortest run's training time): "
           + ", ".join(f"seed {seed} {budget[seed]:.0f} s" for seed in seeds))
     if png:
-        import sys
-
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from common import chart, save_png
+        from charts import chart, save_png
 
         # each setting's mean curve over seeds, on a grid up to where every seed's run of it reaches
         series = {}
@@ -413,7 +404,7 @@ def wallclock(paths, png=""):
 
 def two_way(x):
     """Variance components of a table x[seed][draw] in which draw k may have the same noise for
-    every seed (tools/eval_noise.py's --noise-seed + k, one noise seed for all files), so a draw's
+    every seed (lab/eval_noise.py's --noise-seed + k, one noise seed for all files), so a draw's
     luck is partly common to all seeds:
     x = mean + run_s + draw_k + rest. By the two-way analysis of variance (method of moments,
     negative components set to 0): the runs' own variance, the draws' common part's and the rest's,
@@ -468,7 +459,7 @@ def needed(comp, half, seeds=None, draws=None):
 
 
 def paired(paths):
-    """tools/eval_noise.py's draws of each seed's final models, exact and JAGG (one --out file a
+    """lab/eval_noise.py's draws of each seed's final models, exact and JAGG (one --out file a
     seed, the base model's draws in any one of them). Draw k has the same noise for every model
     of a seed (for every seed too, unless each file was drawn with its own --noise-seed), so JAGG -
     exact is paired draw by draw, and its gain over the base too. Per mode,
@@ -484,7 +475,7 @@ def paired(paths):
             files.append(json.load(f)["models"])
     base = [m for models in files for m in models if m.get("mode") == "base"]
     if not base:
-        raise SystemExit("error: no file holds the base model's draws; run tools/eval_noise.py without --no-base "
+        raise SystemExit("error: no file holds the base model's draws; run lab/eval_noise.py without --no-base "
                          "on one seed")
     base = base[0]["draws"]
     by_mode = {}  # mode -> [(exact's draws, JAGG's draws) per seed]
@@ -529,7 +520,7 @@ def paired(paths):
 
 
 def retention(folder):
-    """tools/toy_quality.sh's table: OUT/<mode>/seed<S>/summary.json (or, kept, seed<S>.json) for exact
+    """lab/toy_quality.sh's table: OUT/<mode>/seed<S>/summary.json (or, kept, seed<S>.json) for exact
     and each JAGG mode. Per
     mode over the seeds every mode finished: the gain kept (JAGG's reward gain over exact's of the
     same seed), its mean with a 95 % t interval, the ratio of mean gains with its interval, the
@@ -573,7 +564,7 @@ def main():
                              "method's gain over seeds, eval_noise.py's paired draws of exact and JAGG, "
                              "every step or an SDE window: the reward at the same training time")
     parser.add_argument("paths", nargs="+", help="run folders (summary.json inside), benchmark.json files or "
-                                                 "(paired) tools/eval_noise.py --out files")
+                                                 "(paired) lab/eval_noise.py --out files")
     parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
     parser.add_argument("--last", type=int, default=3, help="curves: how many final evaluations to average")
     parser.add_argument("--png", default="", help="curves, wallclock: also draw them into this PNG file")

@@ -1,4 +1,4 @@
-"""tools/offpolicy_error.py on a small task: its statistics mean what its docstring says."""
+"""lab/offpolicy_error.py on a small task: its statistics mean what its docstring says."""
 
 import argparse
 import json
@@ -11,7 +11,7 @@ import torch
 import jagg
 import jagg_options
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import offpolicy_error  # noqa: E402
 import probe_check  # noqa: E402
 
@@ -64,7 +64,7 @@ def test_measure_on_policy_modes_agree_and_the_rule_drifts_off_policy(tmp_path):
 
 
 def test_probe_check_pools_probes_and_measures_independent_batches():
-    """tools/probe_check.py's figures on a tiny task: the independent-batch figure is |j - g|^2 over
+    """lab/probe_check.py's figures on a tiny task: the independent-batch figure is |j - g|^2 over
     the noise of pairs of batches, computed here again; an SDE window gives one segment."""
     task = TinyTask()
     opts = jagg_options.JaggOptions(task.window, 1.0)

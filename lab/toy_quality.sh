@@ -4,9 +4,9 @@
 # one thread each (about 40 s a run, 140 runs: about an hour on 2 idle cores). A run that has
 # finished before is skipped, so an interrupted table resumes.
 #
-#   tools/toy_quality.sh [OUT]                                     # default OUT: runs/toy_quality
-#   SEEDS="0 1 2" tools/toy_quality.sh runs/toy_quality_try         # fewer seeds
-#   python tools/summarize.py retention runs/toy_quality            # the table: gain kept per mode, 95 % intervals,
+#   lab/toy_quality.sh [OUT]                                     # default OUT: runs/toy_quality
+#   SEEDS="0 1 2" lab/toy_quality.sh runs/toy_quality_try         # fewer seeds
+#   python lab/summarize.py retention runs/toy_quality            # the table: gain kept per mode, 95 % intervals,
 #                                                                   # paired difference to the paper's mode, worst seed
 #
 # The setting is train_toy.py's defaults (W = 4, T = 16, 80 GRPO steps of 4 optimizer steps),
@@ -41,4 +41,4 @@ for s in $seeds; do
 done
 echo "$(wc -l < "$jobs_file") runs to do in $out"
 xargs -P 2 -I{} bash -c {} < "$jobs_file"
-python3 tools/summarize.py retention "$out"
+python3 lab/summarize.py retention "$out"

@@ -1,8 +1,8 @@
 """How much of a batch's policy gradient is signal, and how much of that signal JAGG keeps.
 
-    python tools/gradient_signal.py toy                       # the toy DiT of train_toy.py
-    python tools/gradient_signal.py mini --batch 32 --group 8 # the mini SD3, train_sd.py's LoRA
-    python tools/gradient_signal.py mini --anchors shared --interior rollout
+    python lab/gradient_signal.py toy                       # the toy DiT of train_toy.py
+    python lab/gradient_signal.py mini --batch 32 --group 8 # the mini SD3, train_sd.py's LoRA
+    python lab/gradient_signal.py mini --anchors shared --interior rollout
 
 The fidelity probe (jagg_options.gradient_cosines) compares JAGG's gradient to the exact one on the
 same rollouts. That says how close the two are, not whether the difference matters: GRPO's
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-from common import write_json  # noqa: E402
+from train_sd import write_json  # noqa: E402
 from base_batches import mini_batches, toy_batches  # noqa: E402
 
 

@@ -1,9 +1,9 @@
 """The evaluation's own sampling error: each model's evaluation redrawn with independent noise.
 
-    python tools/eval_noise.py runs/mini_geneval/paper_seed0/exact runs/mini_geneval/paper_seed0/jagg ... --draws 4
-    python tools/eval_noise.py runs/mini_geneval/paper_seed*/exact --draws 4 --out runs/eval_noise.json
-    python tools/eval_noise.py OUT/paper_seed0/exact OUT/paper_seed0/jagg OUT/shared_seed0/jagg --out seed0.json
-        # then tools/summarize.py paired seed*.json: how much of JAGG - exact's spread is the evaluation's
+    python lab/eval_noise.py runs/mini_geneval/paper_seed0/exact runs/mini_geneval/paper_seed0/jagg ... --draws 4
+    python lab/eval_noise.py runs/mini_geneval/paper_seed*/exact --draws 4 --out runs/eval_noise.json
+    python lab/eval_noise.py OUT/paper_seed0/exact OUT/paper_seed0/jagg OUT/shared_seed0/jagg --out seed0.json
+        # then lab/summarize.py paired seed*.json: how much of JAGG - exact's spread is the evaluation's
 
 A train_sd.py run evaluates with one fixed noise draw per sample (--seed's), the same at every
 epoch, so the spread of its last evaluations is the model's drift between epochs, not the error
@@ -14,9 +14,9 @@ sampling error of one evaluation of --eval-samples samples, the number to set be
 beside the spread between seeds. Writes every draw to --out (JSON) and prints a table. An --out
 that already holds draws of the same models keeps them and draws only the missing ones up to
 --draws (draw k's noise is always --noise-seed + k), so a table of 4 draws grows to 16 for the cost
-of 12. Give each seed's file its own --noise-seed (tools/gpu_mini_quality.sh does): with one
+of 12. Give each seed's file its own --noise-seed (lab/gpu_mini_quality.sh does): with one
 noise for all seeds a draw's luck is partly common to them, and averaging seeds does not shrink
-that part (tools/summarize.py paired measures it).
+that part (lab/summarize.py paired measures it).
 """
 
 import argparse
@@ -27,9 +27,10 @@ import sys
 
 from tqdm import tqdm
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import write_json  # noqa: E402
+from train_sd import write_json  # noqa: E402
 
 NOISE_SEED = 7_000_000  # draw k uses NOISE_SEED + k: far from train_sd.py's seed + 12345 for any usual --seed
 
@@ -48,12 +49,13 @@ def main(argv=None):
     if args.draws < 2:
         parser.error(f"--draws must be at least 2 for a standard deviation, got {args.draws}")
     import train_sd
+    from compare_runs import load_run
 
     for run in args.runs:
         if not os.path.isfile(os.path.join(run, "summary.json")):
             parser.error(f"{run!r} holds no finished run (no summary.json); give a compare's DIR/exact or DIR/jagg")
         with open(os.path.join(run, "summary.json")) as f:
-            weights = train_sd.weights_path(run, json.load(f)["config"]["full_finetune"])
+            weights = train_sd.weights_path(run, json.load(f)["config"]["lora_rank"])
         if not os.path.isfile(weights):
             parser.error(f"{run!r} has no saved weights ({weights})")
 
@@ -63,9 +65,9 @@ def main(argv=None):
     bar = tqdm(total=sum(args.draws - len(kept.get(name, {}).get("draws", [])) for name, _, _ in models),
                desc="evaluations", dynamic_ncols=True)
     for name, folder, trained in models:
-        summary, cfg, (pipe, transformer, sigmas, use_bf16) = train_sd.load_run(folder, trained=trained)
-        prompts = train_sd.evaluation_prompts(cfg, train_sd.default_prompts(cfg))
-        reward_fn = train_sd.make_reward_fn(cfg, sigmas.device)
+        summary, cfg, (pipe, transformer, sigmas, use_bf16) = load_run(folder, trained=trained)
+        prompts = train_sd.evaluation_prompts(cfg, train_sd.read_prompts(cfg))
+        reward_fn = train_sd.load_reward(cfg.reward, sigmas.device)
         fixed = summary["eval_curve"][0 if not trained else -1][1]
         old = kept.get(name, {})
         if old and (old.get("eval_samples"), old.get("fixed_noise_eval")) != (cfg.eval_samples, fixed):
@@ -79,8 +81,8 @@ def main(argv=None):
             images, rewards = train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
                                                        noise_seed=args.noise_seed + k)
             means.append(rewards.mean().item())
-            if cfg.reward == "geneval":
-                strict.append(train_sd.strict_accuracy(images, prompts)["eval/strict"])
+            if hasattr(reward_fn, "eval_metrics"):  # the GenEval-like reward's strict accuracy
+                strict.append(reward_fn.eval_metrics(images, prompts)["strict"])
             bar.update()
         results.append({"model": name, "mode": summary["mode"] if trained else "base", "seed": cfg.seed,
                         "reward": cfg.reward, "eval_samples": cfg.eval_samples, "draws": means,

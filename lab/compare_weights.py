@@ -1,8 +1,8 @@
 """Which interpolation weighting is closer to the exact gradient: by t (the paper's abstract, our
 default) or by step index (the authors' early code)? The fidelity probe on the same rollouts.
 
-    python tools/compare_weights.py toy            # the toy DiT of train_toy.py (its cached base model)
-    python tools/compare_weights.py mini           # the mini SD3 of mini_sd3.py (cached; pretrained if missing)
+    python lab/compare_weights.py toy            # the toy DiT of train_toy.py (its cached base model)
+    python lab/compare_weights.py mini           # the mini SD3 of lab/mini_sd3.py (cached; pretrained if missing)
 
 For each model: rollouts from the base model (T and the schedule its script trains with, W = 4),
 then jagg_options.gradient_cosines, the cosine of JAGG's gradient to the exact one per window, with
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 from base_batches import mini_batches, toy_batches  # noqa: E402
-from common import write_json  # noqa: E402
+from train_sd import write_json  # noqa: E402
 
 
 def main(argv=None):

@@ -2,7 +2,6 @@
 measure gradients (compare_weights.py, gradient_signal.py, loop_check.py) compute on. The
 *_batches generators yield (velocity_fn, params, traj, advantages, T) per batch."""
 
-import dataclasses
 import os
 import sys
 
@@ -38,7 +37,7 @@ def draw_groups(pipe, transformer, cfg, prompts_all, n_prompts, group, generator
 
     ids = torch.randint(len(prompts_all), (n_prompts,), generator=generator).repeat_interleave(group)  # [B]
     prompts = [prompts_all[i] for i in ids.tolist()]
-    sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler.config.get("shift", 3.0))
+    sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler)
     traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16=False,
                                                  window_start=window_start)
     return ids, prompts, traj, cond, uncond, images
@@ -48,20 +47,20 @@ def mini_batches(args, full_finetune=True, reward="shapes", group=4, cfg_grad="c
     """The same from the mini SD3 (CFG 4.5, T = 10, the shapes reward unless `reward` says
     otherwise): groups of `group` samples per prompt, the parameters full fine-tuning trains or,
     with full_finetune=False, train_sd.py's LoRA (zero-initialised, so the same base model)."""
+    import presets
     import train_sd
 
-    cfg = train_sd.Config(model=args.model, reward=reward, full_finetune=full_finetune, gradient_checkpointing=False,
-                          device="cpu", rollout_batch=args.batch, seed=args.seed)
-    torch.manual_seed(args.seed)  # the LoRA's initialisation
-    pipe, transformer = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
-    cfg = dataclasses.replace(cfg, resolution=train_sd.default_resolution(pipe, cfg))
-    prompts_all = train_sd.default_prompts(cfg)
-    reward_fn = train_sd.make_reward_fn(cfg, "cpu")
+    folder = presets.mini_pipeline() if args.model == "mini" else args.model
+    cfg = train_sd.parse(["--model", folder, "--prompts", presets.prompts_file(folder), "--reward",
+                          presets.REWARDS.get(reward, reward), "--lora-rank", "0" if full_finetune else "32",
+                          "--no-gradient-checkpointing", "--train-batch", str(args.batch), "--seed", str(args.seed)])
+    pipe, transformer, cfg = presets.load(cfg, seed=args.seed)  # the seed: the LoRA's initialisation
+    prompts_all, reward_fn = train_sd.read_prompts(cfg), train_sd.load_reward(cfg.reward)
     g = torch.Generator().manual_seed(args.seed)
     params = [p for p in transformer.parameters() if p.requires_grad]
     for _ in range(args.batches):
         ids, prompts, traj, cond, uncond, images = draw_groups(pipe, transformer, cfg, prompts_all, args.batch // group,
                                                                group, g)
-        adv = jagg.group_advantages(reward_fn(images, prompts), ids, global_std=global_std)
+        adv = jagg.group_advantages(train_sd.rewards_of(reward_fn, images, prompts), ids, global_std=global_std)
         fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, cfg_grad == "both")
         yield fn, params, traj, adv, cfg.num_steps

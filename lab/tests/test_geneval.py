@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFilter
 
-import mini_sd3
+import mini_sd3  # lab/mini_sd3.py (lab/tests/conftest.py puts lab/ on the path)
 
 KINDS = ("single", "count", "relation")
 PROMPTS = dict(zip(KINDS, mini_sd3.all_prompts()))

@@ -1,15 +1,15 @@
 """What FSDP saves per rank, measured: weights, gradients and optimizer state per rank, and each
 mode's activations saved for backward, for one training step of the reduced SD3 transformer.
 
-    for n in 1 2 4; do torchrun --standalone --nproc_per_node=$n tools/fsdp_memory.py --out runs/fsdp_memory; done
-    python tools/fsdp_memory.py --report runs/fsdp_memory      # the table in docs/benchmarks.md
+    for n in 1 2 4; do torchrun --standalone --nproc_per_node=$n lab/fsdp_memory.py --out runs/fsdp_memory; done
+    python lab/fsdp_memory.py --report runs/fsdp_memory      # the table in docs/benchmarks.md
 
-    torchrun --standalone --nproc_per_node=8 tools/fsdp_memory.py --size sd35-medium --out runs/fsdp_gpu   # GPUs
+    torchrun --standalone --nproc_per_node=8 lab/fsdp_memory.py --size sd35-medium --out runs/fsdp_gpu   # GPUs
 
 Every weight is trained (full fine-tuning, AdamW), sharded with train_sd.py's shard_transformer.
 On GPUs each rank takes its own (LOCAL_RANK) and the peak memory per mode is recorded too.
 The state figures are the bytes this rank holds (its shards); the activations are
-common.saved_bytes_peak's (bytes saved for backward at the step's peak, weights left out),
+bench.saved_bytes_peak's (bytes saved for backward at the step's peak, weights left out),
 per mode, one step of T = 10 (the first 9 trained), W = 4, B = 2 samples per rank, CFG and no KL.
 """
 
@@ -21,11 +21,15 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-from common import TRAINING_MODES, finish_distributed, init_distributed, mode_settings, saved_bytes_peak, write_json  # noqa: E402
+from bench import TRAINING_MODES, mode_settings, saved_bytes_peak  # noqa: E402
+from jagg_options import init_distributed  # noqa: E402
+from sd_benchmark import SD3_CONFIGS  # noqa: E402
+from train_sd import write_json  # noqa: E402
 
 
 def local_bytes(tensors):
@@ -43,7 +47,7 @@ def measure(args):
         torch.cuda.set_device(device)
     torch.set_default_device(device)
     torch.manual_seed(0)
-    transformer = SD3Transformer2DModel(**train_sd.SD3_CONFIGS[args.size])
+    transformer = SD3Transformer2DModel(**SD3_CONFIGS[args.size])
     train_sd.shard_transformer(transformer)
     params = list(transformer.parameters())
     tc, B, T, W = transformer.config, 2, 10, 4
@@ -108,4 +112,5 @@ def main():
 
 if __name__ == "__main__":
     main()
-    finish_distributed()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

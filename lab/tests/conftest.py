@@ -1,0 +1,17 @@
+"""The lab's tests check the tools that produce evidence, not the reference: every one is slow
+(python -m pytest -q -m slow runs them; the fast spec leaves them out)."""
+
+import os
+import sys
+
+import pytest
+
+LAB = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, LAB)  # the lab's modules by their own names (summarize, bench, mini_sd3, ...)
+sys.path.insert(0, os.path.dirname(LAB))  # the top level, and lab.mini_sd3 for --reward lab.mini_sd3:...
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if str(item.fspath).startswith(LAB):
+            item.add_marker(pytest.mark.slow)
