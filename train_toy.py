@@ -5,10 +5,9 @@
     python train_toy.py --method jagg --jagg-frac 0.5 --route probe --probe-every 5   # route by measured fidelity
     torchrun --nproc_per_node=2 train_toy.py --method jagg   # DistributedDataParallel (gloo); --resume: go on, bit for bit
 
-A toy DiT (toy_dit.py; you need not read it), pretrained on 4 "prompts", each a mixture of Gaussians in 2-D,
-is fine-tuned by GRPO to put each prompt's samples on ONE of its modes. An epoch: one rollout of the batch,
-then --minibatches optimizer steps on it. --out gets config.json, samples.png, reward.png and per method
-metrics.jsonl (a row per epoch, keys grouped by prefix), summary.json and checkpoint.pt.
+A toy DiT (toy_dit.py; you need not read it), pretrained on 4 "prompts" (mixtures of Gaussians in 2-D), is tuned by
+GRPO to put each prompt's samples on ONE of its modes. An epoch: one rollout of the batch, then --minibatches optimizer
+steps. --out gets config.json, samples.png, reward.png; per method metrics.jsonl, summary.json, checkpoint.pt.
 """
 
 import argparse
@@ -29,11 +28,11 @@ import jagg_options
 import toy_dit
 from toy_dit import PROMPTS
 
-# === Flags: every hyperparameter, with its --help and its range, checked before any work ===
-# Each range is declared once: (its test, how --help and the error say it).
+# === Flags: every hyperparameter with its --help and its range (declared once: a test, a text), checked before any work ===
 AT_LEAST_0, AT_LEAST_1, AT_LEAST_2 = (lambda v: v >= 0, ">= 0"), (lambda v: v >= 1, ">= 1"), (lambda v: v >= 2, ">= 2")
-POSITIVE, FRACTION, COSINE = (lambda v: v > 0, "> 0"), (lambda v: 0 <= v <= 1, "in [0, 1]"), (lambda v: abs(v) <= 1, "in [-1, 1]")
-OPEN_UNIT, UNIT, DECAY = (lambda v: 0 < v < 1, "in (0, 1)"), (lambda v: 0 < v <= 1, "in (0, 1]"), (lambda v: 0 <= v < 1, "in [0, 1)")
+POSITIVE, FRACTION = (lambda v: v > 0, "> 0"), (lambda v: 0 <= v <= 1, "in [0, 1]")
+OPEN_UNIT, UNIT = (lambda v: 0 < v < 1, "in (0, 1)"), (lambda v: 0 < v <= 1, "in (0, 1]")
+DECAY, COSINE = (lambda v: 0 <= v < 1, "in [0, 1)"), (lambda v: -1 <= v <= 1, "in [-1, 1]")
 DRIFT = (lambda v: v >= 0 or v == -1, ">= 0 or -1")  # max_drift's -1: the guard off
 
 
@@ -65,7 +64,8 @@ class Config:
     window: int = flag(4, "W, sampling steps per window (or per segment between shared anchors)", AT_LEAST_2)
     jagg_frac: float = flag(1.0, "share of windows JAGG takes (the best by --route); the rest exact", FRACTION)
     anchors: str = flag("window", "the paper's disjoint windows, or shared end steps", None, jagg_options.ANCHOR_MODES)
-    interior: str = flag("forward", "between anchors: no-graph forwards (the paper's) or the rollout's", None, jagg_options.INTERIOR_MODES)
+    interior: str = flag("forward", "between anchors: no-graph forwards (the paper's) or the rollout's velocities", None,
+                         jagg_options.INTERIOR_MODES)
     weights: str = flag("time", "interpolation by t (the paper's alpha_k) or by step index", None, jagg_options.WEIGHTS)
     max_graph_rows: int = flag(0, "at most this many anchor rows in a graph at once (same gradient); 0: no bound", AT_LEAST_0)
     max_drift: float = flag(0.5, "--interior rollout: forward interiors past this drift (share of the clip); -1: never", DRIFT)
@@ -74,7 +74,6 @@ class Config:
     probe_every: int = flag(0, "every N epochs (and the first), measure JAGG's gradient against exact (0: off)", AT_LEAST_0)
     probe_batch: int = flag(8, "samples the probe measures on (per rank)", AT_LEAST_2)
     probe_decay: float = flag(0.5, "--route probe ranks windows by an average of probes: the old one's weight", DECAY)
-    # --- the base model (toy_dit.py)
     base_ckpt: str = flag("", "pretrained toy DiT to start from; empty: pretrain one (cached in runs/cache)")
     pretrain_steps: int = flag(2000, "flow-matching steps to pretrain the base model", AT_LEAST_1)
 
@@ -85,22 +84,20 @@ def parse(argv):
     for f in fields(Config):
         help, valid, choices = f.metadata.values()
         kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type, "choices": choices}
-        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help + (f" [{valid[1]}]" if valid else ""), **kind)
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind,
+                            help=help + (f" [{valid[1]}]" if valid else ""))
     cfg = Config(**vars(parser.parse_args(argv)))
-    B, rows, existing = 4 * cfg.group_size, jagg_options.min_graph_rows(cfg.interior), os.path.abspath(cfg.out)
-    while not os.path.exists(existing):  # --out: writable where its path starts to exist
-        existing = os.path.dirname(existing)
-    checks = [(math.isfinite(v := getattr(cfg, f.name)) and f.metadata["valid"][0](v),
-               f"--{f.name.replace('_', '-')} must be {f.metadata['valid'][1]}, got {v}") for f in fields(cfg) if f.metadata["valid"]]
+    B, rows = 4 * cfg.group_size, jagg_options.min_graph_rows(cfg.interior)
+    ranges = [("--" + f.name.replace("_", "-"), getattr(cfg, f.name), *f.metadata["valid"])
+              for f in fields(cfg) if f.metadata["valid"]]
+    checks = [(math.isfinite(v) and ok(v), f"{name} must be {text}, got {v}") for name, v, ok, text in ranges]
     checks += [  # (ok, the line that says what is wrong and what to do)
         (cfg.window <= cfg.num_steps, f"--window {cfg.window} is longer than --num-steps {cfg.num_steps}; shorten it"),
         (cfg.route != "probe" or cfg.probe_every >= 1, "--route probe routes by the probe: give it --probe-every N >= 1"),
         (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= rows,
          f"--max-graph-rows {cfg.max_graph_rows} is below the {rows} --interior {cfg.interior} needs; use 0 or >= {rows}"),
         (B % cfg.minibatches == 0, f"--minibatches {cfg.minibatches} must divide the batch of {B} (4 x --group-size)"),
-        (not cfg.base_ckpt or os.path.isfile(cfg.base_ckpt), f"--base-ckpt {cfg.base_ckpt!r} does not exist; omit it"),
-        (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
-         f"--out {cfg.out!r} cannot be created or written to; pass a writable folder")]
+        (not cfg.base_ckpt or os.path.isfile(cfg.base_ckpt), f"--base-ckpt {cfg.base_ckpt!r} does not exist; omit it")]
     saved = json.load(open(p)) if cfg.resume and os.path.isfile(p := os.path.join(cfg.out, "config.json")) else None
     checks += [(saved is not None or not cfg.resume, f"--resume: {cfg.out} holds no run (no config.json); drop --resume")]
     checks += [(False, f"--resume: --{k.replace('_', '-')} {getattr(cfg, k)} differs from the run's {v}; give the run's")
@@ -173,8 +170,7 @@ def evaluate(model, cfg):
 
 # === GRPO: the whole loop in one place ===
 def train(cfg, method, base, initial_reward, folder, rank, world):
-    """Fine-tune a copy of base by GRPO, exact or JAGG, checkpointed every epoch into folder.
-    Returns (summary, final samples, evaluation curve)."""
+    """Fine-tune a copy of base by GRPO, exact or JAGG, checkpointed each epoch. Returns (summary, samples, curve)."""
     model = copy.deepcopy(base)
     ref = copy.deepcopy(base).requires_grad_(False) if cfg.beta > 0 else None  # the KL's frozen reference
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -190,15 +186,15 @@ def train(cfg, method, base, initial_reward, folder, rank, world):
     B, g = len(labels), torch.Generator().manual_seed(cfg.seed * 1000 + rank)  # each rank draws its own rollouts
     ref_fn = lambda idx: make_velocity_fn(ref, labels[idx]) if ref is not None else None  # noqa: E731
     rows, probe_avg, path = [], None, os.path.join(folder, "checkpoint.pt")
-    if cfg.resume and os.path.exists(path):
+    if cfg.resume and os.path.exists(path):  # go on where it stopped: weights, optimizer, this rank's rollouts, rows
         ckpt = torch.load(path, weights_only=True)
-        model.load_state_dict(ckpt["model"]), opt.load_state_dict(ckpt["optimizer"])
-        g.set_state(ckpt["rng"][rank])  # this rank's rollouts go on where they stopped
+        model.load_state_dict(ckpt["model"]), opt.load_state_dict(ckpt["optimizer"]), g.set_state(ckpt["rng"][rank])
         rows, probe_avg = ckpt["rows"], ckpt["probe_average"]
     for epoch in range(len(rows) + 1, cfg.epochs + 1):
         row, start = {"epoch": epoch, "method": method}, time.perf_counter()
         # 1. Rollout: B trajectories of T SDE steps, with their velocities and log-probabilities, no graph
-        traj = jagg.rollout(make_velocity_fn(model, labels), torch.randn(B, 2, generator=g), sigmas, cfg.noise_level, generator=g)
+        noise = torch.randn(B, 2, generator=g)  # [B, 2]
+        traj = jagg.rollout(make_velocity_fn(model, labels), noise, sigmas, cfg.noise_level, generator=g)  # T steps of B
         # 2. Rewards, and advantages relative to each prompt's group
         rewards = reward_fn(traj.sample, labels)  # [B]
         adv = jagg.group_advantages(rewards, labels, clip=cfg.adv_clip)  # [B]
@@ -212,8 +208,7 @@ def train(cfg, method, base, initial_reward, folder, rank, world):
             row.update({f"probe/{k}": [sum(c) / world for c in zip(*all_ranks(v))] for k, v in probe.items()})
             probe_avg = jagg_options.probe_average(probe_avg, row["probe/cosine"], cfg.probe_decay)  # all ranks alike
             row["time/probe_seconds"] = time.perf_counter() - t0
-            if not (method == "jagg" and cfg.route == "probe"):  # a diagnostic here, not training: not timed as it
-                start += row["time/probe_seconds"]
+            start += 0.0 if method == "jagg" and cfg.route == "probe" else row["time/probe_seconds"]  # training only if it routes
         # 4. Optimizer steps on minibatches: the JAGG call (exact GRPO's too, every window exact)
         stats, routed = [], []
         for idx in perm.chunk(cfg.minibatches):
@@ -273,9 +268,12 @@ def main(argv=None):
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")  # under torchrun: a process per rank; train_step averages the gradients
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if rank == 0:
+    if rank == 0:  # the flags saved beside the results, before any work (--out must take files)
+        try:
+            save(os.path.join(cfg.out, "config.json"), json.dumps(asdict(cfg), indent=2))
+        except OSError as e:
+            raise SystemExit(f"error: --out {cfg.out!r} cannot be created or written to ({e.strerror}); pass another")
         print("config: " + json.dumps(asdict(cfg)))
-        save(os.path.join(cfg.out, "config.json"), json.dumps(asdict(cfg), indent=2))
     base, _ = base_model(cfg, rank)
     initial_reward, base_samples = evaluate(base, cfg)
     summaries, samples, curves = {}, {"base": base_samples}, {}

@@ -53,10 +53,6 @@ def sweep(module, cls, base_args, tmp_path):
         assert time.perf_counter() - start < 5 and not out.exists(), f.name
 
 
-def test_every_numeric_flag_of_train_toy_is_range_checked(tmp_path):
-    sweep(train_toy, train_toy.Config, [], tmp_path)
-
-
 def test_every_numeric_flag_of_train_sd_is_range_checked(tmp_path):
     pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
     import train_sd
