@@ -260,7 +260,7 @@ def test_resume_of_a_killed_run_equals_an_uninterrupted_run(base_ckpt, tmp_path)
 def test_a_non_editable_install_runs_the_scripts(tmp_path):
     """pip install . (not editable) ships every top-level module the scripts import: run from outside the checkout."""
     target = tmp_path / "site"
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--target",
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target",
                           str(target), ROOT], capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": str(target)}
