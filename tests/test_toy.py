@@ -264,10 +264,16 @@ def test_a_non_editable_install_runs_the_scripts(tmp_path):
                           str(target), ROOT], capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": str(target)}
-    imports = subprocess.run([sys.executable, "-c", "import train_toy, train_sd, jagg_options, jagg, toy_dit; "
-                              "print(train_toy.__file__)"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    # Every module of the repository's top level that the scripts load must come from the install: an editable
+    # install of the checkout elsewhere on the path would otherwise hide a module the wheel leaves out.
+    ours = sorted(name[:-3] for name in os.listdir(ROOT) if name.endswith(".py"))
+    imports = subprocess.run([sys.executable, "-c", "import json, sys, train_toy, train_sd, jagg_options; print(json.dumps("
+                              f"{{m: sys.modules[m].__file__ for m in {ours!r} if m in sys.modules}}))"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True)
     assert imports.returncode == 0, imports.stderr[-3000:]
-    assert imports.stdout.strip().startswith(str(target))  # the installed copy, not the checkout's
+    loaded = json.loads(imports.stdout.strip().splitlines()[-1])
+    assert {"jagg", "jagg_options", "toy_dit", "train_toy", "train_sd"} <= set(loaded), loaded
+    assert all(path.startswith(str(target)) for path in loaded.values()), loaded
     usage = subprocess.run([sys.executable, str(target / "train_toy.py"), "--help"], cwd=tmp_path, env=env,
                            capture_output=True, text=True)
     assert usage.returncode == 0 and "--epochs" in usage.stdout, usage.stderr[-3000:]
