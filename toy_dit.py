@@ -13,13 +13,18 @@ velocity of its own coordinate. Shapes: B points, N = 2 tokens, H hidden size.
 
 The flow convention is SD3's (rectified flow): z_t = (1 - t) x + t eps, t in [0, 1],
 and the network predicts the velocity v = eps - x, so that dz/dt = v.
+
+At the end, what train_toy.py needs that is neither the model nor GRPO: the toy data (4 "prompts",
+each a mixture of Gaussians in 2-D), the pretraining that makes its base model, and its pictures.
 """
 
 import math
+import os
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
+from PIL import Image, ImageDraw, ImageFont
 
 
 @dataclass
@@ -140,3 +145,93 @@ def flow_matching_loss(model, x, y, generator=None):
     t = torch.sigmoid(torch.randn(x.shape[0], generator=generator, device=x.device))  # [B]
     z = (1 - t[:, None]) * x + t[:, None] * eps  # [B, 2]
     return ((model(z, t, y) - (eps - x)) ** 2).mean()
+
+
+# === The toy data and the base model: 4 "prompts", each a mixture of Gaussians in 2-D ===
+PROMPTS = {  # name (class label 0, 1, 2, 3): the modes of its distribution, each a Gaussian of std 0.2
+    "ring": [(2.0 * torch.cos(torch.tensor(i * 3.14159 / 4)).item(), 2.0 * torch.sin(torch.tensor(i * 3.14159 / 4)).item())
+             for i in range(8)],
+    "grid": [(x, y) for x in (-2.0, 0.0, 2.0) for y in (-2.0, 0.0, 2.0)],
+    "diagonal": [(s, s) for s in (-2.4, -0.8, 0.8, 2.4)],
+    "corners": [(-2.0, -2.0), (-2.0, 2.0), (2.0, -2.0), (2.0, 2.0)],
+}
+
+
+def sample_data(labels):
+    """Points of the prompts' distributions: labels [B] -> x [B, 2]."""
+    x = torch.empty(len(labels), 2)
+    for c, modes in enumerate(PROMPTS.values()):
+        m = labels == c
+        x[m] = torch.tensor(modes)[torch.randint(len(modes), (int(m.sum()),))] + 0.2 * torch.randn(int(m.sum()), 2)
+    return x
+
+
+def pretrain(path, steps=2000, seed=0, batch=512):
+    """A ToyDiT pretrained by flow matching on the prompts' distributions, saved at path (atomically)."""
+    torch.manual_seed(seed)
+    cfg = ToyDiTConfig(num_classes=len(PROMPTS))
+    model = ToyDiT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    for _ in range(steps):
+        labels = torch.randint(len(PROMPTS), (batch,))  # [B]
+        loss = flow_matching_loss(model, sample_data(labels), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save({"model_cfg": cfg.to_dict(), "model": model.state_dict()}, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a kill leaves no half-written checkpoint
+    return model
+
+
+def load(path):
+    """The ToyDiT saved at path by pretrain (weights only: no pickled code runs)."""
+    ckpt = torch.load(path, weights_only=True)
+    model = ToyDiT(ToyDiTConfig(**ckpt["model_cfg"]))
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+# === Pictures: the samples (base, then each method; a panel per prompt) and the reward over training ===
+COLORS, FONT = {"base": (150, 150, 150), "exact": (40, 90, 200), "jagg": (230, 120, 20)}, ImageFont.load_default(size=16)
+
+
+def samples_picture(rows, targets, size=200, lim=3.5):
+    """rows {name: (x [E, 2], labels [E])}: one row of panels each; grey circles: the prompt's modes, red: its
+    target (targets: one point per prompt)."""
+    img = Image.new("RGB", (80 + size * len(PROMPTS), 30 + size * len(rows)), "white")
+    d = ImageDraw.Draw(img)
+    for i, (row, (x, labels)) in enumerate(rows.items()):
+        d.text((6, 30 + i * size + size / 2), row, fill=COLORS[row], font=FONT, anchor="lm")
+        for j, (name, modes) in enumerate(PROMPTS.items()):
+            def circle(p, r, ox=80 + j * size, oy=30 + i * size):  # around the point p = (x1, x2), r pixels
+                return [ox + (p[0] + lim) / (2 * lim) * size - r, oy + (lim - p[1]) / (2 * lim) * size - r,
+                        ox + (p[0] + lim) / (2 * lim) * size + r, oy + (lim - p[1]) / (2 * lim) * size + r]
+            d.text((80 + j * size + size / 2, 4), name, fill="black", font=FONT, anchor="mt")
+            d.rectangle([80 + j * size, 30 + i * size, 80 + (j + 1) * size - 1, 30 + (i + 1) * size - 1], outline="grey")
+            for p, r, color in [(m, 9, (200, 200, 200)) for m in modes] + [(targets[j], 11, "red")]:
+                d.ellipse(circle(p, r), outline=color, width=2)
+            for p in x[labels == j].tolist():
+                d.ellipse(circle(p, 1), fill=COLORS[row])
+    return img
+
+
+def curve_picture(curves, size=(720, 400), box=(60, 40, 590, 350)):
+    """curves {name: [(epoch, reward)]}: the evaluation reward over training, the legend beside the plot."""
+    img, (left, top, right, bottom) = Image.new("RGB", size, "white"), box
+    d, last = ImageDraw.Draw(img), max(e for c in curves.values() for e, _ in c)
+    xy = lambda e, r: (left + e / last * (right - left), bottom - r * (bottom - top))  # noqa: E731 (r in [0, 1])
+    d.rectangle(box, outline="black")
+    d.text(((left + right) / 2, 10), "evaluation reward (mean, in (0, 1]) during GRPO", fill="black", font=FONT, anchor="mt")
+    d.text(((left + right) / 2, size[1] - 8), "epoch", fill="black", font=FONT, anchor="md")
+    for v in (0.0, 0.25, 0.5, 0.75, 1.0):
+        d.text((left - 6, xy(0, v)[1]), f"{v:.2f}", fill="black", font=FONT, anchor="rm")
+    for e in (0, last // 2, last):
+        d.text((xy(e, 0)[0], bottom + 6), str(e), fill="black", font=FONT, anchor="mt")
+    for i, (name, points) in enumerate(curves.items()):
+        d.line([xy(e, r) for e, r in points], fill=COLORS[name], width=3)
+        d.line([right + 12, top + 20 + 24 * i, right + 36, top + 20 + 24 * i], fill=COLORS[name], width=3)
+        d.text((right + 42, top + 20 + 24 * i), name, fill="black", font=FONT, anchor="lm")
+    return img

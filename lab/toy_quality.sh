@@ -4,20 +4,19 @@
 # one thread each (about 40 s a run, 140 runs: about an hour on 2 idle cores). A run that has
 # finished before is skipped, so an interrupted table resumes.
 #
-#   lab/toy_quality.sh [OUT]                                     # default OUT: runs/toy_quality
-#   SEEDS="0 1 2" lab/toy_quality.sh runs/toy_quality_try         # fewer seeds
-#   python lab/summarize.py retention runs/toy_quality            # the table: gain kept per mode, 95 % intervals,
+#   lab/toy_quality.sh [OUT]                                       # default OUT: runs/toy_quality
+#   SEEDS="0 1 2" lab/toy_quality.sh runs/toy_quality_try           # fewer seeds
+#   python lab/summarize.py retention runs/toy_quality              # the table: gain kept per mode, 95 % intervals,
 #                                                                   # paired difference to the paper's mode, worst seed
 #
-# The setting is train_toy.py's defaults (W = 4, T = 16, 80 GRPO steps of 4 optimizer steps),
-# without the probe (--probe-every 0: it changes nothing that trains, and costs time).
+# The setting is train_toy.py's defaults (W = 4, T = 16, 80 epochs of 4 optimizer steps; the probe off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/toy_quality}
 seeds=${SEEDS:-$(seq -s ' ' 0 19)}
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 base=runs/cache/toy_dit_h64_d3_s2000_seed0.pt
-[ -f "$base" ] || python3 -c "import train_toy; train_toy.base_model(train_toy.Config(seed=0), rank=0)"
+[ -f "$base" ] || python3 -c "import toy_dit; toy_dit.pretrain('$base', steps=2000, seed=0)"
 mkdir -p "$out"
 # name and flags of each mode; the folders are OUT/<name>/seed<S>
 modes=(
@@ -36,9 +35,9 @@ for s in $seeds; do
     name=${m%%|*} flags=${m#*|}
     dir="$out/$name/seed$s"
     [ -f "$dir/summary.json" ] && continue
-    echo "mkdir -p $out/$name && python3 train_toy.py $flags --seed $s --probe-every 0 --base-ckpt $base --out $dir > $dir.log 2>&1 && tail -n 1 $dir.log" >> "$jobs_file"
+    echo "mkdir -p $out/$name && python3 train_toy.py $flags --seed $s --base-ckpt $base --out $dir > $dir.log 2>&1 && tail -n 1 $dir.log" >> "$jobs_file"
   done
 done
 echo "$(wc -l < "$jobs_file") runs to do in $out"
 xargs -P 2 -I{} bash -c {} < "$jobs_file"
-python3 lab/summarize.py retention "$out"
+python3 lab/summarize.py retention "$out"  # c1's lab/summarize.py

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.func import functional_call, jacrev
 
-import common
 import jagg
 import jagg_options
 
@@ -989,17 +988,6 @@ def test_gradient_cosines_are_one_for_linear_flow_and_below_one_otherwise():
     assert all(c == pytest.approx(1.0, abs=1e-9) for c in cos2)
 
 
-def test_benchmark_window_reports_each_part():
-    torch.manual_seed(9)
-    model, (W, B, d) = MLPFlow(), (4, 8, 3)
-    z, t = window(W, B, d, straight=False)
-    out = common.benchmark_window(as_velocity_fn(model), model.parameters(), z, t, make_loss(W, B, d), repeats=2)
-    assert set(out) == {"exact", "jagg"}
-    assert out["exact"]["fwd_nograd"] == 0.0 and out["jagg"]["fwd_nograd"] > 0.0
-    for m in out.values():
-        assert m["backward"] > 0 and m["total"] == pytest.approx(m["fwd_graph"] + m["fwd_nograd"] + m["backward"])
-
-
 # ------------------------------------------------------------------ bad input
 
 
@@ -1132,31 +1120,6 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
                               max_graph_rows=0), ref_velocity_fn=as_velocity_fn(ref))
 
 
-def test_saved_bytes_fall_with_the_bound():
-    """saved_bytes_peak on whole training steps (T = 10, W = 4): shared anchors hold 4 rows, the
-    paper's windows 2; a bound of 2 rows with rollout interiors saves no more than the paper's
-    windows, and a bound of 1 with forward interiors saves what exact does (one row at a time)."""
-    torch.manual_seed(24)
-    model = MLPFlow(d=3, h=256)
-    traj, adv = _toy_batch(model, T=10, B=64)
-    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-
-    def saved(anchors="window", interior="forward", rows=None, frac=1.0):
-        def step():
-            model.zero_grad(set_to_none=True)
-            jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, frac, anchors=anchors, interior=interior,
-                                  max_graph_rows=rows))
-        return common.saved_bytes_peak(step)
-
-    exact, paper = saved(frac=0.0), saved()
-    shared, shared_2 = saved("shared", "rollout"), saved("shared", "rollout", 2)
-    assert shared > paper > exact > 0
-    assert shared_2 < shared and shared_2 <= paper
-    assert saved("shared", "forward", 1) == exact == saved("window", "forward", 1)
-    assert common.mode_settings("jagg_shared_rollout_rows2") == ("shared", "rollout", 2)
-    assert common.mode_settings("exact") == ("window", "forward", None)
-
-
 def test_python_jagg_py_runs_its_self_check():
     """`python jagg.py` prints what a learner should see: exact on a linear velocity, and not when either
     condition breaks; each window's routing score beside its gradient cosine; routing at jagg_frac 0, 1
@@ -1237,7 +1200,7 @@ def test_probe_reports_the_error_in_units_of_the_batchs_own_noise(beta, options)
         assert cos == pytest.approx(cosine(j, g), abs=1e-6)
         assert ratio == pytest.approx(error.item() / (sigma / 32).item(), rel=1e-4, abs=1e-9)
         assert ratio < math.inf
-        i = bounds.index((start, stop))  # the ratio's two parts, for pooling probes (common.probe_error_to_noise_by_position)
+        i = bounds.index((start, stop))  # the ratio's two parts, for pooling probes (jagg_options.pool_probes)
         assert out["error"][i] == pytest.approx(error.item(), rel=1e-4, abs=1e-12)
         assert out["noise"][i] == pytest.approx((sigma / 32).item(), rel=1e-4)
         assert out["error"][i] < (j - g).square().sum().item()  # a step of 32 averages more of the error away than 7 do

@@ -14,11 +14,10 @@ import torch
 
 pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, QwenImageTransformer2DModel  # noqa: E402
-from diffusers import UniPCMultistepScheduler, WanTransformer3DModel  # noqa: E402
+from diffusers import SD3Transformer2DModel, UniPCMultistepScheduler, WanTransformer3DModel  # noqa: E402
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-import mini_sd3  # noqa: E402
 import train_sd  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -62,8 +61,10 @@ def qwen_image(dtype=torch.float64, interleave=False):
 
 def sd3(dtype=torch.float64, interleave=False):
     torch.manual_seed(2)
-    pipe = mini_sd3.build_pipeline("tiny")
-    model = pipe.transformer.to(dtype).eval()
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                                  attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                                  caption_projection_dim=16, pooled_projection_dim=32, pos_embed_max_size=8,
+                                  dual_attention_layers=(0,), qk_norm="rms_norm").to(dtype).eval()  # SD3.5's MMDiT-X, tiny
     embeds = torch.randn(B, L, model.config.joint_attention_dim, dtype=dtype)
     pooled = torch.randn(B, model.config.pooled_projection_dim, dtype=dtype)
     if interleave:

@@ -1,170 +1,55 @@
-"""train_toy.py end to end: a short seeded GRPO run, the torchrun path, the benchmark, bad input."""
+"""train_toy.py as a user meets it: bad flags refused before any work, a tiny run's files (fast); seeded GRPO
+runs that raise the reward, probe routing, torchrun, exact repeats, resume after a kill and a non-editable
+install (slow, end to end)."""
 
-import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+import toy_dit
 import train_toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+slow = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
 def base_ckpt(tmp_path_factory):
     """A quickly pretrained toy DiT (the demo pretrains longer; this is enough to learn the modes)."""
-    path = tmp_path_factory.mktemp("base") / "toy_base.pt"
-    cfg = train_toy.Config(pretrain_steps=400, pretrain_batch=256)
-    model_cfg = train_toy.ToyDiTConfig(num_classes=len(train_toy.PROMPTS), hidden=cfg.hidden, depth=cfg.depth)
-    train_toy.pretrain(cfg, model_cfg, str(path), rank=0)
-    return str(path)
+    path = str(tmp_path_factory.mktemp("base") / "toy_base.pt")
+    toy_dit.pretrain(path, steps=400, seed=0, batch=256)
+    return path
 
 
 def quick(base_ckpt, out, *extra):
     return ["--base-ckpt", base_ckpt, "--out", str(out), "--eval-samples", "128", "--eval-every", "5", *extra]
 
 
-def test_short_grpo_run_raises_reward_for_both_methods(base_ckpt, tmp_path):
-    train_toy.main(quick(base_ckpt, tmp_path, "--steps", "15", "--probe-every", "5"))
-    top = json.load(open(tmp_path / "summary.json"))
-    assert top["method"] == "compare"
-    for method in ("exact", "jagg"):
-        s = json.load(open(tmp_path / method / "summary.json"))
-        for key in ("method", "initial_reward", "final_reward", "backward_seconds", "train_seconds", "grad_steps"):
-            assert key in s
-        assert s["method"] == method
-        assert s["final_reward"] > s["initial_reward"] + 0.05, s
-        rows = [json.loads(line) for line in open(tmp_path / method / "metrics.jsonl")]
-        assert len(rows) == 15 and all("train/clipfrac" in r and "time/backward_seconds" in r for r in rows)
-    ex, jg = top["exact"], top["jagg"]
-    assert top["initial_reward"] == ex["initial_reward"]
-    for key in ("final_reward", "backward_seconds", "train_seconds", "grad_steps"):
-        assert top[key] == {"exact": ex[key], "jagg": jg[key]}
-    assert top["train_speedup"] == pytest.approx(ex["train_seconds"] / jg["train_seconds"])
-    assert (top["mode"], jg["mode"], ex["mode"]) == ("jagg", "jagg", "exact")  # the paper's mode by default
-    # Same seed and checkpoint: the same starting point; JAGG ran 2 of every 4 steps with grad.
-    assert ex["initial_reward"] == jg["initial_reward"]
-    assert ex["grad_steps"] == 2 * jg["grad_steps"]
-    assert jg["skipped_steps"] == 0 and 0 < jg["probe_seconds"] < jg["train_seconds"]
-    for s in (ex, jg):  # the probe is a diagnostic in both runs: JAGG vs exact per window
-        cos = s["probe_cosine_by_position"]
-        assert len(cos) == 4 and all(0.3 < c < 1.0 for c in cos)
-        err = s["probe_error_to_noise_by_position"]  # JAGG's error in units of the step's own noise
-        assert len(err) == 4 and all(-math.inf < e < math.inf for e in err)  # pooled; below 0 where lost in the scatter
-        assert all(se > 0 for se in s["probe_error_to_noise_stderr_by_position"])  # 3 probes: their scatter
-    assert jg["routed_frac_by_position"] == [1.0] * 4 and ex["routed_frac_by_position"] == [0.0] * 4
-    for picture in ("samples.png", "reward_curves.png", "trajectories.png", "probe.png", "score_vs_cosine.png"):
-        assert (tmp_path / picture).stat().st_size > 1000
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+def rows_of(folder):
+    return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
 
 
-def test_shared_anchors_with_rollout_interiors_raise_reward(base_ckpt, tmp_path):
-    train_toy.main(quick(base_ckpt, tmp_path, "--method", "jagg", "--anchors", "shared", "--interior", "rollout",
-                         "--steps", "15", "--probe-every", "0", "--max-graph-rows", "2"))
-    s = json.load(open(tmp_path / "summary.json"))
-    assert (s["mode"], s["anchors"], s["interior"]) == ("jagg_shared_rollout", "shared", "rollout")
-    assert s["final_reward"] > s["initial_reward"] + 0.05, s
-    # T = 16, W = 4: anchors 0, 3, 6, 9, 12, 15 -> 6 rows with grad per optimizer step (the paper's windows: 8).
-    assert s["grad_steps"] == 6 * 4 * 15 and s["probe_cosine_by_position"] is None
-
-
-def test_probe_routing_follows_the_averaged_cosines(base_ckpt, tmp_path):
-    train_toy.main(quick(base_ckpt, tmp_path, "--method", "jagg", "--jagg-frac", "0.5", "--route", "probe",
-                         "--probe-every", "2", "--probe-decay", "0.5", "--steps", "5"))
-    s = json.load(open(tmp_path / "summary.json"))
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert s["route"] == "probe" and [r["step"] for r in rows if "probe/grad_cosine" in r] == [1, 2, 4]
-    average = None
-    for r in rows:
-        if "probe/grad_cosine" in r:
-            average = r["probe/grad_cosine"] if average is None else [
-                0.5 * a + 0.5 * c for a, c in zip(average, r["probe/grad_cosine"])]
-        top_two = sorted(range(4), key=lambda i: -average[i])[:2]
-        assert r["routing/routed"] == [i in top_two for i in range(4)], (r["step"], average)
-    assert sum(s["routed_frac_by_position"]) == pytest.approx(2.0)
-    pairs = [(c, r["routing/routed"][j]) for r in rows if "probe/grad_cosine" in r for j, c in enumerate(r["probe/grad_cosine"])]
-    routed = [c for c, taken in pairs if taken]
-    assert s["cosine_routed"] == pytest.approx(sum(routed) / len(routed)) and len(routed) == 2 * 3
-    assert len(s["probe_cosine_by_position"]) == 4 and (tmp_path / "probe.png").exists()
-
-
-def test_index_weights_reach_the_probe_and_training(base_ckpt, tmp_path):
-    """--weights index (the authors' early code) runs end to end; on the same first batch the
-    probe measures another gradient than with the t-weighting (T = 16 steps on a shift-3 schedule)."""
-    first = {}
-    for weights in ("time", "index"):
-        out = tmp_path / weights
-        train_toy.main(quick(base_ckpt, out, "--method", "jagg", "--weights", weights, "--steps", "1", "--probe-every", "1"))
-        s = json.load(open(out / "summary.json"))
-        assert s["weights"] == weights and s["config"]["weights"] == weights
-        first[weights] = [json.loads(line) for line in open(out / "metrics.jsonl")][0]["probe/grad_cosine"]
-    assert all(0.0 < c <= 1.0 for c in first["index"]) and first["index"] != pytest.approx(first["time"], abs=1e-6)
-
-
-def test_torchrun_ranks_stay_in_sync(base_ckpt, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_toy.py",
-           "--method", "compare", "--jagg-frac", "0.5", "--steps", "3", "--probe-every", "0",
-           *quick(base_ckpt, tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    base = torch.load(base_ckpt, weights_only=True)["model"]
-    for method in ("exact", "jagg"):  # exact ends each batch on an exact step, jagg (0.5) on a JAGG window
-        s = json.load(open(tmp_path / method / "summary.json"))
-        assert s["world_size"] == 2
-        # Each rank trained on its own rollouts; DDP averaged the gradients, so the weights agree...
-        a, b = s["param_checksums"]
-        assert a == b  # bit for bit
-        # ...and they did move away from the base model.
-        assert abs(a - sum(v.double().sum().item() for v in base.values())) > 1e-6
-
-
-def test_benchmark_prints_ratios_and_writes_json(base_ckpt, tmp_path, capsys):
-    train_toy.main(quick(base_ckpt, tmp_path, "--benchmark", "--bench-batch", "16", "--bench-repeats", "1",
-                         "--max-graph-rows", "2"))
-    out = capsys.readouterr().out
-    assert "backward speedup" in out and "whole window-gradient speedup" in out and "x epoch" in out and "saved MiB" in out
-    results = json.load(open(tmp_path / "benchmark.json"))["results"]
-    assert set(results) == {"4", "8"}
-    modes = {"exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout", "jagg_shared_rows2",
-             "jagg_shared_rollout_rows2"}
-    for r in results.values():  # activations saved for backward: the bound holds the shared modes to 2 rows
-        assert set(r["saved_gb"]) == modes
-        assert r["saved_gb"]["jagg_shared_rollout_rows2"] < r["saved_gb"]["jagg_shared_rollout"]
-        assert r["saved_gb"]["jagg_shared_rollout_rows2"] <= r["saved_gb"]["jagg"] * 1.001
-    for r in results.values():
-        assert r["backward_speedup"] > 0 and r["step_speedup"] > 0
-        assert r["jagg"]["fwd_nograd"] > 0 and r["exact"]["fwd_nograd"] == 0
-        assert r["rollout_s"] > 0 and set(r["train_s"]) == set(r["train_speedup"]) == set(r["epoch_speedup"]) == modes
-        assert r["train_speedup"]["exact"] == 1.0
-        for m in modes:
-            assert r["epoch_speedup"][m] == pytest.approx(
-                (r["rollout_s"] + r["train_s"]["exact"]) / (r["rollout_s"] + r["train_s"][m]))
-            assert sum(r["train_parts_s"][m].values()) == pytest.approx(r["train_s"][m])
-        # No-graph interior forwards only where the interiors are computed, not read from the rollout.
-        assert r["train_parts_s"]["jagg_shared"]["fwd_nograd"] > 0 and r["train_parts_s"]["jagg_rollout"]["fwd_nograd"] == 0
-    # T = 16 rows with grad: exact 16; W = 4: windows 8, shared anchors 6; W = 8: windows 4, shared 4 (0, 7, 14, 15).
-    assert results["4"]["backward_rows"] == {"exact": 16, "jagg": 8, "jagg_shared": 6, "jagg_rollout": 8,
-                                             "jagg_shared_rollout": 6, "jagg_shared_rows2": 6,
-                                             "jagg_shared_rollout_rows2": 6}
-    assert results["8"]["backward_rows"]["jagg"] == 4 and results["8"]["backward_rows"]["jagg_shared"] == 4
-    assert (tmp_path / "benchmark.png").stat().st_size > 1000
-
+# --- fast: the command line's contract
 
 @pytest.mark.parametrize("args, message", [
-    (["--window", "1"], "--window must be >= 2"),
-    (["--window", "17"], "longer than the 16 trained steps"),
-    (["--jagg-frac", "1.5"], r"--jagg-frac must be in \[0, 1\]"),
-    (["--jagg-frac", "-0.5"], r"--jagg-frac must be in \[0, 1\]"),
+    (["--window", "1"], "--window must be >= 2, got 1"),
+    (["--window", "17"], "--window 17 is longer than --num-steps 16"),
+    (["--jagg-frac", "1.5"], r"--jagg-frac must be in \[0, 1\], got 1.5"),
+    (["--lr", "nan"], "--lr must be > 0, got nan"),
+    (["--max-drift", "-0.5"], "--max-drift must be >= 0 or -1"),
     (["--base-ckpt", "/nonexistent/base.pt"], "does not exist"),
-    (["--route", "probe", "--probe-every", "0"], "--route probe routes by the probe's measurements"),
-    (["--probe-batch", "1"], "--probe-batch must be >= 2"),
+    (["--route", "probe", "--probe-every", "0"], "--route probe routes by the probe"),
+    (["--interior", "rollout", "--max-graph-rows", "1"], "--max-graph-rows 1 is below the 2"),
+    (["--minibatches", "5"], "--minibatches 5 must divide the batch of 64"),
     (["--min-cosine", "2"], r"--min-cosine must be in \[-1, 1\]"),
+    (["--resume"], "holds no run"),
 ])
 def test_bad_input_fails_before_touching_files(tmp_path, args, message):
     out = tmp_path / "out"
@@ -173,47 +58,222 @@ def test_bad_input_fails_before_touching_files(tmp_path, args, message):
     assert not out.exists()
 
 
-def test_unwritable_out_fails_before_any_work(tmp_path):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("")
-    for out in ("/proc/x", str(blocker / "out")):
+def test_every_numeric_flag_is_range_checked(tmp_path):
+    """Each numeric flag declares its range, its default lies in it, and a value outside it is refused in one
+    line that names the flag and the value, before the output folder is made."""
+    numeric = [f for f in train_toy.fields(train_toy.Config) if f.type in (int, float)]
+    assert len(numeric) >= 20
+    for f in numeric:
+        assert f.metadata["valid"], f"--{f.name} declares no range"
+        ok, text = f.metadata["valid"]
+        assert ok(f.default), f"--{f.name}'s default {f.default} is out of its range {text}"
+        bad = next(v for v in (-10**6, -2, -1, 0, 0.5, 1, 1.5, 10**6, math.inf) if not ok(v) or not math.isfinite(v))
+        flag, out = "--" + f.name.replace("_", "-"), tmp_path / f.name
+        with pytest.raises(SystemExit) as e:
+            train_toy.main(["--out", str(out), flag, str(f.type(bad) if math.isfinite(bad) else bad)])
+        message = str(e.value.code)
+        assert message.startswith(f"error: {flag} must be {text}, got ") and "\n" not in message, message
+        assert not out.exists()
+
+
+def test_unwritable_out_fails_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    for out in ("/proc/x", str(tmp_path / "a_file" / "out")):
         with pytest.raises(SystemExit, match="cannot be created or written to"):
             train_toy.main(["--out", out, "--pretrain-steps", "1"])
-    assert not os.path.exists(os.path.join("runs", "cache", "toy_dit_h64_d3_s1_seed0.pt"))  # no pretraining started
+    assert not (tmp_path / "runs").exists()  # no pretraining started
 
 
-def test_corrupt_or_mismatched_checkpoint_is_a_clear_error(base_ckpt, tmp_path):
+def test_a_corrupt_base_checkpoint_is_one_line(tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"this is not a checkpoint")
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit, match="corrupt or not a toy DiT checkpoint"):
-        train_toy.main(["--base-ckpt", str(bad), "--out", str(out)])
-    with pytest.raises(SystemExit, match="another size"):
-        train_toy.main(["--base-ckpt", base_ckpt, "--hidden", "32", "--out", str(out)])
-    assert not out.exists()
+    with pytest.raises(SystemExit, match="is not a toy DiT checkpoint"):
+        train_toy.main(["--base-ckpt", str(bad), "--out", str(tmp_path / "out")])
 
 
-def test_help_documents_every_flag():
-    proc = subprocess.run([sys.executable, "train_toy.py", "--help"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0
-    for f in dataclasses.fields(train_toy.Config):
-        assert "--" + f.name.replace("_", "-") in proc.stdout
+def test_a_tiny_run_writes_what_it_says(tmp_path, monkeypatch, capsys):
+    """Two epochs from a base pretrained for one step (cached under runs/cache of the working folder)."""
+    monkeypatch.chdir(tmp_path)
+    train_toy.main(["--out", "out", "--pretrain-steps", "1", "--epochs", "2", "--group-size", "4", "--eval-samples", "8",
+                    "--eval-every", "1", "--probe-every", "1", "--probe-batch", "4"])
+    printed = capsys.readouterr().out
+    assert "[exact] epoch   2/2  reward" in printed and "approx_kl" in printed and "JAGG (jagg) kept" in printed
+    assert json.load(open("out/config.json")) == train_toy.asdict(train_toy.parse(["--out", "out", "--pretrain-steps", "1",
+        "--epochs", "2", "--group-size", "4", "--eval-samples", "8", "--eval-every", "1", "--probe-every", "1",
+        "--probe-batch", "4"]))
+    for method in ("exact", "jagg"):
+        rows = rows_of(f"out/{method}")
+        assert [r["epoch"] for r in rows] == [1, 2]
+        assert {key.split("/")[0] for r in rows for key in r} == {"epoch", "method", "rollout", "train", "routing", "probe",
+                                                                    "time", "eval"}
+        s = json.load(open(f"out/{method}/summary.json"))
+        assert s["method"] == method and len(s["probe"]["cosine"]) == 4 and s["config"]["epochs"] == 2
+    assert json.load(open("out/summary.json"))["backward_speedup"] > 0
+    for picture in ("samples.png", "reward.png"):
+        assert os.path.getsize(f"out/{picture}") > 1000
+    assert not [p for _, _, files in os.walk("out") for p in files if p.startswith(".tmp-")]
 
 
+# --- slow: end to end
+
+@slow
+def test_short_grpo_run_raises_reward_for_both_methods(base_ckpt, tmp_path):
+    train_toy.main(quick(base_ckpt, tmp_path, "--epochs", "15", "--probe-every", "5"))
+    top = json.load(open(tmp_path / "summary.json"))
+    assert top["method"] == "compare"
+    ex, jg = top["exact"], top["jagg"]
+    for method, s in (("exact", ex), ("jagg", jg)):
+        assert s == {k: v for k, v in json.load(open(tmp_path / method / "summary.json")).items() if k != "config"}
+        assert s["method"] == method
+        assert s["final_reward"] > s["initial_reward"] + 0.05, s
+        rows = rows_of(tmp_path / method)
+        assert len(rows) == 15 and all("train/clipfrac" in r and "time/backward_seconds" in r for r in rows)
+    assert top["train_speedup"] == pytest.approx(ex["train_seconds"] / jg["train_seconds"])
+    assert top["backward_speedup"] == pytest.approx(ex["backward_seconds"] / jg["backward_seconds"])
+    assert (top["mode"], jg["mode"], ex["mode"]) == ("jagg", "jagg", "exact")  # the paper's mode by default
+    # Same seed and checkpoint: the same starting point; JAGG ran 2 of every 4 steps with grad.
+    assert ex["initial_reward"] == jg["initial_reward"]
+    assert ex["grad_rows"] == 2 * jg["grad_rows"]
+    assert jg["skipped_steps"] == 0 and 0 < jg["probe_seconds"] < jg["train_seconds"]
+    for s in (ex, jg):  # the probe is a diagnostic in both runs: JAGG vs exact per window
+        cos = s["probe"]["cosine"]
+        assert len(cos) == 4 and all(0.3 < c < 1.0 for c in cos)
+        err = s["probe"]["error_to_noise"]  # JAGG's error in units of the step's own noise
+        assert len(err) == 4 and all(-math.inf < e < math.inf for e in err)  # pooled; below 0 where lost in the scatter
+        assert all(se > 0 for se in s["probe"]["stderr"])  # 3 probes: their scatter
+    assert jg["routed_frac_by_position"] == [1.0] * 4 and ex["routed_frac_by_position"] == [0.0] * 4
+    for picture in ("samples.png", "reward.png"):
+        assert (tmp_path / picture).stat().st_size > 1000
+
+
+@slow
+def test_shared_anchors_with_rollout_interiors_raise_reward(base_ckpt, tmp_path):
+    train_toy.main(quick(base_ckpt, tmp_path, "--method", "jagg", "--anchors", "shared", "--interior", "rollout",
+                         "--epochs", "15", "--max-graph-rows", "2"))
+    s = json.load(open(tmp_path / "summary.json"))
+    assert (s["mode"], s["config"]["anchors"], s["config"]["interior"]) == ("jagg_shared_rollout", "shared", "rollout")
+    assert s["final_reward"] > s["initial_reward"] + 0.05, s
+    # T = 16, W = 4: anchors 0, 3, 6, 9, 12, 15 -> 6 rows with grad per optimizer step (the paper's windows: 8).
+    assert s["grad_rows"] == 6 * 4 * 15 and s["probe"] is None
+
+
+@slow
+def test_probe_routing_follows_the_averaged_cosines(base_ckpt, tmp_path):
+    train_toy.main(quick(base_ckpt, tmp_path, "--method", "jagg", "--jagg-frac", "0.5", "--route", "probe",
+                         "--probe-every", "2", "--probe-decay", "0.5", "--epochs", "5"))
+    s, rows = json.load(open(tmp_path / "summary.json")), rows_of(tmp_path)
+    assert s["config"]["route"] == "probe" and [r["epoch"] for r in rows if "probe/cosine" in r] == [1, 2, 4]
+    average = None
+    for r in rows:
+        if "probe/cosine" in r:
+            average = r["probe/cosine"] if average is None else [0.5 * a + 0.5 * c for a, c in zip(average, r["probe/cosine"])]
+        top_two = sorted(range(4), key=lambda i: -average[i])[:2]
+        assert r["routing/routed"] == [i in top_two for i in range(4)], (r["epoch"], average)  # every step of the epoch
+    assert sum(s["routed_frac_by_position"]) == pytest.approx(2.0)
+    assert len(s["probe"]["cosine"]) == 4 and s["probe_seconds"] > 0
+
+
+@slow
+def test_index_weights_reach_the_probe_and_training(base_ckpt, tmp_path):
+    """--weights index (the authors' early code) runs end to end; on the same first batch the probe measures
+    another gradient than with the t-weighting (T = 16 steps on a shift-3 schedule)."""
+    first = {}
+    for weights in ("time", "index"):
+        out = tmp_path / weights
+        train_toy.main(quick(base_ckpt, out, "--method", "jagg", "--weights", weights, "--epochs", "1", "--probe-every", "1"))
+        assert json.load(open(out / "summary.json"))["config"]["weights"] == weights
+        first[weights] = rows_of(out)[0]["probe/cosine"]
+    assert all(0.0 < c <= 1.0 for c in first["index"]) and first["index"] != pytest.approx(first["time"], abs=1e-6)
+
+
+@slow
+def test_torchrun_ranks_stay_in_sync(base_ckpt, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_toy.py",
+           "--method", "compare", "--jagg-frac", "0.5", "--epochs", "3", *quick(base_ckpt, tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base = torch.load(base_ckpt, weights_only=True)["model"]
+    for method in ("exact", "jagg"):  # exact ends each batch on an exact step, jagg (0.5) on a JAGG window
+        s = json.load(open(tmp_path / method / "summary.json"))
+        assert s["world_size"] == 2
+        # Each rank trained on its own rollouts; the gradients were averaged, so the weights agree...
+        a, b = s["param_checksums"]
+        assert a == b  # bit for bit
+        # ...and they did move away from the base model.
+        assert abs(a - sum(v.double().sum().item() for v in base.values())) > 1e-6
+
+
+def run_script(args, threads="1", timeout=300, **kwargs):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train_toy.py"), *args], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": threads}, timeout=timeout, **kwargs)
+
+
+@slow
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_a_run_repeats_exactly_on_one_machine(base_ckpt, tmp_path, threads):
-    """The same short run twice, in fresh processes with the same thread count, gives identical
-    rewards to the last bit. (Across processors CPU kernels differ and 80 GRPO steps amplify
-    last-bit differences into a different run, as another seed would: the README says so.)"""
+    """The same short run twice, in fresh processes with the same thread count, gives identical rewards to the
+    last bit. (Across processors CPU kernels differ and 80 epochs amplify last-bit differences into a different
+    run, as another seed would.)"""
     curves = []
     for i in range(2):
         out = tmp_path / f"run{i}"
-        proc = subprocess.run([sys.executable, "train_toy.py", *quick(base_ckpt, out, "--method", "jagg", "--steps", "4",
-                                                                      "--eval-every", "2", "--probe-every", "0")],
-                              cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": threads}, capture_output=True, text=True,
-                              timeout=300)
+        proc = run_script(quick(base_ckpt, out, "--method", "jagg", "--epochs", "4", "--eval-every", "2"), threads)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-        curves.append([(r["rollout/reward_mean"], r.get("eval/reward"), r["train/loss"]) for r in rows])
+        curves.append([(r["rollout/reward_mean"], r.get("eval/reward"), r["train/loss"]) for r in rows_of(out)])
     assert curves[0] == curves[1]
     assert len({c[0] for c in curves[0]}) > 1  # the runs did train: the rollouts' reward moved
+
+
+@slow
+def test_resume_of_a_killed_run_equals_an_uninterrupted_run(base_ckpt, tmp_path):
+    """A compare run killed (SIGKILL) partway, then resumed with --resume, ends with the weights, metrics and
+    summary rewards of a run that was never stopped, bit for bit; a changed flag is refused."""
+    args = ["--epochs", "12", "--probe-every", "3", "--route", "probe", "--jagg-frac", "0.5"]
+    whole = run_script(quick(base_ckpt, tmp_path / "whole", *args))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_toy.py"), *quick(base_ckpt, tmp_path / "cut", *args)],
+                              cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    checkpoint = tmp_path / "cut" / "jagg" / "checkpoint.pt"  # killed inside the second method's run
+    deadline = time.time() + 300
+    while not (checkpoint.exists() and len(torch.load(checkpoint, weights_only=True)["rows"]) >= 3) and time.time() < deadline:
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    done = len(torch.load(checkpoint, weights_only=True)["rows"])
+    assert 3 <= done < 12, done  # it was stopped partway
+    changed = run_script(quick(base_ckpt, tmp_path / "cut", *args, "--lr", "0.002", "--resume"))
+    assert changed.returncode != 0 and "--resume: --lr 0.002 differs from the run's 0.001" in changed.stderr
+    resumed = run_script(quick(base_ckpt, tmp_path / "cut", *args, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    for method in ("exact", "jagg"):
+        a, b = (torch.load(tmp_path / run / method / "checkpoint.pt", weights_only=True) for run in ("whole", "cut"))
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        untimed = [[{k: v for k, v in r.items() if not k.startswith("time/")} for r in c["rows"]] for c in (a, b)]
+        assert untimed[0] == untimed[1] and len(untimed[0]) == 12
+    s_whole, s_cut = (json.load(open(tmp_path / run / "summary.json")) for run in ("whole", "cut"))
+    assert s_whole["reward_gain_ratio"] == s_cut["reward_gain_ratio"]
+
+
+@slow
+def test_a_non_editable_install_runs_the_scripts(tmp_path):
+    """pip install . (not editable) ships every top-level module the scripts import: run from outside the checkout."""
+    target = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target",
+                          str(target), ROOT], capture_output=True, text=True, timeout=600)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    # Every module of the repository's top level that the scripts load must come from the install: an editable
+    # install of the checkout elsewhere on the path would otherwise hide a module the wheel leaves out.
+    ours = sorted(name[:-3] for name in os.listdir(ROOT) if name.endswith(".py"))
+    imports = subprocess.run([sys.executable, "-c", "import json, sys, train_toy, train_sd, jagg_options; print(json.dumps("
+                              f"{{m: sys.modules[m].__file__ for m in {ours!r} if m in sys.modules}}))"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert imports.returncode == 0, imports.stderr[-3000:]
+    loaded = json.loads(imports.stdout.strip().splitlines()[-1])
+    assert {"jagg", "jagg_options", "toy_dit", "train_toy", "train_sd"} <= set(loaded), loaded
+    assert all(path.startswith(str(target)) for path in loaded.values()), loaded
+    usage = subprocess.run([sys.executable, str(target / "train_toy.py"), "--help"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True)
+    assert usage.returncode == 0 and "--epochs" in usage.stdout, usage.stderr[-3000:]
