@@ -31,14 +31,20 @@ def test_the_link_check_sees_links():
     assert len(PAGES) >= 5
 
 
-def toy_commands(text):
-    """The arguments of each train_toy.py command in a text, up to a backtick, a comment, a pipe or the line's end
-    (a shell variable is dropped with the flag it is the value of)."""
+def script_commands(text, script):
+    """The arguments of each `script` command in a text (train_toy.py or train_sd.py), up to a backtick, a comment,
+    a pipe or the line's end (a shell variable is dropped with the flag it is the value of)."""
     commands = []
-    for match in re.findall(r"train_toy\.py(?=[\s`]|$)([^`#|>\n]*)", text):
+    for match in re.findall(script.replace(".", r"\.") + r"(?=[\s`]|$)([^`#|>\n]*)", text):
+        try:
+            words = shlex.split(match.replace("\\", " "))
+        except ValueError:  # an unbalanced quote: prose, not a command
+            continue
+        if words and not words[0].startswith("-"):  # "train_toy.py defaults, ..." in a sentence
+            continue
         args = []
-        for arg in shlex.split(match):
-            if "$" not in arg:
+        for arg in words:
+            if "$" not in arg and not arg.startswith(("[", "...", "…")) and not arg.endswith("]"):
                 args.append(arg)
             elif args and args[-1].startswith("--"):
                 args.pop()
@@ -46,28 +52,61 @@ def toy_commands(text):
     return commands
 
 
-@pytest.mark.parametrize("page", [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "lab", "*.sh"))],
-                         ids=lambda p: os.path.relpath(p, ROOT))
-def test_toy_commands_in_the_readme_and_the_lab_parse(page):
-    """A command a reader copies runs: every train_toy.py command (and lab/toy_quality.sh's modes) uses flags that
-    exist, with values in range (a renamed flag such as --steps -> --epochs fails here, not at the reader's)."""
-    import train_toy
+def parses(script, args):
+    """Raises SystemExit unless args are the script's flags with values in their declared ranges."""
+    if script == "train_toy.py":
+        import train_toy
 
-    with open(page) as f:
-        text = f.read()
-    commands = toy_commands(text) + [shlex.split(m) for m in re.findall(r'"\w+\|([^"]*)"', text)]
-    assert commands, f"no train_toy.py command in {page}"
-    for args in commands:
-        if "--help" not in args:
-            train_toy.parse([*args, "--out", os.path.join(ROOT, "runs", "never-written")])  # raises SystemExit if not
+        train_toy.parse([*args, "--out", os.path.join(ROOT, "runs", "never-written")])
+        return
+    import jagg_options
+    import train_sd
+
+    cfg = train_sd.parse(args)
+    bad = [flag for ok, flag, _ in cfg.ranges() if not ok]
+    if bad:
+        raise SystemExit(f"error: --{bad[0]} out of range")
+    try:
+        jagg_options.check_options(cfg.jagg_options())
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
 
 
-def test_the_toy_command_check_sees_bad_flags():
+COMMAND_PAGES = [*PAGES, os.path.join(ROOT, "lab", "README.md"), *sorted(glob.glob(os.path.join(ROOT, "lab", "*.sh")))]
+
+
+@pytest.mark.parametrize("script", ["train_toy.py", "train_sd.py"])
+def test_script_commands_in_the_readme_docs_and_lab_parse(script):
+    """A command a reader copies runs: every train_toy.py / train_sd.py command in the README, docs/, lab/README.md
+    and lab/*.sh (and lab/toy_quality.sh's modes) uses flags that exist, with values in range: a renamed flag (the
+    toy's --steps -> --epochs) fails here, not at the reader's."""
+    if script == "train_sd.py":
+        pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
+    found = 0
+    for page in COMMAND_PAGES:
+        with open(page) as f:
+            text = f.read()
+        commands = script_commands(text, script)
+        if script == "train_toy.py" and page.endswith("toy_quality.sh"):
+            commands += [shlex.split(m) for m in re.findall(r'"\w+\|([^"]*)"', text)]
+        for args in commands:
+            if "--help" not in args:
+                try:
+                    parses(script, args)
+                except SystemExit as e:
+                    raise AssertionError(f"{os.path.relpath(page, ROOT)}: {script} {' '.join(args)}: {e}") from None
+        found += len(commands)
+    assert found >= 3, f"only {found} {script} commands found: the pattern sees nothing"
+
+
+def test_the_command_check_sees_bad_flags():
     """The check above would pass vacuously if the pattern found nothing or parse accepted anything."""
-    import train_toy
-
-    assert toy_commands("`python train_toy.py --steps 80 --out $dir` and torchrun x train_toy.py --window 1 # W") == [
-        ["--steps", "80"], ["--window", "1"]]
+    assert script_commands("`python train_toy.py --steps 80 --out $dir` and torchrun x train_toy.py --window 1 # W",
+                           "train_toy.py") == [["--steps", "80"], ["--window", "1"]]
     for args in (["--steps", "80"], ["--window", "1"]):
         with pytest.raises(SystemExit):
-            train_toy.parse(args)
+            parses("train_toy.py", args)
+    pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
+    for args in (["--window", "1"], ["--epochs", "0"], ["--no-such-flag"]):
+        with pytest.raises(SystemExit):
+            parses("train_sd.py", args)
