@@ -869,7 +869,7 @@ def test_a_window_of_two_steps_never_takes_a_jagg_slot():
 
 
 def test_the_routing_score_ranks_window_positions_more_than_trajectories():
-    """What jagg.py section 7 says the routing score can and cannot tell, measured as it says: the
+    """What the routing score (jagg.py section 7: it sees v, not J) can and cannot tell, measured in the
     self-check's setting (a tanh network 4-32-3 on its own rollouts, T = 10, W = 4, B = 16, groups of 4,
     beta 0.04 to a reference 0.05 away) over 40 seeds. Spearman's rank correlation of each 4-step
     window's score with its JAGG gradient's cosine to exact: 0.57 over all 80 windows, 0.23 and 0.40
@@ -903,7 +903,7 @@ def test_the_routing_score_ranks_window_positions_more_than_trajectories():
     first, second = rows[0::2], rows[1::2]
     lower_score = sum(f[1] < s[1] for f, s in zip(first, second))
     lower_cosine = sum(f[2] < s[2] for f, s in zip(first, second))
-    # The figures jagg.py quotes (float64; a margin for another machine's rounding of the same seeds).
+    # The figures measured (float64; a margin for another machine's rounding of the same seeds).
     assert overall == pytest.approx(0.57, abs=0.03) and within == pytest.approx([0.23, 0.40], abs=0.03), (overall, within)
     assert abs(lower_score - 39) <= 1 and abs(lower_cosine - 34) <= 2, (lower_score, lower_cosine)
     assert max(within) < overall - 0.15  # the claim itself: it ranks positions far better than trajectories
@@ -1124,8 +1124,9 @@ def test_python_jagg_py_runs_its_self_check():
     """`python jagg.py` prints what a learner should see: exact on a linear velocity, and not when either
     condition breaks; each window's routing score beside its gradient cosine; routing at jagg_frac 0, 1
     and 0.5 (the 2-step window never takes JAGG's share) with its cost in rows with grad (10 -> 6, and
-    9 -> 5 on Flow-GRPO's 9 trained steps) and in forward-units; and the step-major lesson: on-policy
-    every ratio is 1 with experts chosen per row, not with experts chosen once per call."""
+    9 -> 5 on Flow-GRPO's 9 trained steps) and in forward-units; and a tiny GRPO run whose reward rises,
+    every first step after a rollout on-policy (approx_kl ~0) and the second not, and the step-major
+    lesson: conditioning repeated per sample instead of as a block is not on-policy."""
     import re
     import subprocess
     import sys
@@ -1133,22 +1134,27 @@ def test_python_jagg_py_runs_its_self_check():
     out = subprocess.run([sys.executable, "jagg.py"], capture_output=True, text=True, check=True, timeout=120,
                          cwd=os.path.dirname(os.path.abspath(jagg.__file__))).stdout
     rel, bent, curved = (float(x) for x in re.search(
-        r"W = 4: (\S+) with v affine in \(z, t\) and straight states; (\S+) when the states bend; (\S+) with a tanh", out).groups())
+        r"W = 4: (\S+) with v affine in \(z, t\) and straight states;\s+(\S+) when the states bend; (\S+) with a tanh",
+        out).groups())
     assert bent > 1e-3 and curved > 1e-3, out  # either condition broken: JAGG is no longer exact
     units = [int(u) for u in re.findall(r"(\d+) forward-units", out)]
     assert units == [30, 22, 26], out  # 3 per row with grad, 1 per row without: exact 30, JAGG 22
     windows = [(float(s), float(c)) for s, c in re.findall(r"routing score (\S+), JAGG's gradient cosine to exact (\S+)$",
                                                             out, re.M)]
-    passes = [(int(p), int(r)) for r, p in re.findall(r"(\d+) rows with grad in (\d+) backward passes", out)]
+    passes = [(int(p), int(r)) for r, p in re.findall(r"(\d+) rows with grad in (\d+)\s+backward passes", out)]
     routed = re.findall(r"jagg_frac \S+: windows to JAGG (\[.*?\])", out)
-    approx_kl = [float(c) for c in re.findall(r"approx_kl ([-+.0-9e]+)", out)]
     assert rel < 1e-12 and len(windows) == 3 and windows[2] == (1.0, 1.0), out
     assert all(0.5 < c < 1 - 1e-6 for _, c in windows[:2]), out
     assert passes == [(10, 10), (4, 6), (7, 8)], out
     assert routed == ["[False, False, False]", "[True, True, False]", "[False, True, False]"], out
     assert "10 -> 6" in out and "9 -> 5 on Flow-GRPO's 9 trained steps" in out and "30 -> 22 = 1.36x" in out, out
-    assert len(approx_kl) == 2 and approx_kl[0] < 1e-20 and approx_kl[1] > 1e-8 and out.strip().endswith("ok"), out
     assert "windows [(0, 4), (4, 8), (8, 9)]" in out, out
+    epochs = [(float(r), float(a), float(b)) for r, a, b in re.findall(
+        r"reward (\S+); approx_kl (\S+) at the first step, (\S+) at the second", out)]
+    assert len(epochs) == 10 and epochs[-1][0] > epochs[0][0] + 0.5, out  # the reward rises
+    assert all(a < 1e-20 and b > 1e-8 for _, a, b in epochs), out  # on-policy, then not
+    wrong = float(re.search(r"c.repeat_interleave\(S\) for c.repeat\(S\): approx_kl (\S+) at the first step", out)[1])
+    assert wrong > 1e-8 and out.strip().endswith("ok"), out
 
 
 @pytest.mark.parametrize("beta, options", [(0.0, {}), (0.05, {"anchors": "shared", "interior": "rollout"})])
