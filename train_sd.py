@@ -1,23 +1,20 @@
 """JAGG-GRPO on a real DiT: Stable Diffusion 3 / 3.5 through diffusers, read top to bottom.
 
     python train_sd.py --model stabilityai/stable-diffusion-3.5-medium --method jagg --window 4
-    python train_sd.py --model DIR --method compare     # exact GRPO, then JAGG, from one model and seed
     torchrun --nproc_per_node=8 train_sd.py --model DIR [--fsdp]
     python train_sd.py --benchmark [--model DIR]        # exact vs JAGG's backward, timed in one process
+    python train_sd.py --method exact --out E; python train_sd.py --method jagg --out J
+    python lab/compare_runs.py E J --out DIR            # JAGG against exact GRPO: reward kept, speedups
 
-The algorithm is jagg.py's (with jagg_options.py's options), unchanged. This file knows the model in
-ONE marked block (section 2: load, encode, decode, velocity_fn): a new model family edits that
-block. It trains as Flow-GRPO's SD3 trainer does: LoRA on the transformer (or full fine-tuning),
-classifier-free guidance when sampling and training (the unconditional branch without graph, as
-Flow-GRPO's current trainer), KL to the reference model (the transformer with its LoRA off, or a
-frozen copy), bf16 autocast on a GPU with the SDE math in fp32, gradient checkpointing, AdamW,
-gradient clipping, an EMA of the weights, advantages over groups gathered from every rank
-(docs/flow_grpo.md lists what differs).
-
-Vocabulary, shared with train_toy.py: an epoch is one rollout of --prompts-per-epoch x --group-size
-samples and the optimizer steps on them; a sampling step is one of a rollout's --num-steps. The loop
-is train() (section 6). Any StableDiffusion3Pipeline saved with save_pretrained trains here, e.g.
-the small one that lab/mini_sd3.py builds and pretrains on a CPU.
+The algorithm is jagg.py's (with jagg_options.py's options). The model lives in ONE marked block
+(section 2: load, encode, decode, velocity_fn): a new family edits that block. It trains as
+Flow-GRPO's SD3 trainer: LoRA (or full fine-tuning), classifier-free guidance (the unconditional
+branch without graph), KL to the reference (LoRA off, or a frozen copy), bf16 autocast on a GPU with
+the SDE math in fp32, gradient checkpointing, AdamW, clipping, an EMA, advantages over groups
+gathered from every rank (docs/flow_grpo.md lists what differs). An epoch is one rollout of
+--prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is one of its
+--num-steps. The loop is train() (section 6). Any StableDiffusion3Pipeline saved with
+save_pretrained trains here, e.g. the one lab/mini_sd3.py builds and pretrains on a CPU.
 """
 
 import argparse
@@ -47,10 +44,8 @@ from jagg_options import all_gather_cat
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
 
-
 def flag(default, help, choices=None):
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
-
 
 @dataclass
 class Config:
@@ -61,8 +56,7 @@ class Config:
     out: str = flag("runs/sd", "output folder: config.json, metrics.jsonl, samples_*.png, weights, checkpoint/")
     resume: str = flag("", "continue from the checkpoint in this run folder (with the same --lora-rank)")
     seed: int = flag(0, "random seed; each rank adds its rank to the sampling seed")
-    method: str = flag("jagg", "exact (Flow-GRPO), jagg, or compare: both, into --out/exact and --out/jagg",
-                       ["exact", "jagg", "compare"])
+    method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg", ["exact", "jagg"])
     benchmark: bool = flag(False, "time exact vs JAGG in one process, write --out/benchmark.json, and exit")
     epochs: int = flag(100, "GRPO epochs, each a rollout and then its optimizer steps")
     num_steps: int = flag(10, "T, sampling steps of a rollout (Flow-GRPO's 10)")
@@ -138,8 +132,6 @@ class Config:
             (not self.fsdp or "WORLD_SIZE" in os.environ, "--fsdp shards over torchrun's ranks: torchrun "
                                                          "--nproc_per_node N train_sd.py --fsdp ..."),
             (not (self.fsdp and self.benchmark), "--benchmark times one process: leave out --fsdp"),
-            (not (self.method == "compare" and self.resume), "--method compare trains both from the start; resume one "
-                                                             "of its runs: --method jagg --out DIR/jagg --resume DIR/jagg"),
             (not self.resume or os.path.isfile(state), f"--resume {self.resume!r} holds no checkpoint (expected {state})"),
             (not self.prompts or os.path.isfile(self.prompts), f"--prompts file {self.prompts!r} does not exist"),
             (not self.prompts or not os.path.isfile(self.prompts) or bool(read_prompts(self)),
@@ -147,14 +139,12 @@ class Config:
             (not local or os.path.isfile(os.path.join(os.path.expanduser(self.model), "model_index.json")),
              f"--model {self.model!r} is not a folder with a diffusers pipeline (model_index.json)")]
 
-
 # Flow-GRPO's settings that nothing here varies: fixed, and saved in config.json beside the flags.
 FIXED = dict(adv_clip=5.0, weight_decay=1e-4, max_grad_norm=1.0, ema_decay=0.9, ema_every=8, probe_decay=0.5)
 DEFAULT_PROMPTS = ["a photo of a cat sitting on a windowsill", "a red bicycle leaning against a brick wall",
                    "a bowl of ramen with chopsticks", "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
                    "a watercolor painting of a fox in the snow", "a cozy cabin in a pine forest",
                    "a bunch of sunflowers in a vase"]
-
 
 def parse(argv=None):
     """Config from the command line: each field a --flag with its help (booleans get --no-...)."""
@@ -167,7 +157,6 @@ def parse(argv=None):
         else:
             parser.add_argument(name, type=f.type, default=f.default, choices=meta["choices"], help=meta["help"])
     return Config(**vars(parser.parse_args(argv)))
-
 
 def validate(cfg):
     """Every bad value ends the run here, in one line that names the flag, before any model loads."""
@@ -201,13 +190,11 @@ def validate(cfg):
     except OSError as e:
         fail(f"--out {cfg.out!r} cannot be created or written to ({e.strerror or e}); pass a writable folder")
 
-
 def read_prompts(cfg):
     return [line.strip() for line in open(cfg.prompts) if line.strip()] if cfg.prompts else DEFAULT_PROMPTS
 
 
 # === 2. THE MODEL: load, encode, decode, velocity_fn. The only SD3 code: a new family edits this block ===
-
 
 def load_pipeline(cfg, device, dtype):
     """(pipe, transformer): the pipeline frozen on device, its transformer trainable: a LoRA of
@@ -235,7 +222,6 @@ def load_pipeline(cfg, device, dtype):
         pipe.transformer.enable_gradient_checkpointing()
     return pipe, pipe.transformer
 
-
 def add_lora(transformer, rank):
     """Flow-GRPO's LoRA (alpha = 2 x rank) on the attention projections of both streams; only it trains."""
     from peft import LoraConfig
@@ -248,7 +234,6 @@ def add_lora(transformer, rank):
         if p.requires_grad:
             p.data = p.data.float()  # LoRA weights in fp32; the frozen base may stay in bf16
 
-
 def shard_transformer(transformer):
     """FSDP2: each block one shard group, then the root, resharded after every forward: outside the
     forwards every parameter is its shard, where the EMA and the checkpoints read it."""
@@ -257,7 +242,6 @@ def shard_transformer(transformer):
     for block in transformer.transformer_blocks:
         fully_shard(block)
     return fully_shard(transformer, reshard_after_forward=True)
-
 
 @torch.no_grad()
 def encode(pipe, prompts, device):
@@ -268,7 +252,6 @@ def encode(pipe, prompts, device):
                                                   max_sequence_length=t5_len)
     return (pe.float(), pooled.float()), (npe.float(), npooled.float())
 
-
 @torch.no_grad()
 def decode(pipe, latents):
     """Latents [B, C, h, w] -> a list of B PIL images."""
@@ -276,7 +259,6 @@ def decode(pipe, latents):
     images = pipe.vae.decode(x, return_dict=False)[0]  # [B, 3, H, W] in [-1, 1]
     images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     return [Image.fromarray(im) for im in images]
-
 
 def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond_grad=False):
     """velocity_fn(z [S, B, C, H, W], t [S, B]) -> v [S, B, C, H, W] with classifier-free guidance;
@@ -301,7 +283,6 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond
 
     return velocity_fn
 
-
 def make_ref_velocity_fn(transformer, ref_transformer, cond, uncond, guidance_scale, use_bf16):
     """The KL reference's velocity_fn: a frozen copy (full fine-tuning), or the transformer with its LoRA off."""
     if ref_transformer is not None:
@@ -315,7 +296,6 @@ def make_ref_velocity_fn(transformer, ref_transformer, cond, uncond, guidance_sc
         finally:
             transformer.enable_adapters()
     return ref_velocity_fn
-
 
 # --benchmark's transformers without weights: SD3.5-medium's (2.24B parameters) on a GPU, on a CPU a
 # reduced one of its kind (7.8M) that 2 cores time in minutes; or the shape of --model's folder.
@@ -331,17 +311,14 @@ SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32,
 
 # === 3. Rewards: reward_fn(images: a list of PIL images, prompts: a list of str) -> B numbers ===
 
-
 def jpeg_kb(image):
     buf = io.BytesIO()
     image.save(buf, format="JPEG", quality=95)
     return buf.tell() / 1000
 
-
 def darkness(image):
     """1 - the image's mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all."""
     return 1 - int(np.asarray(image.convert("L"), dtype=np.int64).sum()) / (255 * image.width * image.height)
-
 
 # The built-in rewards: adding one is one line here. Any other is --reward module:function (imported
 # from the working directory, e.g. lab.mini_sd3:geneval_reward) with the same signature; a function
@@ -350,7 +327,6 @@ def darkness(image):
 REWARDS = {"jpeg_compressibility": lambda images, prompts: [-jpeg_kb(im) for im in images],  # DDPO's
            "jpeg_incompressibility": lambda images, prompts: [jpeg_kb(im) for im in images],
            "darkness": lambda images, prompts: [darkness(im) for im in images]}
-
 
 def load_reward(name, device="cpu", check_only=False):
     """The reward_fn --reward names, or one line that says why there is none."""
@@ -362,7 +338,6 @@ def load_reward(name, device="cpu", check_only=False):
     except (ImportError, AttributeError, ValueError) as e:
         raise SystemExit(f"error: --reward {name!r} is none of {', '.join(REWARDS)}, no folder, and no importable "
                          f"module:function ({type(e).__name__}: {e})") from None
-
 
 def pickscore(folder, device):
     """PickScore's reward: logit_scale * cos(image embedding, text embedding) of the CLIP model in folder."""
@@ -379,13 +354,11 @@ def pickscore(folder, device):
             model.get_text_features(**txt))).sum(-1)).float().cpu()
     return reward_fn
 
-
 def rewards_of(reward_fn, images, prompts):
     return torch.as_tensor(reward_fn(images, prompts), dtype=torch.float32).reshape(len(images))  # [B]
 
 
 # === 4. Rollouts and evaluations ===
-
 
 def sampling_sigmas(cfg, scheduler):
     """A rollout's T + 1 sigmas from 1 to 0: the pipeline scheduler's (what Flow-GRPO samples with; its
@@ -395,7 +368,6 @@ def sampling_sigmas(cfg, scheduler):
     scheduler = copy.deepcopy(scheduler)
     scheduler.set_timesteps(cfg.num_steps)
     return scheduler.sigmas.float()  # [T+1], the last 0
-
 
 @torch.no_grad()
 def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_start=None):
@@ -420,17 +392,14 @@ def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_
     uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
     return jagg_options.cat_trajectories(trajs), cond, uncond, images
 
-
 def evaluation_prompts(cfg, prompts_all):
     return [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]  # the list in order, cycled
-
 
 def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16, noise_seed=None):
     """(images, rewards [N]) of the prompts, each with its own noise, fixed by --seed (or by noise_seed)."""
     g = torch.Generator(device=sigmas.device).manual_seed(cfg.seed + 12345 if noise_seed is None else noise_seed)
     images = sample(pipe, transformer.eval(), prompts, cfg, sigmas, g, use_bf16)[3]
     return images, rewards_of(reward_fn, images, prompts)
-
 
 def sample_grid(images, prompts, rewards, cell=96):
     """Images in rows of 4, each with its prompt and reward beneath."""
@@ -443,7 +412,6 @@ def sample_grid(images, prompts, rewards, cell=96):
 
 
 # === 5. Files: atomic writes, and checkpoints (safetensors, optimizer state loaded with weights_only) ===
-
 
 def atomic_write(path, write_fn, mode="w"):
     """Write through write_fn(file) into a temporary file beside path, then rename: a reader (or a
@@ -459,22 +427,17 @@ def atomic_write(path, write_fn, mode="w"):
         os.remove(tmp)
         raise
 
-
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2, sort_keys=True))
-
 
 def write_jsonl(path, rows):
     atomic_write(path, lambda f: f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 
-
 def trainable(transformer):
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
 
-
 def weights_path(folder, lora_rank):  # a finished run's trained weights (the EMA if kept)
     return os.path.join(folder, "lora.safetensors" if lora_rank else "transformer.safetensors")
-
 
 def load_weights(transformer, weights):
     """Copy saved whole tensors {name: tensor} into the trainable parameters (sharded like them under FSDP)."""
@@ -485,11 +448,9 @@ def load_weights(transformer, weights):
         for n, w in weights.items():
             params[n].copy_(as_param(w, params[n]))
 
-
 def as_param(w, p):
     w = w.to(p.device, p.dtype)
     return distribute_tensor(w, p.device_mesh, p.placements) if isinstance(p, DTensor) else w
-
 
 def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
     """Every rank gathers the state (FSDP's shards); rank 0 writes out/checkpoint/ whole, into a temporary
@@ -520,7 +481,6 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe
     shutil.rmtree(old, ignore_errors=True)
     atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(ema or weights)), "wb")
 
-
 def load_checkpoint(folder, transformer, optimizer):
     """(epoch, EMA laid out as the parameters, metrics rows, probe average) of folder's checkpoint,
     whose weights and optimizer state are loaded."""
@@ -544,7 +504,6 @@ def load_checkpoint(folder, transformer, optimizer):
 
 # === 6. Training: the whole loop, from rollout to optimizer step ===
 
-
 def optimizer_steps(perm, adv, cfg, generator):
     """The epoch's optimizer steps, [[micro-batch indices, ...] per step], as many on every rank (their
     all-reduces pair up). --steps-per-epoch N: Flow-GRPO's N equal steps, zero-advantage samples dropped
@@ -560,12 +519,10 @@ def optimizer_steps(perm, adv, cfg, generator):
         keep = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
     return [list(part.split(cfg.train_batch)) if len(part) else [] for part in keep.tensor_split(cfg.steps_per_epoch)]
 
-
 def mode_name(method, opts):
     """A training mode's name, from its options: exact, jagg, jagg_shared, jagg_rollout, jagg_shared_rollout."""
     shared, rollout = opts.anchors == "shared", opts.interior == "rollout"
     return "exact" if method == "exact" else "jagg" + "_shared" * shared + "_rollout" * rollout
-
 
 def epoch_metrics(stats):
     """The epoch's metrics from its micro-batches' stats (accumulate_gradients', each optimizer step's
@@ -581,7 +538,6 @@ def epoch_metrics(stats):
         if stats and key in stats[0]:
             row[f"train/{key}"] = mean(key)
     return row
-
 
 def train(cfg):
     """One run (--method exact or jagg). Returns (metrics rows, summary, {epoch: (images, rewards)})."""
@@ -758,8 +714,7 @@ def train(cfg):
     return rows, summary, evaluated
 
 
-# === 7. A run's summary, and --method compare ===
-
+# === 7. A run's summary ===
 
 def summarize(cfg, rows):
     """summary.json: the evaluation curve (the final reward: the last evaluation), times, and the
@@ -781,38 +736,7 @@ def summarize(cfg, rows):
             "probe_error_to_noise_stderr_by_position": pooled.get("stderr"), "config": dataclasses.asdict(cfg)}
 
 
-def comparison(ex, jg, config):
-    """A compare's summary.json: both runs' summaries, the share of exact's reward gain JAGG kept, the speedups."""
-    ratio = lambda key: ex[key] / jg[key] if jg[key] else None  # noqa: E731
-    return {"method": "compare", "mode": jg["mode"], "weights": config["weights"], "initial_reward": ex["initial_reward"],
-            **{k: {"exact": ex[k], "jagg": jg[k]} for k in ("final_reward", "reward_gain", "backward_seconds",
-                                                            "grad_seconds", "train_seconds", "grad_steps")},
-            "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] else None,
-            "backward_speedup": ratio("backward_seconds"), "grad_speedup": ratio("grad_seconds"),
-            "train_speedup": ratio("train_seconds"), "grad_steps_ratio": ratio("grad_steps"),
-            "exact": ex, "jagg": jg, "config": config}
-
-
-def compare(cfg):
-    """Exact GRPO, then JAGG in the flags' mode, from the same model and seed (the same LoRA
-    initialisation, prompts and evaluation noise), into --out/exact and --out/jagg; --out/summary.json."""
-    ex, jg = (train(dataclasses.replace(cfg, method=m, out=os.path.join(cfg.out, m)))[1] for m in ("exact", "jagg"))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    result = comparison(ex, jg, dataclasses.asdict(cfg))
-    write_json(os.path.join(cfg.out, "summary.json"), result)
-    print(f"JAGG ({jg['mode']}) kept {100 * (result['reward_gain_ratio'] or 0):.1f}% of exact GRPO's reward gain "
-          f"({jg['reward_gain']:+.3f} vs {ex['reward_gain']:+.3f}); backward {result['backward_speedup']:.2f}x faster, "
-          f"training {result['train_speedup']:.2f}x, {result['grad_steps_ratio']:.2f}x fewer network rows with grad")
-    if jg["probe_cosine_by_position"]:
-        print("the probe per segment: cosine " + " ".join(f"{c:.3f}" for c in jg["probe_cosine_by_position"])
-              + "; JAGG's error against a step's noise, ± 95 %: " + " ".join(f"{e:.3f} ±{1.96 * s:.3f}" for e, s in zip(
-                  jg["probe_error_to_noise_by_position"], jg["probe_error_to_noise_stderr_by_position"])))
-    return result
-
-
 # === 8. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
-
 
 def benchmark(cfg, repeats=5):
     """Exact vs the flags' JAGG mode: one training step as train() runs it (CFG, the KL reference, the
@@ -870,12 +794,10 @@ def benchmark(cfg, repeats=5):
     write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
     return result
 
-
 def main(argv=None):
     cfg = parse(argv)
     validate(cfg)
-    return benchmark(cfg) if cfg.benchmark else compare(cfg) if cfg.method == "compare" else train(cfg)[0]
-
+    return benchmark(cfg) if cfg.benchmark else train(cfg)[0]
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -3,7 +3,7 @@ three text encoders, VAE and MMDiT-X transformer; nothing is downloaded). Fast: 
 refused in one line before any model loads, one short run end to end, the SD3 velocity_fn under
 JAGG against explicit Jacobian interpolation and CFG's gradient against a finite difference, the
 optimizer steps. Slow (-m slow): resume equals an uninterrupted run, torchrun with DDP and FSDP,
-compare, the benchmark, full fine-tuning with EMA and PickScore, Flow-GRPO's defaults, the SDE window."""
+the benchmark, full fine-tuning with EMA and PickScore, Flow-GRPO's defaults, the SDE window."""
 
 import dataclasses
 import json
@@ -97,7 +97,6 @@ def test_every_declared_range_refuses_a_value_in_one_line_naming_the_flag(tmp_pa
     (["--sde-window", "4"], "--sde-window 4 does not fit in steps 0 to 2"),
     (["--group-size", "1"], "--group-size must be >= 2 on one process"),
     (["--fsdp"], "--fsdp shards over torchrun's ranks"),
-    (["--method", "compare", "--resume", "RUN"], "--method compare trains both from the start"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, extra, message):
     (tmp_path / "empty.txt").write_text("\n  \n")
@@ -401,26 +400,6 @@ def test_torchrun_fsdp_trains_checkpoints_and_resumes(tiny, tmp_path):
                    "shared", "--interior", "rollout")
     assert full[-1]["train/kl"] >= 0 and full[-1]["train/skipped_steps"] == 0
     assert len(set(full[-1]["train/param_checksums"])) == 1 and (tmp_path / "full" / "transformer.safetensors").exists()
-
-
-@slow
-def test_compare_trains_both_from_one_model_and_summarises(tiny, tmp_path, capsys):
-    out = tmp_path / "cmp"
-    comparison = train_sd.main(run_args(tiny, out, "--epochs", "2", "--method", "compare", "--probe-every", "1",
-                                        "--anchors", "shared", "--interior", "rollout", "--weights", "index"))
-    for key in ("mode", "initial_reward", "final_reward", "reward_gain", "reward_gain_ratio", "train_speedup",
-                "backward_speedup", "grad_steps_ratio"):
-        assert key in comparison, key
-    assert comparison["mode"] == "jagg_shared_rollout" and comparison["weights"] == "index"
-    assert set(comparison["final_reward"]) == set(comparison["reward_gain"]) == {"exact", "jagg"}
-    saved = json.load(open(out / "summary.json"))
-    assert len(saved["jagg"]["probe_cosine_by_position"]) == 3  # anchors 0, 1, 2, 3: three segments
-    ex = saved["exact"]
-    assert ex["final_reward"] == ex["eval_curve"][-1][1] and ex["initial_reward"] == saved["jagg"]["initial_reward"]
-    assert len(ex["epoch_seconds"]) == 2 and sum(ex["epoch_seconds"]) == pytest.approx(ex["train_seconds"])
-    for name in ("exact/metrics.jsonl", "jagg/metrics.jsonl", "exact/summary.json", "jagg/lora.safetensors"):
-        assert (out / name).exists(), name
-    assert "kept" in capsys.readouterr().out
 
 
 @slow
