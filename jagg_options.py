@@ -84,6 +84,7 @@ Notation beyond jagg.py's
 """
 
 import contextlib
+import datetime
 import math
 import os
 import time
@@ -884,7 +885,8 @@ def init_distributed(always=False):
     if "WORLD_SIZE" not in os.environ or (int(os.environ["WORLD_SIZE"]) == 1 and not always):
         return 0, 1
     if not torch.distributed.is_initialized():  # a second run in one process keeps the group
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        torch.distributed.init_process_group(  # a stopped rank fails its peers in minutes, not gloo's 30
+            "nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=5))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 

@@ -1,35 +1,34 @@
 """JAGG-GRPO on a real DiT: Stable Diffusion 3 / 3.5 through diffusers, read top to bottom.
 
     python train_sd.py --model stabilityai/stable-diffusion-3.5-medium --method jagg --window 4
-    python train_sd.py --model DIR --method compare     # exact GRPO, then JAGG, from one model and seed
     torchrun --nproc_per_node=8 train_sd.py --model DIR [--fsdp]
     python train_sd.py --benchmark [--model DIR]        # exact vs JAGG's backward, timed in one process
+    python train_sd.py --method exact --out E; python train_sd.py --method jagg --out J
+    python lab/compare_runs.py E J --out DIR            # JAGG against exact GRPO: reward kept, speedups
 
-The algorithm is jagg.py's (with jagg_options.py's options), unchanged. This file knows the model in
-ONE marked block (section 2: load, encode, decode, velocity_fn): a new model family edits that
-block. It trains as Flow-GRPO's SD3 trainer does: LoRA on the transformer (or full fine-tuning),
-classifier-free guidance when sampling and training (the unconditional branch without graph, as
-Flow-GRPO's current trainer), KL to the reference model (the transformer with its LoRA off, or a
-frozen copy), bf16 autocast on a GPU with the SDE math in fp32, gradient checkpointing, AdamW,
-gradient clipping, an EMA of the weights, advantages over groups gathered from every rank
-(docs/flow_grpo.md lists what differs).
-
-Vocabulary, shared with train_toy.py: an epoch is one rollout of --prompts-per-epoch x --group-size
-samples and the optimizer steps on them; a sampling step is one of a rollout's --num-steps. The loop
-is train() (section 6). Any StableDiffusion3Pipeline saved with save_pretrained trains here, e.g.
-the small one that lab/mini_sd3.py builds and pretrains on a CPU.
+The algorithm is jagg.py's (with jagg_options.py's options). The model lives in ONE marked block
+(section 2: load, encode, decode, velocity_fn): a new family edits that block. It trains as
+Flow-GRPO's SD3 trainer: LoRA (or full fine-tuning), classifier-free guidance (the unconditional
+branch without graph), KL to the reference (LoRA off, or a frozen copy), bf16 autocast on a GPU with
+the SDE math in fp32, gradient checkpointing, AdamW, clipping, an EMA, advantages over groups
+gathered from every rank (docs/flow_grpo.md lists what differs). An epoch is one rollout of
+--prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is one of its
+--num-steps. The loop is train() (section 6). Any StableDiffusion3Pipeline saved with
+save_pretrained trains here, e.g. the one lab/mini_sd3.py builds and pretrains on a CPU.
 """
 
 import argparse
 import contextlib
 import copy
 import dataclasses
+import fcntl
 import importlib
 import io
 import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -47,10 +46,8 @@ from jagg_options import all_gather_cat
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
 
-
 def flag(default, help, choices=None):
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
-
 
 @dataclass
 class Config:
@@ -58,11 +55,12 @@ class Config:
     prompts: str = flag("", "text file, one prompt a line; empty: a small built-in list")
     reward: str = flag("jpeg_compressibility", "a name in REWARDS, module:function, or a CLIP folder (PickScore)")
     resolution: int = flag(0, "image size in pixels; 0: 512 (Flow-GRPO's), or the model's own if smaller")
-    out: str = flag("runs/sd", "output folder: config.json, metrics.jsonl, samples_*.png, weights, checkpoint/")
-    resume: str = flag("", "continue from the checkpoint in this run folder (with the same --lora-rank)")
+    out: str = flag("runs/sd", "output folder, one run's: config.json, metrics.jsonl, samples_*.png, weights, checkpoints/")
+    resume: str = flag("", "continue the run in this folder, writing there, with its flags; only --epochs (more), "
+                           "--eval-every and --out may change")
+    overwrite: bool = flag(False, "start afresh in an --out that holds a run, deleting that run's files")
     seed: int = flag(0, "random seed; each rank adds its rank to the sampling seed")
-    method: str = flag("jagg", "exact (Flow-GRPO), jagg, or compare: both, into --out/exact and --out/jagg",
-                       ["exact", "jagg", "compare"])
+    method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg", ["exact", "jagg"])
     benchmark: bool = flag(False, "time exact vs JAGG in one process, write --out/benchmark.json, and exit")
     epochs: int = flag(100, "GRPO epochs, each a rollout and then its optimizer steps")
     num_steps: int = flag(10, "T, sampling steps of a rollout (Flow-GRPO's 10)")
@@ -125,7 +123,6 @@ class Config:
         """(ok, message) of the checks that need more than one flag, or the file system."""
         T, end, world = self.trained_steps(), self.sde_range_end or self.num_steps - 1, int(os.environ.get("WORLD_SIZE", 1))
         local = self.model.startswith((".", "/", "~")) or os.path.exists(self.model) or self.model.count("/") != 1
-        state = os.path.join(self.resume, "checkpoint", "state.json")
         return [
             (T >= 1, f"--timestep-fraction {self.timestep_fraction} trains none of the {self.num_steps} steps: raise it"),
             (self.window <= max(T, 2), f"--window {self.window} is longer than the {T} trained steps: use --window <= {T}"),
@@ -138,23 +135,24 @@ class Config:
             (not self.fsdp or "WORLD_SIZE" in os.environ, "--fsdp shards over torchrun's ranks: torchrun "
                                                          "--nproc_per_node N train_sd.py --fsdp ..."),
             (not (self.fsdp and self.benchmark), "--benchmark times one process: leave out --fsdp"),
-            (not (self.method == "compare" and self.resume), "--method compare trains both from the start; resume one "
-                                                             "of its runs: --method jagg --out DIR/jagg --resume DIR/jagg"),
-            (not self.resume or os.path.isfile(state), f"--resume {self.resume!r} holds no checkpoint (expected {state})"),
+            (not (self.resume and self.overwrite), "--resume continues a run, --overwrite deletes it: give one"),
+            (not self.resume or latest_checkpoint(self.resume), f"--resume {self.resume!r} holds no complete "
+                                                                f"checkpoint (checkpoints/epoch_*/complete.json)"),
+            (not self.resume or self.out in (Config.out, self.resume), f"--resume writes where the run is: drop --out "
+                                                                       f"{self.out!r} or give --out {self.resume!r}"),
             (not self.prompts or os.path.isfile(self.prompts), f"--prompts file {self.prompts!r} does not exist"),
             (not self.prompts or not os.path.isfile(self.prompts) or bool(read_prompts(self)),
              f"--prompts file {self.prompts!r} has no prompts (one a line)"),
             (not local or os.path.isfile(os.path.join(os.path.expanduser(self.model), "model_index.json")),
              f"--model {self.model!r} is not a folder with a diffusers pipeline (model_index.json)")]
 
-
 # Flow-GRPO's settings that nothing here varies: fixed, and saved in config.json beside the flags.
 FIXED = dict(adv_clip=5.0, weight_decay=1e-4, max_grad_norm=1.0, ema_decay=0.9, ema_every=8, probe_decay=0.5)
+RESUMABLE = ("epochs", "eval_every", "out", "resume", "overwrite", "benchmark")  # what --resume may change
 DEFAULT_PROMPTS = ["a photo of a cat sitting on a windowsill", "a red bicycle leaning against a brick wall",
                    "a bowl of ramen with chopsticks", "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
                    "a watercolor painting of a fox in the snow", "a cozy cabin in a pine forest",
                    "a bunch of sunflowers in a vase"]
-
 
 def parse(argv=None):
     """Config from the command line: each field a --flag with its help (booleans get --no-...)."""
@@ -168,12 +166,12 @@ def parse(argv=None):
             parser.add_argument(name, type=f.type, default=f.default, choices=meta["choices"], help=meta["help"])
     return Config(**vars(parser.parse_args(argv)))
 
+def fail(message):
+    raise SystemExit(f"error: {message}")
 
 def validate(cfg):
-    """Every bad value ends the run here, in one line that names the flag, before any model loads."""
-    def fail(message):
-        raise SystemExit(f"error: {message}")
-
+    """Every bad value ends the run here, in one line that names it, before any model loads. Returns
+    cfg with --out set to --resume's folder and --resolution resolved for a model folder."""
     for f in dataclasses.fields(cfg):
         if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name)):
             fail(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(cfg, f.name)}")
@@ -187,10 +185,16 @@ def validate(cfg):
     for ok, message in cfg.checks():
         if not ok:
             fail(message)
-    saved = json.load(open(os.path.join(cfg.resume, "checkpoint", "state.json")))["config"] if cfg.resume else {}
-    if saved.get("lora_rank", cfg.lora_rank) != cfg.lora_rank:  # a checkpoint's weights fit its own rank only
-        fail(f"--resume {cfg.resume!r}: the checkpoint was trained with --lora-rank {saved['lora_rank']}, this run "
-             f"asks for --lora-rank {cfg.lora_rank}; resume with --lora-rank {saved['lora_rank']}")
+    cfg = dataclasses.replace(cfg, out=cfg.resume or cfg.out, resolution=cfg.benchmark and cfg.resolution or model_resolution(cfg))
+    if cfg.resume:  # the checkpoint's resolved flags: any that changes what is trained is refused
+        saved = read_json(os.path.join(latest_checkpoint(cfg.resume), "state.json"))
+        differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)} differs from the run's {v}" for k, v in saved["config"].items()
+                  if k not in RESUMABLE and getattr(cfg, k, v) != v and not (k == "resolution" and not cfg.resolution)]
+        if differ:
+            fail(f"--resume: {', '.join(differ)}; give the run's (only --epochs, --eval-every and --out may change)")
+        if cfg.epochs < saved["epoch"]:
+            fail(f"--resume: --epochs {cfg.epochs} is below the checkpoint's epoch {saved['epoch']}: give --epochs >= "
+                 f"{saved['epoch']}")
     if not cfg.benchmark:
         load_reward(cfg.reward, check_only=True)
     try:  # can --out be written? A temporary entry in it, or in its nearest existing parent
@@ -200,18 +204,63 @@ def validate(cfg):
         tempfile.TemporaryDirectory(dir=existing, prefix=".write-check-").cleanup()
     except OSError as e:
         fail(f"--out {cfg.out!r} cannot be created or written to ({e.strerror or e}); pass a writable folder")
+    return cfg
 
+def model_resolution(cfg):
+    """--resolution resolved and checked against the model folder's configs (json only, no weights):
+    a pipeline without a transformer, a broken model_index.json, a size past the model's limit end here."""
+    path = os.path.expanduser(cfg.model)
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        return cfg.resolution  # a hub id: resolved once loaded
+    index = read_json(os.path.join(path, "model_index.json"))
+    if not isinstance(index, dict) or not isinstance(index.get("transformer"), list) or index["transformer"][0] is None:
+        fail(f"--model {cfg.model!r} has no transformer in model_index.json: pass a StableDiffusion3Pipeline folder")
+    tc, vc = (read_json(os.path.join(path, part, "config.json")) for part in ("transformer", "vae"))
+    factor = 2 ** (len(vc.get("block_out_channels", [0] * 4)) - 1)  # the VAE's downsampling, as diffusers derives it
+    size, limit = cfg.resolution or min(512, tc["sample_size"] * factor), tc["pos_embed_max_size"] * tc["patch_size"] * factor
+    if size > limit:
+        fail(f"--resolution {size} is above the model's limit of {limit} pixels (pos_embed_max_size): give at most {limit}")
+    return size
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"cannot read {path} ({type(e).__name__}: {str(e)[:200]}); repair or remove it")
 
 def read_prompts(cfg):
-    return [line.strip() for line in open(cfg.prompts) if line.strip()] if cfg.prompts else DEFAULT_PROMPTS
+    try:
+        return [line.strip() for line in open(cfg.prompts, encoding="utf-8") if line.strip()] if cfg.prompts else DEFAULT_PROMPTS
+    except UnicodeDecodeError:
+        fail(f"--prompts file {cfg.prompts!r} is not UTF-8 text: give a text file, one prompt a line")
+
+def claim_out(cfg):
+    """The run folder belongs to this run (rank 0's lock file, held until the process exits): a folder in
+    use by another process, or holding another run without --resume or --overwrite, is refused."""
+    os.makedirs(cfg.out, exist_ok=True)
+    lock = open(os.path.join(cfg.out, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fail(f"--out {cfg.out!r} is in use by another run (it holds {cfg.out}/.lock): wait for it, or pick another folder")
+    run_files = ["config.json", "metrics.jsonl", "summary.json", "checkpoints", "lora.safetensors", "transformer.safetensors"]
+    found = [name for name in run_files if os.path.exists(os.path.join(cfg.out, name))]
+    if found and not cfg.resume and not cfg.overwrite:
+        lock.close()
+        fail(f"--out {cfg.out!r} holds a run ({', '.join(found)}): continue it with --resume {cfg.out}, start afresh "
+             f"with --overwrite, or pick another folder")
+    if cfg.overwrite:
+        for name in run_files + [n for n in os.listdir(cfg.out) if n.startswith("samples_") and n.endswith(".png")]:
+            path = os.path.join(cfg.out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
+    return lock
 
 
 # === 2. THE MODEL: load, encode, decode, velocity_fn. The only SD3 code: a new family edits this block ===
 
-
 def load_pipeline(cfg, device, dtype):
-    """(pipe, transformer): the pipeline frozen on device, its transformer trainable: a LoRA of
-    --lora-rank, or every weight in fp32 master weights (--lora-rank 0)."""
+    """(pipe, transformer): the pipeline frozen on device; trainable a LoRA, or every weight in fp32 (--lora-rank 0)."""
     from diffusers import StableDiffusion3Pipeline
 
     path, absent = os.path.expanduser(cfg.model), {}  # parts saved as [null, null] (no T5, say) are passed as None
@@ -235,7 +284,6 @@ def load_pipeline(cfg, device, dtype):
         pipe.transformer.enable_gradient_checkpointing()
     return pipe, pipe.transformer
 
-
 def add_lora(transformer, rank):
     """Flow-GRPO's LoRA (alpha = 2 x rank) on the attention projections of both streams; only it trains."""
     from peft import LoraConfig
@@ -248,16 +296,13 @@ def add_lora(transformer, rank):
         if p.requires_grad:
             p.data = p.data.float()  # LoRA weights in fp32; the frozen base may stay in bf16
 
-
 def shard_transformer(transformer):
-    """FSDP2: each block one shard group, then the root, resharded after every forward: outside the
-    forwards every parameter is its shard, where the EMA and the checkpoints read it."""
+    """FSDP2: each block one shard group, then the root, resharded after every forward."""
     from torch.distributed.fsdp import fully_shard
 
     for block in transformer.transformer_blocks:
         fully_shard(block)
     return fully_shard(transformer, reshard_after_forward=True)
-
 
 @torch.no_grad()
 def encode(pipe, prompts, device):
@@ -268,22 +313,23 @@ def encode(pipe, prompts, device):
                                                   max_sequence_length=t5_len)
     return (pe.float(), pooled.float()), (npe.float(), npooled.float())
 
-
 @torch.no_grad()
 def decode(pipe, latents):
-    """Latents [B, C, h, w] -> a list of B PIL images."""
+    """Latents [B, C, h, w] -> B PIL images; info["finite"]: False where the latents or the pixels were not."""
     x = latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor + (pipe.vae.config.shift_factor or 0.0)
-    images = pipe.vae.decode(x, return_dict=False)[0]  # [B, 3, H, W] in [-1, 1]
-    images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    return [Image.fromarray(im) for im in images]
-
+    images = pipe.vae.decode(x, return_dict=False)[0].float()  # [B, 3, H, W] in [-1, 1]
+    finite = (torch.isfinite(images).flatten(1).all(1) & torch.isfinite(latents).flatten(1).all(1)).tolist()  # [B]
+    images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    pil = [Image.fromarray(im) for im in images]
+    for im, ok in zip(pil, finite):
+        im.info["finite"] = ok
+    return pil
 
 def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond_grad=False):
-    """velocity_fn(z [S, B, C, H, W], t [S, B]) -> v [S, B, C, H, W] with classifier-free guidance;
-    cond, uncond: (prompt_embeds [B, L, E], pooled [B, P]), repeated as a block per step. The
-    unconditional branch runs without graph, as Flow-GRPO's current trainer (the gradient flows
-    through s * v_c alone: half the backward, biased); uncond_grad: with graph, as its first release
-    (the exact derivative s J_c - (s - 1) J_u of the guided velocity)."""
+    """velocity_fn(z [S, B, C, H, W], t [S, B]) -> v [S, B, C, H, W] with classifier-free guidance; cond,
+    uncond: (prompt_embeds [B, L, E], pooled [B, P]), repeated as a block per step. The unconditional branch
+    runs without graph as Flow-GRPO's current trainer (the gradient through s * v_c alone); uncond_grad:
+    with graph, as its first release (the exact derivative s J_c - (s - 1) J_u)."""
 
     def velocity_fn(z, t):
         S, B = t.shape
@@ -301,7 +347,6 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond
 
     return velocity_fn
 
-
 def make_ref_velocity_fn(transformer, ref_transformer, cond, uncond, guidance_scale, use_bf16):
     """The KL reference's velocity_fn: a frozen copy (full fine-tuning), or the transformer with its LoRA off."""
     if ref_transformer is not None:
@@ -315,7 +360,6 @@ def make_ref_velocity_fn(transformer, ref_transformer, cond, uncond, guidance_sc
         finally:
             transformer.enable_adapters()
     return ref_velocity_fn
-
 
 # --benchmark's transformers without weights: SD3.5-medium's (2.24B parameters) on a GPU, on a CPU a
 # reduced one of its kind (7.8M) that 2 cores time in minutes; or the shape of --model's folder.
@@ -331,26 +375,21 @@ SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32,
 
 # === 3. Rewards: reward_fn(images: a list of PIL images, prompts: a list of str) -> B numbers ===
 
-
 def jpeg_kb(image):
     buf = io.BytesIO()
     image.save(buf, format="JPEG", quality=95)
     return buf.tell() / 1000
 
-
 def darkness(image):
     """1 - the image's mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all."""
     return 1 - int(np.asarray(image.convert("L"), dtype=np.int64).sum()) / (255 * image.width * image.height)
 
-
-# The built-in rewards: adding one is one line here. Any other is --reward module:function (imported
-# from the working directory, e.g. lab.mini_sd3:geneval_reward) with the same signature; a function
-# with an attribute eval_metrics(images, prompts) -> {name: float} has those logged as eval/<name> at
-# every evaluation. --reward FOLDER scores with PickScore, the CLIP model and processor in FOLDER.
+# The built-in rewards: adding one is one line here. Any other is --reward module:function with the same
+# signature (e.g. lab.mini_sd3:geneval_reward); its attribute eval_metrics(images, prompts) -> {name: float},
+# if any, is logged as eval/<name>. --reward FOLDER scores with PickScore (the CLIP model in FOLDER).
 REWARDS = {"jpeg_compressibility": lambda images, prompts: [-jpeg_kb(im) for im in images],  # DDPO's
            "jpeg_incompressibility": lambda images, prompts: [jpeg_kb(im) for im in images],
            "darkness": lambda images, prompts: [darkness(im) for im in images]}
-
 
 def load_reward(name, device="cpu", check_only=False):
     """The reward_fn --reward names, or one line that says why there is none."""
@@ -362,7 +401,6 @@ def load_reward(name, device="cpu", check_only=False):
     except (ImportError, AttributeError, ValueError) as e:
         raise SystemExit(f"error: --reward {name!r} is none of {', '.join(REWARDS)}, no folder, and no importable "
                          f"module:function ({type(e).__name__}: {e})") from None
-
 
 def pickscore(folder, device):
     """PickScore's reward: logit_scale * cos(image embedding, text embedding) of the CLIP model in folder."""
@@ -379,28 +417,30 @@ def pickscore(folder, device):
             model.get_text_features(**txt))).sum(-1)).float().cpu()
     return reward_fn
 
-
 def rewards_of(reward_fn, images, prompts):
-    return torch.as_tensor(reward_fn(images, prompts), dtype=torch.float32).reshape(len(images))  # [B]
+    """[B] rewards; NaN for a broken sample (decode's info["finite"] False): it is never scored."""
+    ok = [im.info.get("finite", True) for im in images]
+    rewards = torch.full((len(images),), math.nan)  # [B]
+    if any(ok):
+        scored = reward_fn([im for im, k in zip(images, ok) if k], [p for p, k in zip(prompts, ok) if k])
+        rewards[torch.tensor(ok)] = torch.as_tensor(scored, dtype=torch.float32).reshape(-1)
+    return rewards
 
 
 # === 4. Rollouts and evaluations ===
 
-
 def sampling_sigmas(cfg, scheduler):
-    """A rollout's T + 1 sigmas from 1 to 0: the pipeline scheduler's (what Flow-GRPO samples with; its
-    last step is a small one, 0.009 -> 0 at T = 10), or jagg.sigma_schedule's at its shift."""
+    """A rollout's T + 1 sigmas from 1 to 0: the pipeline scheduler's (Flow-GRPO's), or jagg.sigma_schedule's."""
     if cfg.sigma_schedule == "linear":
         return jagg.sigma_schedule(cfg.num_steps, scheduler.config.get("shift", 3.0))
     scheduler = copy.deepcopy(scheduler)
     scheduler.set_timesteps(cfg.num_steps)
     return scheduler.sigmas.float()  # [T+1], the last 0
 
-
 @torch.no_grad()
 def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_start=None):
-    """Roll out the prompts in chunks of --train-batch (with window_start, an SDE window of --sde-window
-    steps from there, the ODE elsewhere): (traj [T, B, ...] of the trained steps, cond, uncond, images)."""
+    """Roll out the prompts in chunks of --train-batch (with window_start, an SDE window of --sde-window steps
+    from there, the ODE elsewhere): (traj [T, B, ...], cond, uncond, images)."""
     C, h = transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
     trajs, conds, unconds, images = [], [], [], []
     for s in range(0, len(prompts), cfg.train_batch):
@@ -420,17 +460,14 @@ def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_
     uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
     return jagg_options.cat_trajectories(trajs), cond, uncond, images
 
-
 def evaluation_prompts(cfg, prompts_all):
     return [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]  # the list in order, cycled
-
 
 def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16, noise_seed=None):
     """(images, rewards [N]) of the prompts, each with its own noise, fixed by --seed (or by noise_seed)."""
     g = torch.Generator(device=sigmas.device).manual_seed(cfg.seed + 12345 if noise_seed is None else noise_seed)
     images = sample(pipe, transformer.eval(), prompts, cfg, sigmas, g, use_bf16)[3]
     return images, rewards_of(reward_fn, images, prompts)
-
 
 def sample_grid(images, prompts, rewards, cell=96):
     """Images in rows of 4, each with its prompt and reward beneath."""
@@ -442,8 +479,7 @@ def sample_grid(images, prompts, rewards, cell=96):
     return grid
 
 
-# === 5. Files: atomic writes, and checkpoints (safetensors, optimizer state loaded with weights_only) ===
-
+# === 5. Files: atomic writes, and checkpoints OUT/checkpoints/epoch_N/, whole or ignored ===
 
 def atomic_write(path, write_fn, mode="w"):
     """Write through write_fn(file) into a temporary file beside path, then rename: a reader (or a
@@ -459,22 +495,25 @@ def atomic_write(path, write_fn, mode="w"):
         os.remove(tmp)
         raise
 
+def json_ready(obj):  # JSON has no NaN: a non-finite number is written as null
+    if isinstance(obj, dict):
+        return {k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 def write_json(path, obj):
-    atomic_write(path, lambda f: json.dump(obj, f, indent=2, sort_keys=True))
-
+    atomic_write(path, lambda f: json.dump(json_ready(obj), f, indent=2, sort_keys=True, allow_nan=False))
 
 def write_jsonl(path, rows):
-    atomic_write(path, lambda f: f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-
+    atomic_write(path, lambda f: f.writelines(json.dumps(json_ready(r), sort_keys=True, allow_nan=False) + "\n"
+                                              for r in rows))
 
 def trainable(transformer):
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
 
-
 def weights_path(folder, lora_rank):  # a finished run's trained weights (the EMA if kept)
     return os.path.join(folder, "lora.safetensors" if lora_rank else "transformer.safetensors")
-
 
 def load_weights(transformer, weights):
     """Copy saved whole tensors {name: tensor} into the trainable parameters (sharded like them under FSDP)."""
@@ -485,15 +524,21 @@ def load_weights(transformer, weights):
         for n, w in weights.items():
             params[n].copy_(as_param(w, params[n]))
 
-
 def as_param(w, p):
     w = w.to(p.device, p.dtype)
     return distribute_tensor(w, p.device_mesh, p.placements) if isinstance(p, DTensor) else w
 
+def latest_checkpoint(run):
+    """The newest complete checkpoint folder of a run (complete.json is written last), or None."""
+    root = os.path.join(run, "checkpoints")
+    done = sorted(n for n in os.listdir(root) if n.startswith("epoch_")
+                  and os.path.isfile(os.path.join(root, n, "complete.json"))) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
 
 def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
-    """Every rank gathers the state (FSDP's shards); rank 0 writes out/checkpoint/ whole, into a temporary
-    folder renamed into place, and the run's weights. The optimizer's state is keyed by parameter name."""
+    """Every rank gathers the state (FSDP's shards); rank 0 writes OUT/checkpoints/epoch_N/ into a
+    temporary folder, complete.json (each file's size) last, then renames it: a kill at any instant
+    leaves the newest complete checkpoint. The two newest stay. The optimizer's state is keyed by name."""
     from safetensors.torch import save
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -504,54 +549,73 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe
     weights, ema = whole(trainable(transformer)), ema and whole(ema)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    final, tmp, old = (os.path.join(out, name) for name in ("checkpoint", ".checkpoint.tmp", ".checkpoint.old"))
+    root = os.path.join(out, "checkpoints")
+    final, tmp = os.path.join(root, f"epoch_{epoch:06d}"), os.path.join(root, f".tmp-epoch_{epoch:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     for name, state in (("weights", weights), ("ema", ema)):
         if state:
-            atomic_write(os.path.join(tmp, f"{name}.safetensors"), lambda f, s=state: f.write(save(s)), "wb")
+            with open(os.path.join(tmp, f"{name}.safetensors"), "wb") as f:
+                f.write(save(state))
     torch.save(optim, os.path.join(tmp, "optimizer.pt"))  # tensors and numbers only: loaded with weights_only
     write_jsonl(os.path.join(tmp, "metrics.jsonl"), rows)
     write_json(os.path.join(tmp, "state.json"), {"epoch": epoch, "config": config, "probe_average": probe_average})
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(final):
-        os.replace(final, old)
+    write_json(os.path.join(tmp, "complete.json"), {n: os.path.getsize(os.path.join(tmp, n)) for n in os.listdir(tmp)})
+    shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    for old in sorted(n for n in os.listdir(root) if n.startswith("epoch_"))[:-2]:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(ema or weights)), "wb")
 
+def check_checkpoint(ckpt, cfg):
+    """Every file a resume reads, before any model loads: one line naming a missing or cut one, or missing rows."""
+    sizes = read_json(os.path.join(ckpt, "complete.json"))
+    for name in ["weights.safetensors", "optimizer.pt", "metrics.jsonl", "state.json"] + ["ema.safetensors"] * cfg.ema:
+        path = os.path.join(ckpt, name)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if name not in sizes or size != sizes[name]:
+            fail(f"cannot resume: {path} is missing or cut ({size} bytes, {sizes.get(name)} written); remove {ckpt} "
+                 f"to resume from the checkpoint before it")
+    epoch = read_json(os.path.join(ckpt, "state.json"))["epoch"]
+    try:
+        rows = [json.loads(line) for line in open(os.path.join(ckpt, "metrics.jsonl"))]
+    except ValueError as e:
+        fail(f"cannot resume: {ckpt}/metrics.jsonl is unreadable ({e})")
+    if [r["epoch"] for r in rows if r["epoch"]] != list(range(1, epoch + 1)):
+        fail(f"cannot resume: {ckpt}/metrics.jsonl lacks rows of epochs 1 to {epoch}")
 
-def load_checkpoint(folder, transformer, optimizer):
-    """(epoch, EMA laid out as the parameters, metrics rows, probe average) of folder's checkpoint,
-    whose weights and optimizer state are loaded."""
+def load_checkpoint(ckpt, transformer, optimizer):
+    """(epoch, EMA laid out as the parameters, metrics rows, probe average) of the checkpoint folder ckpt,
+    whose weights and optimizer state are loaded; an unreadable file ends the run in one line naming it."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    ckpt, params = os.path.join(folder, "checkpoint"), trainable(transformer)
-    try:
-        load_weights(transformer, load_file(os.path.join(ckpt, "weights.safetensors")))
-        set_optimizer_state_dict(transformer, optimizer, options=StateDictOptions(full_state_dict=True),
-                                 optim_state_dict=torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
-        ema = None
-        if os.path.exists(os.path.join(ckpt, "ema.safetensors")):
-            ema = {n: as_param(w, params[n]) for n, w in load_file(os.path.join(ckpt, "ema.safetensors")).items()}
-        state = json.load(open(os.path.join(ckpt, "state.json")))
-        rows = [json.loads(line) for line in open(os.path.join(ckpt, "metrics.jsonl"))]
-    except Exception as e:
-        raise SystemExit(f"error: cannot resume from {ckpt}: {e}") from None
+    def read(name, load):
+        try:
+            return load(os.path.join(ckpt, name))
+        except Exception as e:
+            fail(f"cannot resume: {ckpt}/{name} is unreadable ({type(e).__name__}: {str(e)[:200]}); remove {ckpt} to "
+                 f"resume from the checkpoint before it")
+
+    params, state = trainable(transformer), read_json(os.path.join(ckpt, "state.json"))
+    read("weights.safetensors", lambda path: load_weights(transformer, load_file(path)))
+    read("optimizer.pt", lambda path: set_optimizer_state_dict(transformer, optimizer, torch.load(path, weights_only=True),
+                                                              options=StateDictOptions(full_state_dict=True)))
+    ema = read("ema.safetensors", lambda path: {n: as_param(w, params[n]) for n, w in load_file(path).items()}
+               ) if state["config"]["ema"] else None
+    rows = [{k: math.nan if v is None else v for k, v in json.loads(line).items()}  # null was NaN
+            for line in open(os.path.join(ckpt, "metrics.jsonl"))]
     return state["epoch"], ema, rows, state.get("probe_average")
 
 
 # === 6. Training: the whole loop, from rollout to optimizer step ===
 
-
 def optimizer_steps(perm, adv, cfg, generator):
-    """The epoch's optimizer steps, [[micro-batch indices, ...] per step], as many on every rank (their
-    all-reduces pair up). --steps-per-epoch N: Flow-GRPO's N equal steps, zero-advantage samples dropped
-    (not under FSDP, whose ranks must run alike) and random dropped ones put back until N divides the
-    count, in micro-batches of --train-batch. 0: one step per micro-batch of every sample, in order."""
+    """The epoch's optimizer steps, [[micro-batch indices, ...] per step], as many on every rank.
+    --steps-per-epoch N: Flow-GRPO's N equal steps, zero-advantage samples dropped (not under FSDP, whose
+    ranks must run alike), dropped ones put back until N divides the count. 0: one step a micro-batch."""
     if not cfg.steps_per_epoch:
-        return [[m] for m in perm.split(cfg.train_batch)]
+        return [[m] for m in perm.split(cfg.train_batch) if len(m)]  # none when every sample broke
     keep = perm
     if not cfg.fsdp:
         nonzero = adv[perm] != 0
@@ -560,21 +624,20 @@ def optimizer_steps(perm, adv, cfg, generator):
         keep = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
     return [list(part.split(cfg.train_batch)) if len(part) else [] for part in keep.tensor_split(cfg.steps_per_epoch)]
 
-
 def mode_name(method, opts):
     """A training mode's name, from its options: exact, jagg, jagg_shared, jagg_rollout, jagg_shared_rollout."""
     shared, rollout = opts.anchors == "shared", opts.interior == "rollout"
     return "exact" if method == "exact" else "jagg" + "_shared" * shared + "_rollout" * rollout
 
-
 def epoch_metrics(stats):
-    """The epoch's metrics from its micro-batches' stats (accumulate_gradients', each optimizer step's
-    last with optimizer_step's grad_norm and skipped): means of the diagnostics, sums of the rest."""
+    """The epoch's metrics from its micro-batches' stats (each step's last with optimizer_step's): means
+    of the diagnostics, sums of the rest."""
     mean = lambda key: sum(s[key] for s in stats) / len(stats) if stats else float("nan")  # noqa: E731
     steps = [s for s in stats if "grad_norm" in s]  # one per optimizer step
     row = {f"train/{k}": mean(k) for k in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac")}
     row.update({"train/grad_norm": sum(s["grad_norm"] for s in steps) / max(len(steps), 1),
                 "train/grad_rows": sum(s["grad_rows"] for s in stats), "train/skipped_steps": sum(s["skipped"] for s in steps),
+                "train/optimizer_steps": sum(not s["skipped"] for s in steps),
                 "time/backward_seconds": sum(s["backward_seconds"] for s in stats),
                 "time/grad_seconds": sum(s["grad_seconds"] for s in stats)})
     for key in ("rollout_refreshed", "anchor_drift"):  # the drift guard of rollout interiors, where it ran
@@ -582,9 +645,8 @@ def epoch_metrics(stats):
             row[f"train/{key}"] = mean(key)
     return row
 
-
 def train(cfg):
-    """One run (--method exact or jagg). Returns (metrics rows, summary, {epoch: (images, rewards)})."""
+    """One run (--method exact or jagg). Returns (metrics rows, summary)."""
     rank, world = jagg_options.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -592,7 +654,7 @@ def train(cfg):
     torch.cuda.set_device(device) if use_bf16 else None
     prompts_all, reward_fn = read_prompts(cfg), load_reward(cfg.reward, device)
     pipe, transformer = load_pipeline(cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
-    size = cfg.resolution or min(512, transformer.config.sample_size * pipe.vae_scale_factor)
+    size = cfg.resolution or min(512, transformer.config.sample_size * pipe.vae_scale_factor)  # a hub id's
     cfg, h = dataclasses.replace(cfg, resolution=size), size // pipe.vae_scale_factor  # h: the latents' side
     ref_transformer = None  # the KL reference under full fine-tuning: a frozen copy in the pipeline's precision
     if cfg.lora_rank == 0 and cfg.beta > 0:
@@ -608,8 +670,8 @@ def train(cfg):
     ema = {n: p.detach().clone() for n, p in trainable(transformer).items()} if cfg.ema else None
     start_epoch, rows, probe_avg = 0, [], None
     if cfg.resume:
-        start_epoch, saved_ema, rows, probe_avg = load_checkpoint(cfg.resume, transformer, optimizer)
-        ema = saved_ema if cfg.ema and saved_ema is not None else ema
+        start_epoch, saved_ema, rows, probe_avg = load_checkpoint(latest_checkpoint(cfg.resume), transformer, optimizer)
+        ema = saved_ema if cfg.ema else ema
     config = {**dataclasses.asdict(cfg), "fixed": FIXED}
     if rank == 0:
         write_json(os.path.join(cfg.out, "config.json"), config)
@@ -621,14 +683,17 @@ def train(cfg):
     cond, uncond = encode(pipe, (list(dict.fromkeys(prompts_all)) * 2)[:2], device)
     noise = torch.randn(2, transformer.config.in_channels, h, h, generator=torch.Generator(device).manual_seed(0),
                         device=device)  # [2, C, h, w]
-    jagg_options.check_velocity_fn(make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16), noise,
-                           sigmas, rtol=2e-2 if use_bf16 else None)
+    try:
+        jagg_options.check_velocity_fn(make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16),
+                                       noise, sigmas, rtol=2e-2 if use_bf16 else None)
+    except ValueError as e:  # NaN weights, say
+        fail(f"--model {cfg.model!r} fails jagg's velocity_fn contract on the first prompts: {e}")
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     opts, n_train = cfg.jagg_options(), cfg.trained_steps()
     # The samples one optimizer step averages, all ranks: the probe measures JAGG's error in their noise.
     step_batch = cfg.train_batch * world if not cfg.steps_per_epoch else max(
         1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch)
-    eval_prompts, evaluated = evaluation_prompts(cfg, prompts_all), {}
+    eval_prompts = evaluation_prompts(cfg, prompts_all)
     evaluates = rank == 0 or cfg.fsdp  # under FSDP every rank runs the evaluation's forwards; rank 0 keeps it
 
     def evaluate(epoch, row):
@@ -641,11 +706,11 @@ def train(cfg):
             images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn, use_bf16)
             for n, p in live.items():
                 p.copy_(saved[n])
-        evaluated[epoch] = (images, rewards.tolist())
         if rank == 0:
             grid = sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16])
             atomic_write(os.path.join(cfg.out, f"samples_{epoch:04d}.png"), lambda f: grid.save(f, format="PNG"), "wb")
-            row["eval/reward"] = rewards.mean().item()
+            ok = rewards.isfinite()  # [N]: a broken sample has no reward, and is counted
+            row.update({"eval/reward": rewards[ok].mean().item(), "eval/nonfinite_samples": int((~ok).sum())})
             if hasattr(reward_fn, "eval_metrics"):  # a custom reward's own evaluation figures
                 row.update({f"eval/{k}": v for k, v in reward_fn.eval_metrics(images, eval_prompts).items()})
 
@@ -679,16 +744,20 @@ def train(cfg):
             "random", epoch, cfg.sde_window, 0, cfg.sde_range_end or cfg.num_steps - 1, seed=cfg.seed)
         traj, cond, uncond, images = sample(pipe, transformer.eval(), prompts, cfg, sigmas, noise_gen, use_bf16,
                                             window_start)
-        rewards = rewards_of(reward_fn, images, prompts).to(device)  # [B]
-        # --- advantages over groups gathered from every rank, then this rank's slice
+        rewards = rewards_of(reward_fn, images, prompts).to(device)  # [B]; NaN: a broken sample
+        # --- advantages over groups gathered from every rank, a broken sample dropped from its group; this rank's slice
         all_rewards, all_ids = all_gather_cat(rewards), all_gather_cat(prompt_ids.to(device))
-        adv = jagg.group_advantages(all_rewards, all_ids, global_std=cfg.global_std, clip=FIXED["adv_clip"])
+        ok, adv = torch.isfinite(all_rewards), torch.zeros_like(all_rewards)  # [world * B]
+        adv[ok] = jagg.group_advantages(all_rewards[ok], all_ids[ok], global_std=cfg.global_std, clip=FIXED["adv_clip"])
         adv = adv.reshape(world, -1)[rank]  # [B]
         row = {"epoch": epoch, "method": cfg.method, "mode": mode_name(cfg.method, opts), "train/lr": cfg.lr,
-               "rollout/reward_mean": all_rewards.mean().item(), "rollout/reward_std": all_rewards.std().item()}
+               "rollout/reward_mean": all_rewards[ok].mean().item(), "rollout/reward_std": all_rewards[ok].std().item(),
+               "rollout/nonfinite_samples": int((~ok).sum())}
         if window_start is not None:
             row["rollout/sde_window_start"] = window_start
         perm = torch.randperm(len(prompts), generator=prompt_gen)
+        if not cfg.fsdp and (cfg.steps_per_epoch or world == 1):  # broken samples do not train (under FSDP or
+            perm = perm[ok.reshape(world, -1)[rank].cpu()[perm]]  # DDP's step a micro-batch, their steps skip)
 
         # --- the probe, on one micro-batch before training on it: JAGG's gradient against exact per
         # segment (averaged over the ranks, so that every rank routes alike)
@@ -741,12 +810,16 @@ def train(cfg):
                   f"kl {row['train/kl']:.4f} clipfrac {row['train/clipfrac']:.3f} approx_kl {row['train/approx_kl']:.2e} "
                   f"routed {row['train/routed_frac']:.2f} backward {row['time/backward_seconds']:.1f} s"
                   + (f" skipped {row['train/skipped_steps']}" if row["train/skipped_steps"] else ""), flush=True)
-        if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
-            if evaluates:
-                evaluate(epoch, row)
+        stopping = bool(all_gather_cat(torch.tensor([len(STOP)], device=device)).sum())  # every rank alike
+        if evaluates and (epoch % cfg.eval_every == 0 or epoch == cfg.epochs):
+            evaluate(epoch, row)
+        if epoch % cfg.eval_every == 0 or epoch == cfg.epochs or stopping:
             save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, config, probe_avg)
         if rank == 0:
             write_jsonl(os.path.join(cfg.out, "metrics.jsonl"), rows)
+        if stopping:
+            fail(f"stopped by {STOP[0] if STOP else 'a signal to another rank'} after epoch {epoch}, checkpointed: go "
+                 f"on with --resume {cfg.out}")
     if dist.is_initialized():
         dist.barrier()
     summary = summarize(cfg, rows) if rank == 0 else None
@@ -755,11 +828,10 @@ def train(cfg):
         print(f"[{summary['mode']}] eval reward {summary['initial_reward']:.3f} -> {summary['final_reward']:.3f} "
               f"({cfg.eval_samples} samples), training {summary['train_seconds']:.0f} s (backward "
               f"{summary['backward_seconds']:.0f} s), outputs in {cfg.out}/")
-    return rows, summary, evaluated
+    return rows, summary
 
 
-# === 7. A run's summary, and --method compare ===
-
+# === 7. A run's summary ===
 
 def summarize(cfg, rows):
     """summary.json: the evaluation curve (the final reward: the last evaluation), times, and the
@@ -776,49 +848,17 @@ def summarize(cfg, rows):
             "grad_seconds": sum(r["time/grad_seconds"] for r in trained),
             "probe_seconds": sum(r.get("time/probe_seconds", 0.0) for r in trained),
             "grad_steps": sum(r["train/grad_rows"] for r in trained),  # network rows with grad
-            "skipped_steps": sum(r["train/skipped_steps"] for r in trained), "probe_cosine_by_position":
+            "skipped_steps": sum(r["train/skipped_steps"] for r in trained),
+            "nonfinite_samples": sum(r.get("rollout/nonfinite_samples", 0) for r in trained), "probe_cosine_by_position":
                 pooled.get("cosine"), "probe_error_to_noise_by_position": pooled.get("error_to_noise"),
             "probe_error_to_noise_stderr_by_position": pooled.get("stderr"), "config": dataclasses.asdict(cfg)}
 
 
-def comparison(ex, jg, config):
-    """A compare's summary.json: both runs' summaries, the share of exact's reward gain JAGG kept, the speedups."""
-    ratio = lambda key: ex[key] / jg[key] if jg[key] else None  # noqa: E731
-    return {"method": "compare", "mode": jg["mode"], "weights": config["weights"], "initial_reward": ex["initial_reward"],
-            **{k: {"exact": ex[k], "jagg": jg[k]} for k in ("final_reward", "reward_gain", "backward_seconds",
-                                                            "grad_seconds", "train_seconds", "grad_steps")},
-            "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] else None,
-            "backward_speedup": ratio("backward_seconds"), "grad_speedup": ratio("grad_seconds"),
-            "train_speedup": ratio("train_seconds"), "grad_steps_ratio": ratio("grad_steps"),
-            "exact": ex, "jagg": jg, "config": config}
-
-
-def compare(cfg):
-    """Exact GRPO, then JAGG in the flags' mode, from the same model and seed (the same LoRA
-    initialisation, prompts and evaluation noise), into --out/exact and --out/jagg; --out/summary.json."""
-    ex, jg = (train(dataclasses.replace(cfg, method=m, out=os.path.join(cfg.out, m)))[1] for m in ("exact", "jagg"))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    result = comparison(ex, jg, dataclasses.asdict(cfg))
-    write_json(os.path.join(cfg.out, "summary.json"), result)
-    print(f"JAGG ({jg['mode']}) kept {100 * (result['reward_gain_ratio'] or 0):.1f}% of exact GRPO's reward gain "
-          f"({jg['reward_gain']:+.3f} vs {ex['reward_gain']:+.3f}); backward {result['backward_speedup']:.2f}x faster, "
-          f"training {result['train_speedup']:.2f}x, {result['grad_steps_ratio']:.2f}x fewer network rows with grad")
-    if jg["probe_cosine_by_position"]:
-        print("the probe per segment: cosine " + " ".join(f"{c:.3f}" for c in jg["probe_cosine_by_position"])
-              + "; JAGG's error against a step's noise, ± 95 %: " + " ".join(f"{e:.3f} ±{1.96 * s:.3f}" for e, s in zip(
-                  jg["probe_error_to_noise_by_position"], jg["probe_error_to_noise_stderr_by_position"])))
-    return result
-
-
 # === 8. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
 
-
 def benchmark(cfg, repeats=5):
-    """Exact vs the flags' JAGG mode: one training step as train() runs it (CFG, the KL reference, the
-    trained steps), on a randomly initialised transformer of --model's shape (timing does not depend on
-    the weights), with --train-batch samples, --lora-rank and --gradient-checkpointing as in training.
-    Interleaved repeats after a warm-up; medians."""
+    """Exact vs the flags' JAGG mode: one training step as train() runs it, on a random transformer of
+    --model's shape (the timing does not depend on the weights). Interleaved repeats after a warm-up; medians."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -857,24 +897,42 @@ def benchmark(cfg, repeats=5):
               "rows": {m: runs[m][0][2] for m in runs}, "exact_backward_s": ex_bwd, "jagg_backward_s": jg_bwd,
               "exact_step_s": ex_s, "jagg_step_s": jg_s, "rollout_s": rollout_s, "backward_speedup": ex_bwd / jg_bwd,
               "step_speedup": ex_s / jg_s, "epoch_speedup": (rollout_s + ex_s) / (rollout_s + jg_s),
-              "tokens": (h // tc.patch_size) ** 2 + 77, "gradient_checkpointing": cfg.gradient_checkpointing,
-              "params": sum(p.numel() for p in transformer.parameters()), "bf16": use_bf16,
-              "trained_params": sum(p.numel() for p in trainable(transformer).values())}
-    print(f"{name}: {result['params'] / 1e6:.1f}M parameters ({result['trained_params'] / 1e6:.2f}M trained), "
-          f"{result['device']}, B = {B}, {result['tokens']} tokens, bf16 {use_bf16}, gradient checkpointing "
-          f"{cfg.gradient_checkpointing}; one training step ({cfg.trained_steps()} of {cfg.num_steps} steps, CFG "
-          f"{cfg.guidance_scale}, beta {cfg.beta}), medians of {repeats}\n{result['mode']} at W = {cfg.window}: "
-          f"backward {result['backward_speedup']:.2f}x faster than exact ({ex_bwd:.3f} s -> {jg_bwd:.3f} s, rows with "
-          f"grad {result['rows']['exact']} -> {result['rows']['jagg']}); the step {result['step_speedup']:.2f}x; an "
-          f"epoch with its rollout ({rollout_s:.3f} s) {result['epoch_speedup']:.2f}x")
+              "tokens": (h // tc.patch_size) ** 2 + 77, "params": sum(p.numel() for p in transformer.parameters())}
+    print(f"{name} ({result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}, {result['tokens']} tokens), "
+          f"{result['mode']} at W = {cfg.window}: backward {result['backward_speedup']:.2f}x faster than exact "
+          f"({ex_bwd:.3f} s -> {jg_bwd:.3f} s), the step {result['step_speedup']:.2f}x, an epoch with its rollout "
+          f"{result['epoch_speedup']:.2f}x (medians of {repeats})")
     write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
     return result
 
 
+STOP = []  # the signals received: the run stops at the end of the epoch, checkpointed
+
+
+def on_signal(signum, frame):
+    STOP.append(signal.Signals(signum).name)
+    signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)  # a second: now
+
+
 def main(argv=None):
-    cfg = parse(argv)
-    validate(cfg)
-    return benchmark(cfg) if cfg.benchmark else compare(cfg) if cfg.method == "compare" else train(cfg)[0]
+    cfg = validate(parse(argv))
+    if cfg.benchmark:
+        return benchmark(cfg)
+    if cfg.resume:
+        check_checkpoint(latest_checkpoint(cfg.resume), cfg)
+    lock = claim_out(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
+    STOP.clear()
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rows, summary = train(cfg)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        lock and lock.close()
+    if not sum(r.get("train/optimizer_steps", 1) for r in rows if r["epoch"]):
+        fail(f"no optimizer step was taken in {cfg.epochs} epochs ({summary and summary['skipped_steps']} skipped as "
+             f"non-finite, {summary and summary['nonfinite_samples']} broken samples): the weights are the initial ones")
+    return rows
 
 
 if __name__ == "__main__":

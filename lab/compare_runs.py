@@ -5,8 +5,7 @@ tables' way of training exact GRPO once per seed and every JAGG mode against it.
     python train_sd.py $(python lab/presets.py mini) --method jagg --seed 0 --out OUT/paper_seed0/jagg
     python lab/compare_runs.py OUT/paper_seed0/exact OUT/paper_seed0/jagg --out OUT/paper_seed0 --final-evals 3
 
-writes OUT/paper_seed0/summary.json as train_sd.py --method compare does (what lab/summarize.py compare
-reads), with the final reward of each run the mean of its last --final-evals evaluations after epoch 0,
+writes OUT/paper_seed0/summary.json (what lab/summarize.py compare reads), with the final reward of each run the mean of its last --final-evals evaluations after epoch 0,
 and samples.png (the base model, exact's and JAGG's final models on the same prompts and noise, redrawn
 from the saved weights) and reward_curves.png. The runs' settings must be equal but for the JAGG flags.
 """
@@ -51,6 +50,18 @@ def with_final(summary, final_evals):
             "final_evals_used": len(later)}
 
 
+def comparison(ex, jg, config):
+    """A comparison's summary.json: both runs' summaries, the share of exact's reward gain JAGG kept, the speedups."""
+    ratio = lambda key: ex[key] / jg[key] if jg[key] else None  # noqa: E731
+    return {"method": "compare", "mode": jg["mode"], "weights": config["weights"], "initial_reward": ex["initial_reward"],
+            **{k: {"exact": ex[k], "jagg": jg[k]} for k in ("final_reward", "reward_gain", "backward_seconds",
+                                                            "grad_seconds", "train_seconds", "grad_steps")},
+            "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] else None,
+            "backward_speedup": ratio("backward_seconds"), "grad_speedup": ratio("grad_seconds"),
+            "train_speedup": ratio("train_seconds"), "grad_steps_ratio": ratio("grad_steps"),
+            "exact": ex, "jagg": jg, "config": config}
+
+
 def settings_check(ex, jg):
     """One line naming every setting the two runs differ in but the JAGG flags, or None."""
     if ex.get("method") != "exact" or jg.get("method") != "jagg":
@@ -77,7 +88,7 @@ def main(argv=None):
     if problem:
         raise SystemExit(f"error: {problem}")
     ex, jg = with_final(ex, args.final_evals), with_final(jg, args.final_evals)
-    result = train_sd.comparison(ex, jg, jg["config"])
+    result = comparison(ex, jg, jg["config"])
     result["exact_run"], result["jagg_run"] = args.exact, args.jagg
     train_sd.write_json(os.path.join(args.out, "summary.json"), result)
     save_png(os.path.join(args.out, "reward_curves.png"), chart(
@@ -89,6 +100,10 @@ def main(argv=None):
     print(f"JAGG ({jg['mode']}) kept {100 * (result['reward_gain_ratio'] or 0):.1f}% of exact GRPO's reward gain "
           f"({jg['reward_gain']:+.3f} vs {ex['reward_gain']:+.3f}, the mean of the last {args.final_evals} "
           f"evaluations); backward {result['backward_speedup']:.2f}x faster, training {result['train_speedup']:.2f}x")
+    if jg.get("probe_cosine_by_position"):
+        print("the probe per segment: cosine " + " ".join(f"{c:.3f}" for c in jg["probe_cosine_by_position"])
+              + "; JAGG's error against a step's noise, ± 95 %: " + " ".join(f"{e:.3f} ±{1.96 * s:.3f}" for e, s in zip(
+                  jg["probe_error_to_noise_by_position"], jg["probe_error_to_noise_stderr_by_position"])))
     return result
 
 

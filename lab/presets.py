@@ -1,6 +1,6 @@
 """The mini SD3's documented settings as train_sd.py flags (docs/mini_sd3.md), the ones its tables use.
 
-    python train_sd.py $(python lab/presets.py mini) --method compare --out runs/mini   # any flag after wins
+    python train_sd.py $(python lab/presets.py mini) --method exact --out runs/mini/exact   # any flag after wins
     python lab/presets.py mini-geneval                                                   # prints the flags
 
 mini: the setting that learns darkness on a CPU: full fine-tuning, lr 3e-4, CFG 2.5, clip 0.2, all 10
