@@ -1,4 +1,4 @@
-"""JAGG-GRPO on a real DiT: Stable Diffusion 3 / 3.5 through diffusers, read top to bottom.
+"""JAGG-GRPO on Stable Diffusion 3 / 3.5 through diffusers: Flow-GRPO's SD3 trainer with jagg.py's backward.
 
     python train_sd.py --model stabilityai/stable-diffusion-3.5-medium --method jagg --window 4
     torchrun --nproc_per_node=8 train_sd.py --model DIR [--fsdp]
@@ -6,15 +6,12 @@
     python train_sd.py --method exact --out E; python train_sd.py --method jagg --out J
     python lab/compare_runs.py E J --out DIR            # JAGG against exact GRPO: reward kept, speedups
 
-The algorithm is jagg.py's (with jagg_options.py's options). The model lives in ONE marked block
-(section 2: load, encode, decode, velocity_fn): a new family edits that block. It trains as
-Flow-GRPO's SD3 trainer: LoRA (or full fine-tuning), classifier-free guidance (the unconditional
-branch without graph), KL to the reference (LoRA off, or a frozen copy), bf16 autocast on a GPU with
-the SDE math in fp32, gradient checkpointing, AdamW, clipping, an EMA, advantages over groups
-gathered from every rank (docs/flow_grpo.md lists what differs). An epoch is one rollout of
---prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is one of its
---num-steps. The loop is train() (section 6). Any StableDiffusion3Pipeline saved with
-save_pretrained trains here, e.g. the one lab/mini_sd3.py builds and pretrains on a CPU.
+As Flow-GRPO: LoRA (or full fine-tuning), classifier-free guidance (the unconditional branch without graph), KL to
+the reference, bf16 autocast on a GPU with the SDE math in fp32, gradient checkpointing, AdamW, an EMA, advantages
+over groups gathered from every rank (docs/flow_grpo.md lists what differs). An epoch is one rollout of
+--prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is one of its --num-steps.
+The model lives in ONE marked block (section 2): a new family edits that block. The loop is train() (section 6).
+Any StableDiffusion3Pipeline saved with save_pretrained trains here, e.g. the one lab/mini_sd3.py builds on a CPU.
 """
 
 import argparse
@@ -27,7 +24,6 @@ import io
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -46,54 +42,62 @@ from jagg_options import all_gather_cat
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
 
-def flag(default, help, choices=None):
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+# The ranges a flag may declare, as its error message and --help say them.
+RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2, "> 0": lambda v: v > 0,
+          "in (0, 1]": lambda v: 0 < v <= 1, "in (0, 1)": lambda v: 0 < v < 1}
+
+def flag(default, help, must=None, choices=None):
+    return dataclasses.field(default=default, metadata={"help": help, "must": must, "choices": choices})
 
 @dataclass
 class Config:
     model: str = flag("stabilityai/stable-diffusion-3.5-medium", "diffusers StableDiffusion3Pipeline: hub id or folder")
     prompts: str = flag("", "text file, one prompt a line; empty: a small built-in list")
     reward: str = flag("jpeg_compressibility", "a name in REWARDS, module:function, or a CLIP folder (PickScore)")
-    resolution: int = flag(0, "image size in pixels; 0: 512 (Flow-GRPO's), or the model's own if smaller")
-    out: str = flag("runs/sd", "output folder, one run's: config.json, metrics.jsonl, samples_*.png, weights, checkpoints/")
+    resolution: int = flag(0, "image size in pixels, a multiple of 16; 0: 512 (Flow-GRPO's), or the model's if smaller")
+    out: str = flag("runs/sd", "output folder, one run's: config.json, metrics.jsonl, samples_*.png, weights, checkpoint.pt")
     resume: str = flag("", "continue the run in this folder, writing there, with its flags; only --epochs (more), "
                            "--eval-every and --out may change")
     overwrite: bool = flag(False, "start afresh in an --out that holds a run, deleting that run's files")
-    seed: int = flag(0, "random seed; each rank adds its rank to the sampling seed")
-    method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg", ["exact", "jagg"])
+    seed: int = flag(0, "random seed; each rank adds its rank to the sampling seed", ">= 0")
+    method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg", choices=["exact", "jagg"])
     benchmark: bool = flag(False, "time exact vs JAGG in one process, write --out/benchmark.json, and exit")
-    epochs: int = flag(100, "GRPO epochs, each a rollout and then its optimizer steps")
-    num_steps: int = flag(10, "T, sampling steps of a rollout (Flow-GRPO's 10)")
-    timestep_fraction: float = flag(0.99, "train the first int(T x this) steps (Flow-GRPO's 0.99: 9 of 10)")
+    epochs: int = flag(100, "GRPO epochs, each a rollout and then its optimizer steps", ">= 1")
+    num_steps: int = flag(10, "T, sampling steps of a rollout (Flow-GRPO's 10)", ">= 2")
+    timestep_fraction: float = flag(0.99, "train the first int(T x this) steps (Flow-GRPO's 0.99: 9 of 10)", "in (0, 1]")
     sigma_schedule: str = flag("scheduler", "the pipeline scheduler's sigmas, or jagg.sigma_schedule's (linear)",
-                               ["scheduler", "linear"])
-    sde_window: int = flag(0, "K > 0: only K steps in a row are SDE and trained, from a random step (Flow-GRPO-Fast)")
+                               choices=["scheduler", "linear"])
+    sde_window: int = flag(0, "K > 0: only K steps in a row are SDE and trained, from a random step (Flow-GRPO-Fast)",
+                           ">= 0")
     sde_range_end: int = flag(0, "the SDE window lies in steps 0 .. this - 1; 0: T - 1 (the last step stays ODE)")
-    guidance_scale: float = flag(4.5, "classifier-free guidance v_u + scale (v_c - v_u); 1: none")
-    noise_level: float = flag(0.7, "a, Flow-GRPO's SDE noise level: std_t = a sqrt(sigma / (1 - sigma))")
-    prompts_per_epoch: int = flag(2, "prompts sampled each epoch, the same on every rank")
-    group_size: int = flag(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt")
-    train_batch: int = flag(4, "samples per micro-batch (one forward and backward); rollouts run in these too")
-    steps_per_epoch: int = flag(2, "optimizer steps an epoch, zero advantages dropped (Flow-GRPO's); 0: one a micro-batch")
-    lr: float = flag(3e-4, "AdamW learning rate (Flow-GRPO's geneval_sd3)")
-    clip_range: float = flag(1e-4, "GRPO's ratio clip range (Flow-GRPO's)")
-    beta: float = flag(0.04, "KL weight to the reference model (0: no reference forward)")
+    guidance_scale: float = flag(4.5, "classifier-free guidance v_u + scale (v_c - v_u); 1: none", ">= 1")
+    noise_level: float = flag(0.7, "a, Flow-GRPO's SDE noise level: std_t = a sqrt(sigma / (1 - sigma))", "in (0, 1]")
+    prompts_per_epoch: int = flag(2, "prompts sampled each epoch, the same on every rank", ">= 1")
+    group_size: int = flag(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt", ">= 1")
+    train_batch: int = flag(4, "samples per micro-batch (one forward and backward); rollouts run in these too", ">= 1")
+    steps_per_epoch: int = flag(2, "optimizer steps an epoch, zero advantages dropped (Flow-GRPO's); 0: one a "
+                                   "micro-batch", ">= 0")
+    lr: float = flag(3e-4, "AdamW learning rate (Flow-GRPO's geneval_sd3)", "> 0")
+    clip_range: float = flag(1e-4, "GRPO's ratio clip range (Flow-GRPO's)", "in (0, 1)")
+    beta: float = flag(0.04, "KL weight to the reference model (0: no reference forward)", ">= 0")
     global_std: bool = flag(True, "advantages over the std of all the epoch's rewards (Flow-GRPO's), else each group's")
-    lora_rank: int = flag(32, "LoRA rank on the attention projections (alpha 2 x rank); 0: full fine-tuning")
+    lora_rank: int = flag(32, "LoRA rank on the attention projections (alpha 2 x rank); 0: full fine-tuning", ">= 0")
     gradient_checkpointing: bool = flag(True, "recompute activations in the backward pass to save memory")
     ema: bool = flag(True, "keep an EMA of the trained weights: evaluated and saved (Flow-GRPO's)")
-    eval_every: int = flag(10, "every N epochs and at the last: evaluate on fixed prompts and noise, checkpoint")
-    eval_samples: int = flag(8, "samples per evaluation: the prompt list in order, cycled")
+    eval_every: int = flag(10, "every N epochs and at the last: evaluate on fixed prompts and noise, checkpoint", ">= 1")
+    eval_samples: int = flag(8, "samples per evaluation: the prompt list in order, cycled", ">= 1")
     fsdp: bool = flag(False, "under torchrun, shard the transformer with FSDP2 (else DDP)")
     window: int = flag(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
     jagg_frac: float = flag(1.0, "the share of windows (the most linear by --route) JAGG takes; the rest exact")
-    anchors: str = flag("window", "window: the paper's; shared: windows share end steps", list(jagg_options.ANCHOR_MODES))
+    anchors: str = flag("window", "window: the paper's; shared: windows share end steps",
+                        choices=list(jagg_options.ANCHOR_MODES))
     interior: str = flag("forward", "interiors from a no-graph forward (the paper's), or the rollout's",
-                         list(jagg_options.INTERIOR_MODES))
-    weights: str = flag("time", "interpolation weights by t (the paper's) or by step index", list(jagg_options.WEIGHTS))
+                         choices=list(jagg_options.INTERIOR_MODES))
+    weights: str = flag("time", "interpolation weights by t (the paper's) or by step index",
+                        choices=list(jagg_options.WEIGHTS))
     max_graph_rows: int = flag(None, "at most this many anchor rows in a graph at once: same gradient, less memory")
-    route: str = flag("velocity", "JAGG's windows by velocity linearity or by the probe", list(jagg_options.ROUTES))
-    probe_every: int = flag(0, "every N epochs, measure JAGG's gradient against exact on one micro-batch; 0: off")
+    route: str = flag("velocity", "JAGG's windows by velocity linearity or by the probe", choices=list(jagg_options.ROUTES))
+    probe_every: int = flag(0, "every N epochs, measure JAGG's gradient against exact on one micro-batch; 0: off", ">= 0")
 
     def jagg_options(self, method=None):
         """The JaggOptions of these flags; method "exact" trains every window exactly."""
@@ -105,29 +109,23 @@ class Config:
         return self.sde_window or int(self.num_steps * self.timestep_fraction)
 
     def ranges(self):
-        """(ok, flag, what it must be): each flag's range, declared once (the JAGG flags' in jagg_options)."""
-        return [(self.seed >= 0, "seed", ">= 0"), (self.epochs >= 1, "epochs", ">= 1"),
-                (self.resolution == 0 or self.resolution % 16 == 0 < self.resolution, "resolution",
-                 "0 or a multiple of 16 (the VAE's 8x times the 2x2 patches)"), (self.num_steps >= 2, "num_steps", ">= 2"),
-                (0 < self.timestep_fraction <= 1, "timestep_fraction", "in (0, 1]"),
-                (self.sde_window >= 0, "sde_window", ">= 0"), (self.guidance_scale >= 1, "guidance_scale", ">= 1"),
-                (0 <= self.sde_range_end <= self.num_steps, "sde_range_end", f"in [0, --num-steps {self.num_steps}]"),
-                (0 < self.noise_level <= 1, "noise_level", "in (0, 1]"), (self.group_size >= 1, "group_size", ">= 1"),
-                (self.prompts_per_epoch >= 1, "prompts_per_epoch", ">= 1"), (self.train_batch >= 1, "train_batch", ">= 1"),
-                (self.steps_per_epoch >= 0, "steps_per_epoch", ">= 0"), (self.lr > 0, "lr", "> 0"),
-                (0 < self.clip_range < 1, "clip_range", "in (0, 1)"), (self.beta >= 0, "beta", ">= 0"),
-                (self.lora_rank >= 0, "lora_rank", ">= 0"), (self.eval_every >= 1, "eval_every", ">= 1"),
-                (self.eval_samples >= 1, "eval_samples", ">= 1"), (self.probe_every >= 0, "probe_every", ">= 0")]
+        """(ok, flag, what it must be) of each flag declared with a range (the JAGG flags': jagg_options')."""
+        return [(RANGES[f.metadata["must"]](getattr(self, f.name)), f.name, f.metadata["must"])
+                for f in dataclasses.fields(self) if f.metadata["must"]]
 
     def checks(self):
         """(ok, message) of the checks that need more than one flag, or the file system."""
         T, end, world = self.trained_steps(), self.sde_range_end or self.num_steps - 1, int(os.environ.get("WORLD_SIZE", 1))
         local = self.model.startswith((".", "/", "~")) or os.path.exists(self.model) or self.model.count("/") != 1
         return [
+            (self.resolution % 16 == 0 <= self.resolution, f"--resolution must be 0 or a multiple of 16 (the VAE's 8x "
+                                                           f"times the 2x2 patches), got {self.resolution}"),
+            (0 <= self.sde_range_end <= self.num_steps, f"--sde-range-end must be in [0, --num-steps {self.num_steps}], "
+                                                        f"got {self.sde_range_end}"),
             (T >= 1, f"--timestep-fraction {self.timestep_fraction} trains none of the {self.num_steps} steps: raise it"),
             (self.window <= max(T, 2), f"--window {self.window} is longer than the {T} trained steps: use --window <= {T}"),
             (self.sde_window <= end, f"--sde-window {self.sde_window} does not fit in steps 0 to {end - 1}: use a "
-                                     f"smaller window or a larger --sde-range-end"),
+                                     "smaller window or a larger --sde-range-end"),
             (self.route != "probe" or self.probe_every, "--route probe needs the probe: give --probe-every N >= 1"),
             (not self.probe_every or self.train_batch >= 2, "the probe halves a micro-batch: use --train-batch >= 2"),
             (self.group_size >= 2 or world > 1, f"--group-size must be >= 2 on one process (advantages compare a "
@@ -136,10 +134,10 @@ class Config:
                                                          "--nproc_per_node N train_sd.py --fsdp ..."),
             (not (self.fsdp and self.benchmark), "--benchmark times one process: leave out --fsdp"),
             (not (self.resume and self.overwrite), "--resume continues a run, --overwrite deletes it: give one"),
-            (not self.resume or latest_checkpoint(self.resume), f"--resume {self.resume!r} holds no complete "
-                                                                f"checkpoint (checkpoints/epoch_*/complete.json)"),
-            (not self.resume or self.out in (Config.out, self.resume), f"--resume writes where the run is: drop --out "
-                                                                       f"{self.out!r} or give --out {self.resume!r}"),
+            (not self.resume or os.path.isfile(checkpoint_path(self.resume)),
+             f"--resume {self.resume!r} holds no checkpoint ({checkpoint_path(self.resume)}): give a run's folder"),
+            (not self.resume or self.out in (Config.out, self.resume),
+             f"--resume writes where the run is: drop --out {self.out!r} or give --out {self.resume!r}"),
             (not self.prompts or os.path.isfile(self.prompts), f"--prompts file {self.prompts!r} does not exist"),
             (not self.prompts or not os.path.isfile(self.prompts) or bool(read_prompts(self)),
              f"--prompts file {self.prompts!r} has no prompts (one a line)"),
@@ -159,19 +157,19 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        name, meta = "--" + f.name.replace("_", "-"), f.metadata
+        name, m = "--" + f.name.replace("_", "-"), f.metadata
         if f.type is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=m["help"])
         else:
-            parser.add_argument(name, type=f.type, default=f.default, choices=meta["choices"], help=meta["help"])
+            parser.add_argument(name, type=f.type, default=f.default, choices=m["choices"], help=m["help"])
     return Config(**vars(parser.parse_args(argv)))
 
-def fail(message):
+def fail(message):  # one line, no traceback
     raise SystemExit(f"error: {message}")
 
 def validate(cfg):
-    """Every bad value ends the run here, in one line that names it, before any model loads. Returns
-    cfg with --out set to --resume's folder and --resolution resolved for a model folder."""
+    """Every bad value ends the run here in one line naming it, before any model loads. Returns cfg with --out
+    set to --resume's folder and --resolution resolved from a model folder."""
     for f in dataclasses.fields(cfg):
         if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name)):
             fail(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(cfg, f.name)}")
@@ -187,7 +185,7 @@ def validate(cfg):
             fail(message)
     cfg = dataclasses.replace(cfg, out=cfg.resume or cfg.out, resolution=cfg.benchmark and cfg.resolution or model_resolution(cfg))
     if cfg.resume:  # the checkpoint's resolved flags: any that changes what is trained is refused
-        saved = read_json(os.path.join(latest_checkpoint(cfg.resume), "state.json"))
+        saved = read_checkpoint(cfg.resume, mmap=True)
         differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)} differs from the run's {v}" for k, v in saved["config"].items()
                   if k not in RESUMABLE and getattr(cfg, k, v) != v and not (k == "resolution" and not cfg.resolution)]
         if differ:
@@ -197,18 +195,10 @@ def validate(cfg):
                  f"{saved['epoch']}")
     if not cfg.benchmark:
         load_reward(cfg.reward, check_only=True)
-    try:  # can --out be written? A temporary entry in it, or in its nearest existing parent
-        existing = os.path.abspath(cfg.out)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        tempfile.TemporaryDirectory(dir=existing, prefix=".write-check-").cleanup()
-    except OSError as e:
-        fail(f"--out {cfg.out!r} cannot be created or written to ({e.strerror or e}); pass a writable folder")
     return cfg
 
 def model_resolution(cfg):
-    """--resolution resolved and checked against the model folder's configs (json only, no weights):
-    a pipeline without a transformer, a broken model_index.json, a size past the model's limit end here."""
+    """--resolution resolved and checked from the model folder's json configs (no weights are read)."""
     path = os.path.expanduser(cfg.model)
     if not os.path.isfile(os.path.join(path, "model_index.json")):
         return cfg.resolution  # a hub id: resolved once loaded
@@ -235,25 +225,30 @@ def read_prompts(cfg):
     except UnicodeDecodeError:
         fail(f"--prompts file {cfg.prompts!r} is not UTF-8 text: give a text file, one prompt a line")
 
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "lora.safetensors", "transformer.safetensors")
+
 def claim_out(cfg):
-    """The run folder belongs to this run (rank 0's lock file, held until the process exits): a folder in
-    use by another process, or holding another run without --resume or --overwrite, is refused."""
-    os.makedirs(cfg.out, exist_ok=True)
-    lock = open(os.path.join(cfg.out, ".lock"), "a+")
+    """Rank 0 locks --out until the run ends: a folder it cannot write, one in use, or one holding a run without
+    --resume or --overwrite is refused. A killed save's temporary files go (with --overwrite, the old run's too)."""
+    try:
+        os.makedirs(cfg.out, exist_ok=True)
+        lock = open(os.path.join(cfg.out, ".lock"), "a+")
+    except OSError as e:
+        fail(f"--out {cfg.out!r} cannot be created or written to ({e.strerror or e}); pass a writable folder")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         fail(f"--out {cfg.out!r} is in use by another run (it holds {cfg.out}/.lock): wait for it, or pick another folder")
-    run_files = ["config.json", "metrics.jsonl", "summary.json", "checkpoints", "lora.safetensors", "transformer.safetensors"]
-    found = [name for name in run_files if os.path.exists(os.path.join(cfg.out, name))]
+    if cfg.benchmark:  # writes benchmark.json alone
+        return lock
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(cfg.out, name))]
     if found and not cfg.resume and not cfg.overwrite:
-        lock.close()
+        lock.close()  # a run in this process may claim the folder next
         fail(f"--out {cfg.out!r} holds a run ({', '.join(found)}): continue it with --resume {cfg.out}, start afresh "
              f"with --overwrite, or pick another folder")
-    if cfg.overwrite:
-        for name in run_files + [n for n in os.listdir(cfg.out) if n.startswith("samples_") and n.endswith(".png")]:
-            path = os.path.join(cfg.out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
+    for name in os.listdir(cfg.out):
+        if name.startswith(".tmp-") or cfg.overwrite and (name in RUN_FILES or name.startswith("samples_")):
+            os.remove(os.path.join(cfg.out, name))
     return lock
 
 
@@ -265,13 +260,13 @@ def load_pipeline(cfg, device, dtype):
 
     path, absent = os.path.expanduser(cfg.model), {}  # parts saved as [null, null] (no T5, say) are passed as None
     if os.path.isfile(os.path.join(path, "model_index.json")):
-        absent = {k: None for k, v in json.load(open(os.path.join(path, "model_index.json"))).items()
+        absent = {k: None for k, v in read_json(os.path.join(path, "model_index.json")).items()
                   if isinstance(v, list) and v[0] is None}
     try:
         pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, **absent)
     except Exception as e:
-        raise SystemExit(f"error: could not load --model {cfg.model!r} ({type(e).__name__}: {str(e)[:300]}); pass a "
-                         f"folder saved with save_pretrained, or a hub id on a machine with network") from None
+        fail(f"could not load --model {cfg.model!r} ({type(e).__name__}: {str(e)[:300]}); pass a folder saved with "
+             f"save_pretrained, or a hub id on a machine with network")
     pipe.set_progress_bar_config(disable=True)
     for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
         if module is not None:
@@ -399,8 +394,8 @@ def load_reward(name, device="cpu", check_only=False):
         module, function = name.split(":")
         return getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError, ValueError) as e:
-        raise SystemExit(f"error: --reward {name!r} is none of {', '.join(REWARDS)}, no folder, and no importable "
-                         f"module:function ({type(e).__name__}: {e})") from None
+        fail(f"--reward {name!r} is none of {', '.join(REWARDS)}, no folder, and no importable module:function "
+             f"({type(e).__name__}: {e})")
 
 def pickscore(folder, device):
     """PickScore's reward: logit_scale * cos(image embedding, text embedding) of the CLIP model in folder."""
@@ -479,11 +474,11 @@ def sample_grid(images, prompts, rewards, cell=96):
     return grid
 
 
-# === 5. Files: atomic writes, and checkpoints OUT/checkpoints/epoch_N/, whole or ignored ===
+# === 5. Files: atomic writes, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
 
 def atomic_write(path, write_fn, mode="w"):
-    """Write through write_fn(file) into a temporary file beside path, then rename: a reader (or a
-    killed run) sees the old file or the new one, never half of one."""
+    """Write through write_fn(file) into a temporary file beside path, then rename: a reader (or a killed
+    run) sees the old file or the new one, never half of one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
     try:
@@ -528,17 +523,14 @@ def as_param(w, p):
     w = w.to(p.device, p.dtype)
     return distribute_tensor(w, p.device_mesh, p.placements) if isinstance(p, DTensor) else w
 
-def latest_checkpoint(run):
-    """The newest complete checkpoint folder of a run (complete.json is written last), or None."""
-    root = os.path.join(run, "checkpoints")
-    done = sorted(n for n in os.listdir(root) if n.startswith("epoch_")
-                  and os.path.isfile(os.path.join(root, n, "complete.json"))) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
+def checkpoint_path(run):
+    return os.path.join(run, "checkpoint.pt")
+
+CHECKPOINT_KEYS = {"epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer"}
 
 def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
-    """Every rank gathers the state (FSDP's shards); rank 0 writes OUT/checkpoints/epoch_N/ into a
-    temporary folder, complete.json (each file's size) last, then renames it: a kill at any instant
-    leaves the newest complete checkpoint. The two newest stay. The optimizer's state is keyed by name."""
+    """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically, then the weights
+    for users. The optimizer state is keyed by parameter name; tensors and plain data only (weights_only loads)."""
     from safetensors.torch import save
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -546,66 +538,24 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe
                                                                                        cpu_offload=True))
     whole = lambda tensors: {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().contiguous()  # noqa: E731
                              for n, t in tensors.items()}
-    weights, ema = whole(trainable(transformer)), ema and whole(ema)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    root = os.path.join(out, "checkpoints")
-    final, tmp = os.path.join(root, f"epoch_{epoch:06d}"), os.path.join(root, f".tmp-epoch_{epoch:06d}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name, state in (("weights", weights), ("ema", ema)):
-        if state:
-            with open(os.path.join(tmp, f"{name}.safetensors"), "wb") as f:
-                f.write(save(state))
-    torch.save(optim, os.path.join(tmp, "optimizer.pt"))  # tensors and numbers only: loaded with weights_only
-    write_jsonl(os.path.join(tmp, "metrics.jsonl"), rows)
-    write_json(os.path.join(tmp, "state.json"), {"epoch": epoch, "config": config, "probe_average": probe_average})
-    write_json(os.path.join(tmp, "complete.json"), {n: os.path.getsize(os.path.join(tmp, n)) for n in os.listdir(tmp)})
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in sorted(n for n in os.listdir(root) if n.startswith("epoch_"))[:-2]:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(ema or weights)), "wb")
+    state = dict(epoch=epoch, config=config, rows=rows, probe_average=probe_average, weights=whole(trainable(transformer)),
+                 ema=ema and whole(ema), optimizer=optim)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        atomic_write(checkpoint_path(out), lambda f: torch.save(state, f), "wb")
+        atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(state["ema"] or state["weights"])), "wb")
 
-def check_checkpoint(ckpt, cfg):
-    """Every file a resume reads, before any model loads: one line naming a missing or cut one, or missing rows."""
-    sizes = read_json(os.path.join(ckpt, "complete.json"))
-    for name in ["weights.safetensors", "optimizer.pt", "metrics.jsonl", "state.json"] + ["ema.safetensors"] * cfg.ema:
-        path = os.path.join(ckpt, name)
-        size = os.path.getsize(path) if os.path.isfile(path) else None
-        if name not in sizes or size != sizes[name]:
-            fail(f"cannot resume: {path} is missing or cut ({size} bytes, {sizes.get(name)} written); remove {ckpt} "
-                 f"to resume from the checkpoint before it")
-    epoch = read_json(os.path.join(ckpt, "state.json"))["epoch"]
+def read_checkpoint(run, mmap=False):
+    """The checkpoint's dict, loaded safely (weights_only); an unreadable file ends the run in one line naming it."""
+    path = checkpoint_path(run)
     try:
-        rows = [json.loads(line) for line in open(os.path.join(ckpt, "metrics.jsonl"))]
-    except ValueError as e:
-        fail(f"cannot resume: {ckpt}/metrics.jsonl is unreadable ({e})")
-    if [r["epoch"] for r in rows if r["epoch"]] != list(range(1, epoch + 1)):
-        fail(f"cannot resume: {ckpt}/metrics.jsonl lacks rows of epochs 1 to {epoch}")
-
-def load_checkpoint(ckpt, transformer, optimizer):
-    """(epoch, EMA laid out as the parameters, metrics rows, probe average) of the checkpoint folder ckpt,
-    whose weights and optimizer state are loaded; an unreadable file ends the run in one line naming it."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    def read(name, load):
-        try:
-            return load(os.path.join(ckpt, name))
-        except Exception as e:
-            fail(f"cannot resume: {ckpt}/{name} is unreadable ({type(e).__name__}: {str(e)[:200]}); remove {ckpt} to "
-                 f"resume from the checkpoint before it")
-
-    params, state = trainable(transformer), read_json(os.path.join(ckpt, "state.json"))
-    read("weights.safetensors", lambda path: load_weights(transformer, load_file(path)))
-    read("optimizer.pt", lambda path: set_optimizer_state_dict(transformer, optimizer, torch.load(path, weights_only=True),
-                                                              options=StateDictOptions(full_state_dict=True)))
-    ema = read("ema.safetensors", lambda path: {n: as_param(w, params[n]) for n, w in load_file(path).items()}
-               ) if state["config"]["ema"] else None
-    rows = [{k: math.nan if v is None else v for k, v in json.loads(line).items()}  # null was NaN
-            for line in open(os.path.join(ckpt, "metrics.jsonl"))]
-    return state["epoch"], ema, rows, state.get("probe_average")
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        missing = CHECKPOINT_KEYS - set(ckpt if isinstance(ckpt, dict) else ())
+        if missing:
+            raise ValueError(f"it has no {', '.join(sorted(missing))}")
+    except Exception as e:
+        fail(f"cannot resume: {path} is not a whole train_sd.py checkpoint ({type(e).__name__}: {str(e)[:200]}); "
+             "start afresh with --overwrite")
+    return ckpt
 
 
 # === 6. Training: the whole loop, from rollout to optimizer step ===
@@ -645,12 +595,17 @@ def epoch_metrics(stats):
             row[f"train/{key}"] = mean(key)
     return row
 
+def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs on the CPU in fp32)
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+
 def train(cfg):
     """One run (--method exact or jagg). Returns (metrics rows, summary)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     rank, world = jagg_options.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    use_bf16 = device.type == "cuda"  # bf16 autocast on a GPU; CUDA_VISIBLE_DEVICES= runs on the CPU in fp32
+    device = pick_device()
+    use_bf16 = device.type == "cuda"  # bf16 autocast on a GPU
     torch.cuda.set_device(device) if use_bf16 else None
     prompts_all, reward_fn = read_prompts(cfg), load_reward(cfg.reward, device)
     pipe, transformer = load_pipeline(cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
@@ -660,23 +615,26 @@ def train(cfg):
     if cfg.lora_rank == 0 and cfg.beta > 0:
         ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
     if cfg.fsdp:  # weights, gradients and optimizer state sharded over the ranks; the reference too
-        shard_transformer(transformer)
-        if ref_transformer is not None:
-            shard_transformer(ref_transformer)
+        for module in filter(None, (transformer, ref_transformer)):
+            shard_transformer(module)
     params = list(trainable(transformer).values())
     net = transformer if cfg.fsdp or world == 1 else torch.nn.parallel.DistributedDataParallel(
         transformer, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=FIXED["weight_decay"])
     ema = {n: p.detach().clone() for n, p in trainable(transformer).items()} if cfg.ema else None
     start_epoch, rows, probe_avg = 0, [], None
-    if cfg.resume:
-        start_epoch, saved_ema, rows, probe_avg = load_checkpoint(latest_checkpoint(cfg.resume), transformer, optimizer)
-        ema = saved_ema if cfg.ema else ema
+    if cfg.resume:  # where the run stopped: its weights, optimizer state, EMA, metrics rows and probe average
+        ckpt = read_checkpoint(cfg.resume)
+        load_weights(transformer, ckpt["weights"])
+        set_optimizer_state_dict(transformer, optimizer, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+        ema = ema and {n: as_param(ckpt["ema"][n], p) for n, p in trainable(transformer).items()}
+        start_epoch, rows, probe_avg = ckpt["epoch"], ckpt["rows"], ckpt["probe_average"]
     config = {**dataclasses.asdict(cfg), "fixed": FIXED}
     if rank == 0:
         write_json(os.path.join(cfg.out, "config.json"), config)
         print("config: " + json.dumps(config))
-        print(f"trainable parameters: {sum(p.numel() for p in params):,}; device {device}; bf16 {use_bf16}; world {world}")
+        print(f"trainable parameters: {sum(p.numel() for p in params):,}; device {device}; bf16 {use_bf16}; "
+              f"world {world}")
 
     sigmas = sampling_sigmas(cfg, pipe.scheduler).to(device)  # [T+1]
     # jagg's contract, checked before training: v of z's shape, equal calls equal, S steps at once = S single
@@ -829,8 +787,6 @@ def train(cfg):
               f"({cfg.eval_samples} samples), training {summary['train_seconds']:.0f} s (backward "
               f"{summary['backward_seconds']:.0f} s), outputs in {cfg.out}/")
     return rows, summary
-
-
 # === 7. A run's summary ===
 
 def summarize(cfg, rows):
@@ -857,32 +813,30 @@ def summarize(cfg, rows):
 # === 8. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
 
 def benchmark(cfg, repeats=5):
-    """Exact vs the flags' JAGG mode: one training step as train() runs it, on a random transformer of
-    --model's shape (the timing does not depend on the weights). Interleaved repeats after a warm-up; medians."""
+    """Exact vs the flags' JAGG mode, one training step each as train() runs it, on a random transformer of
+    --model's shape (the timing does not depend on the weights): interleaved repeats after a warm-up, medians."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    use_bf16, local = device.type == "cuda", os.path.isdir(os.path.expanduser(cfg.model))
-    torch.manual_seed(cfg.seed)
+    device, local = pick_device(), os.path.isdir(os.path.expanduser(cfg.model))
+    use_bf16, B = device.type == "cuda", cfg.train_batch
     name = cfg.model if local else "SD3.5-medium" if use_bf16 else "SD3 reduced for a CPU"
-    config = SD3Transformer2DModel.load_config(os.path.expanduser(cfg.model), subfolder="transformer") if local else (
-        SD35_MEDIUM if use_bf16 else SD3_CPU)
+    torch.manual_seed(cfg.seed)
     with torch.device(device):  # initialised where it runs: 2.24B parameters take seconds on a GPU
-        transformer = SD3Transformer2DModel.from_config(config).to(dtype=torch.bfloat16 if use_bf16 else torch.float32)
-    if cfg.lora_rank:
-        add_lora(transformer, cfg.lora_rank)
-    if cfg.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    tc, B, h = transformer.config, cfg.train_batch, (cfg.resolution or min(512, transformer.config.sample_size * 8)) // 8
-    cond, uncond = ((torch.randn(B, 77, tc.joint_attention_dim, device=device),
+        transformer = SD3Transformer2DModel.from_config(SD3Transformer2DModel.load_config(os.path.expanduser(
+            cfg.model), subfolder="transformer") if local else SD35_MEDIUM if use_bf16 else SD3_CPU)
+    transformer.to(dtype=torch.bfloat16 if use_bf16 else torch.float32)
+    add_lora(transformer, cfg.lora_rank) if cfg.lora_rank else None
+    transformer.enable_gradient_checkpointing() if cfg.gradient_checkpointing else None
+    tc, h = transformer.config, (cfg.resolution or min(512, transformer.config.sample_size * 8)) // 8  # latents' side
+    cond, uncond = ((torch.randn(B, 77, tc.joint_attention_dim, device=device),  # ([B, L, E], [B, P])
                      torch.randn(B, tc.pooled_projection_dim, device=device)) for _ in range(2))
     velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)
     sigmas = sampling_sigmas(cfg, FlowMatchEulerDiscreteScheduler(shift=3.0)).to(device)  # [T+1], SD3's
-    noise = torch.randn(B, tc.in_channels, h, h, device=device)  # [B, C, h, w]
-    start, traj = time.perf_counter(), jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level)
-    rollout_s, adv, traj = time.perf_counter() - start, torch.randn(B, device=device), traj.first_steps(cfg.trained_steps())
+    start, noise = time.perf_counter(), torch.randn(B, tc.in_channels, h, h, device=device)  # [B, C, h, w]
+    traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level).first_steps(cfg.trained_steps())
+    rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)  # [B]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    runs = {"exact": [], "jagg": []}
+    runs = {"exact": [], "jagg": []}  # per repeat: (backward seconds, step seconds, rows with grad)
     for r in range(repeats + 1):  # round 0 warms up; the order alternates, so drift hits both alike
         for method in ("exact", "jagg")[:: 1 if r % 2 else -1]:
             transformer.zero_grad(set_to_none=True)
@@ -906,24 +860,22 @@ def benchmark(cfg, repeats=5):
     return result
 
 
-STOP = []  # the signals received: the run stops at the end of the epoch, checkpointed
+# === 9. The command line: validate, claim --out, train; Ctrl-C and SIGTERM stop at the epoch's end, checkpointed ===
 
+STOP = []  # the signals received
 
 def on_signal(signum, frame):
     STOP.append(signal.Signals(signum).name)
     signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)  # a second: now
 
-
 def main(argv=None):
     cfg = validate(parse(argv))
-    if cfg.benchmark:
-        return benchmark(cfg)
-    if cfg.resume:
-        check_checkpoint(latest_checkpoint(cfg.resume), cfg)
     lock = claim_out(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
     STOP.clear()
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if cfg.benchmark:
+            return benchmark(cfg)
         rows, summary = train(cfg)
     finally:
         for s, handler in previous.items():
