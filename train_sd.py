@@ -6,12 +6,9 @@
     python train_sd.py --method exact --out E; python train_sd.py --method jagg --out J
     python lab/compare_runs.py E J --out DIR            # JAGG against exact GRPO: reward kept, speedups
 
-As Flow-GRPO: LoRA (or full fine-tuning), classifier-free guidance (the unconditional branch without graph), KL to
-the reference, bf16 autocast on a GPU with the SDE math in fp32, gradient checkpointing, AdamW, an EMA, advantages
-over groups gathered from every rank (docs/flow_grpo.md lists what differs). An epoch is one rollout of
---prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is one of its --num-steps.
-The model lives in ONE marked block (section 2): a new family edits that block. The loop is train() (section 6).
-Any StableDiffusion3Pipeline saved with save_pretrained trains here, e.g. the one lab/mini_sd3.py builds on a CPU.
+An epoch is one rollout of --prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is
+one of its --num-steps. The loop is train() (section 6); the model is ONE marked block (section 2), the only SD3
+code. docs/flow_grpo.md lists what differs from Flow-GRPO's trainer.
 """
 
 import argparse
@@ -28,7 +25,6 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,15 +45,14 @@ RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: 
 def flag(default, help, must=None, choices=None):
     return dataclasses.field(default=default, metadata={"help": help, "must": must, "choices": choices})
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     model: str = flag("stabilityai/stable-diffusion-3.5-medium", "diffusers StableDiffusion3Pipeline: hub id or folder")
     prompts: str = flag("", "text file, one prompt a line; empty: a small built-in list")
     reward: str = flag("jpeg_compressibility", "a name in REWARDS, module:function, or a CLIP folder (PickScore)")
     resolution: int = flag(0, "image size in pixels, a multiple of 16; 0: 512 (Flow-GRPO's), or the model's if smaller")
     out: str = flag("runs/sd", "output folder, one run's: config.json, metrics.jsonl, samples_*.png, weights, checkpoint.pt")
-    resume: str = flag("", "continue the run in this folder, writing there, with its flags; only --epochs (more), "
-                           "--eval-every and --out may change")
+    resume: str = flag("", "continue the run in this folder; only --epochs (more), --eval-every and --out may change")
     overwrite: bool = flag(False, "start afresh in an --out that holds a run, deleting that run's files")
     seed: int = flag(0, "random seed; each rank adds its rank to the sampling seed", ">= 0")
     method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg", choices=["exact", "jagg"])
@@ -65,18 +60,15 @@ class Config:
     epochs: int = flag(100, "GRPO epochs, each a rollout and then its optimizer steps", ">= 1")
     num_steps: int = flag(10, "T, sampling steps of a rollout (Flow-GRPO's 10)", ">= 2")
     timestep_fraction: float = flag(0.99, "train the first int(T x this) steps (Flow-GRPO's 0.99: 9 of 10)", "in (0, 1]")
-    sigma_schedule: str = flag("scheduler", "the pipeline scheduler's sigmas, or jagg.sigma_schedule's (linear)",
-                               choices=["scheduler", "linear"])
-    sde_window: int = flag(0, "K > 0: only K steps in a row are SDE and trained, from a random step (Flow-GRPO-Fast)",
-                           ">= 0")
+    sigma_schedule: str = flag("scheduler", "the pipeline's sigmas, or jagg.sigma_schedule's", choices=["scheduler", "linear"])
+    sde_window: int = flag(0, "K > 0: only K steps in a row, from a random one, are SDE and trained (Flow-GRPO-Fast)", ">= 0")
     sde_range_end: int = flag(0, "the SDE window lies in steps 0 .. this - 1; 0: T - 1 (the last step stays ODE)")
     guidance_scale: float = flag(4.5, "classifier-free guidance v_u + scale (v_c - v_u); 1: none", ">= 1")
     noise_level: float = flag(0.7, "a, Flow-GRPO's SDE noise level: std_t = a sqrt(sigma / (1 - sigma))", "in (0, 1]")
     prompts_per_epoch: int = flag(2, "prompts sampled each epoch, the same on every rank", ">= 1")
     group_size: int = flag(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt", ">= 1")
     train_batch: int = flag(4, "samples per micro-batch (one forward and backward); rollouts run in these too", ">= 1")
-    steps_per_epoch: int = flag(2, "optimizer steps an epoch, zero advantages dropped (Flow-GRPO's); 0: one a "
-                                   "micro-batch", ">= 0")
+    steps_per_epoch: int = flag(2, "optimizer steps an epoch, zero advantages dropped; 0: one a micro-batch", ">= 0")
     lr: float = flag(3e-4, "AdamW learning rate (Flow-GRPO's geneval_sd3)", "> 0")
     clip_range: float = flag(1e-4, "GRPO's ratio clip range (Flow-GRPO's)", "in (0, 1)")
     beta: float = flag(0.04, "KL weight to the reference model (0: no reference forward)", ">= 0")
@@ -89,14 +81,12 @@ class Config:
     fsdp: bool = flag(False, "under torchrun, shard the transformer with FSDP2 (else DDP)")
     window: int = flag(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
     jagg_frac: float = flag(1.0, "the share of windows (the most linear by --route) JAGG takes; the rest exact")
-    anchors: str = flag("window", "window: the paper's; shared: windows share end steps",
-                        choices=list(jagg_options.ANCHOR_MODES))
+    anchors: str = flag("window", "window: the paper's; shared: windows share end steps", choices=jagg_options.ANCHOR_MODES)
     interior: str = flag("forward", "interiors from a no-graph forward (the paper's), or the rollout's",
-                         choices=list(jagg_options.INTERIOR_MODES))
-    weights: str = flag("time", "interpolation weights by t (the paper's) or by step index",
-                        choices=list(jagg_options.WEIGHTS))
+                         choices=jagg_options.INTERIOR_MODES)
+    weights: str = flag("time", "interpolation weights by t (the paper's) or by step index", choices=jagg_options.WEIGHTS)
     max_graph_rows: int = flag(None, "at most this many anchor rows in a graph at once: same gradient, less memory")
-    route: str = flag("velocity", "JAGG's windows by velocity linearity or by the probe", choices=list(jagg_options.ROUTES))
+    route: str = flag("velocity", "JAGG's windows by velocity linearity or by the probe", choices=jagg_options.ROUTES)
     probe_every: int = flag(0, "every N epochs, measure JAGG's gradient against exact on one micro-batch; 0: off", ">= 0")
 
     def jagg_options(self, method=None):
@@ -138,9 +128,6 @@ class Config:
              f"--resume {self.resume!r} holds no checkpoint ({checkpoint_path(self.resume)}): give a run's folder"),
             (not self.resume or self.out in (Config.out, self.resume),
              f"--resume writes where the run is: drop --out {self.out!r} or give --out {self.resume!r}"),
-            (not self.prompts or os.path.isfile(self.prompts), f"--prompts file {self.prompts!r} does not exist"),
-            (not self.prompts or not os.path.isfile(self.prompts) or bool(read_prompts(self)),
-             f"--prompts file {self.prompts!r} has no prompts (one a line)"),
             (not local or os.path.isfile(os.path.join(os.path.expanduser(self.model), "model_index.json")),
              f"--model {self.model!r} is not a folder with a diffusers pipeline (model_index.json)")]
 
@@ -157,11 +144,8 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        name, m = "--" + f.name.replace("_", "-"), f.metadata
-        if f.type is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=m["help"])
-        else:
-            parser.add_argument(name, type=f.type, default=f.default, choices=m["choices"], help=m["help"])
+        kind = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type, choices=f.metadata["choices"])
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind)
     return Config(**vars(parser.parse_args(argv)))
 
 def fail(message):  # one line, no traceback
@@ -195,6 +179,7 @@ def validate(cfg):
                  f"{saved['epoch']}")
     if not cfg.benchmark:
         load_reward(cfg.reward, check_only=True)
+        read_prompts(cfg)  # a missing, binary or empty file ends here
     return cfg
 
 def model_resolution(cfg):
@@ -219,11 +204,13 @@ def read_json(path):
     except (OSError, ValueError) as e:
         fail(f"cannot read {path} ({type(e).__name__}: {str(e)[:200]}); repair or remove it")
 
-def read_prompts(cfg):
+def read_prompts(cfg):  # --prompts' lines, or the built-in list
     try:
-        return [line.strip() for line in open(cfg.prompts, encoding="utf-8") if line.strip()] if cfg.prompts else DEFAULT_PROMPTS
-    except UnicodeDecodeError:
-        fail(f"--prompts file {cfg.prompts!r} is not UTF-8 text: give a text file, one prompt a line")
+        prompts = [line.strip() for line in open(cfg.prompts, encoding="utf-8") if line.strip()] if cfg.prompts else DEFAULT_PROMPTS
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"--prompts file {cfg.prompts!r} " + ("does not exist" if isinstance(e, FileNotFoundError) else
+                                                   "is not UTF-8 text: give a text file, one prompt a line"))
+    return prompts or fail(f"--prompts file {cfg.prompts!r} has no prompts (one a line)")
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "lora.safetensors", "transformer.safetensors")
 
@@ -233,12 +220,11 @@ def claim_out(cfg):
     try:
         os.makedirs(cfg.out, exist_ok=True)
         lock = open(os.path.join(cfg.out, ".lock"), "a+")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fail(f"--out {cfg.out!r} is in use by another run (it holds {cfg.out}/.lock): wait for it, or pick another folder")
     except OSError as e:
         fail(f"--out {cfg.out!r} cannot be created or written to ({e.strerror or e}); pass a writable folder")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        fail(f"--out {cfg.out!r} is in use by another run (it holds {cfg.out}/.lock): wait for it, or pick another folder")
     if cfg.benchmark:  # writes benchmark.json alone
         return lock
     found = [name for name in RUN_FILES if os.path.exists(os.path.join(cfg.out, name))]
@@ -257,16 +243,14 @@ def claim_out(cfg):
 def load_pipeline(cfg, device, dtype):
     """(pipe, transformer): the pipeline frozen on device; trainable a LoRA, or every weight in fp32 (--lora-rank 0)."""
     from diffusers import StableDiffusion3Pipeline
-
-    path, absent = os.path.expanduser(cfg.model), {}  # parts saved as [null, null] (no T5, say) are passed as None
-    if os.path.isfile(os.path.join(path, "model_index.json")):
-        absent = {k: None for k, v in read_json(os.path.join(path, "model_index.json")).items()
-                  if isinstance(v, list) and v[0] is None}
-    try:
-        pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, **absent)
+    path = os.path.expanduser(cfg.model)
+    index = read_json(os.path.join(path, "model_index.json")) if os.path.isfile(os.path.join(path, "model_index.json")) else {}
+    try:  # parts saved as [null, null] (no T5, say) are passed as None
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, **{
+            k: None for k, v in index.items() if isinstance(v, list) and v[0] is None})
     except Exception as e:
         fail(f"could not load --model {cfg.model!r} ({type(e).__name__}: {str(e)[:300]}); pass a folder saved with "
-             f"save_pretrained, or a hub id on a machine with network")
+             "save_pretrained, or a hub id on a machine with network")
     pipe.set_progress_bar_config(disable=True)
     for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
         if module is not None:
@@ -280,21 +264,18 @@ def load_pipeline(cfg, device, dtype):
     return pipe, pipe.transformer
 
 def add_lora(transformer, rank):
-    """Flow-GRPO's LoRA (alpha = 2 x rank) on the attention projections of both streams; only it trains."""
+    """Flow-GRPO's LoRA (alpha = 2 x rank) on the attention projections of both streams, in fp32; only it trains."""
     from peft import LoraConfig
-
     transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian",
-                                       target_modules=["to_k", "to_q", "to_v", "to_out.0", "add_k_proj",
-                                                       "add_q_proj", "add_v_proj", "to_add_out"]))
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=[
+        "to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"]))
     for p in transformer.parameters():
         if p.requires_grad:
-            p.data = p.data.float()  # LoRA weights in fp32; the frozen base may stay in bf16
+            p.data = p.data.float()  # the frozen base may stay in bf16
 
 def shard_transformer(transformer):
     """FSDP2: each block one shard group, then the root, resharded after every forward."""
     from torch.distributed.fsdp import fully_shard
-
     for block in transformer.transformer_blocks:
         fully_shard(block)
     return fully_shard(transformer, reshard_after_forward=True)
@@ -314,7 +295,7 @@ def decode(pipe, latents):
     x = latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor + (pipe.vae.config.shift_factor or 0.0)
     images = pipe.vae.decode(x, return_dict=False)[0].float()  # [B, 3, H, W] in [-1, 1]
     finite = (torch.isfinite(images).flatten(1).all(1) & torch.isfinite(latents).flatten(1).all(1)).tolist()  # [B]
-    images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # [B, H, W, 3]
     pil = [Image.fromarray(im) for im in images]
     for im, ok in zip(pil, finite):
         im.info["finite"] = ok
@@ -325,7 +306,6 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond
     uncond: (prompt_embeds [B, L, E], pooled [B, P]), repeated as a block per step. The unconditional branch
     runs without graph as Flow-GRPO's current trainer (the gradient through s * v_c alone); uncond_grad:
     with graph, as its first release (the exact derivative s J_c - (s - 1) J_u)."""
-
     def velocity_fn(z, t):
         S, B = t.shape
         x = z.reshape(S * B, *z.shape[2:])  # [S*B, C, H, W]
@@ -339,29 +319,27 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond
                                       pooled_projections=uncond[1].repeat(S, 1), return_dict=False)[0]
                 v = v_u + guidance_scale * (v - v_u)  # [S*B, C, H, W]
         return v.to(z.dtype).reshape(z.shape)  # [S, B, C, H, W]: fp32 latents even under bf16 autocast
-
     return velocity_fn
 
 def make_ref_velocity_fn(transformer, ref_transformer, cond, uncond, guidance_scale, use_bf16):
     """The KL reference's velocity_fn: a frozen copy (full fine-tuning), or the transformer with its LoRA off."""
+    fn = make_velocity_fn(transformer if ref_transformer is None else ref_transformer, cond, uncond, guidance_scale, use_bf16)
     if ref_transformer is not None:
-        return make_velocity_fn(ref_transformer, cond, uncond, guidance_scale, use_bf16)
-    fn = make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16)
+        return fn
 
-    def ref_velocity_fn(z, t):
+    def lora_off(z, t):
         transformer.disable_adapters()
         try:
             return fn(z, t)
         finally:
             transformer.enable_adapters()
-    return ref_velocity_fn
+    return lora_off
 
 # --benchmark's transformers without weights: SD3.5-medium's (2.24B parameters) on a GPU, on a CPU a
 # reduced one of its kind (7.8M) that 2 cores time in minutes; or the shape of --model's folder.
 SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+                   out_channels=16, pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
 SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32, num_attention_heads=6,
                joint_attention_dim=192, caption_projection_dim=192, pooled_projection_dim=192, pos_embed_max_size=32,
                dual_attention_layers=(), qk_norm=None)
@@ -375,8 +353,7 @@ def jpeg_kb(image):
     image.save(buf, format="JPEG", quality=95)
     return buf.tell() / 1000
 
-def darkness(image):
-    """1 - the image's mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all."""
+def darkness(image):  # 1 - the mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all
     return 1 - int(np.asarray(image.convert("L"), dtype=np.int64).sum()) / (255 * image.width * image.height)
 
 # The built-in rewards: adding one is one line here. Any other is --reward module:function with the same
@@ -400,7 +377,6 @@ def load_reward(name, device="cpu", check_only=False):
 def pickscore(folder, device):
     """PickScore's reward: logit_scale * cos(image embedding, text embedding) of the CLIP model in folder."""
     from transformers import AutoModel, AutoProcessor
-
     processor, model = AutoProcessor.from_pretrained(folder), AutoModel.from_pretrained(folder).eval().to(device)
     unit = lambda out: torch.nn.functional.normalize(getattr(out, "pooler_output", out), dim=-1)  # noqa: E731
 
@@ -451,8 +427,7 @@ def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_
                                                       cfg.sde_window, generator=generator)
         trajs.append(traj), conds.append(cond), unconds.append(uncond)
         images += decode(pipe, final)
-    cond = tuple(torch.cat([c[i] for c in conds]) for i in range(2))  # ([B, L, E], [B, P])
-    uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
+    cond, uncond = (tuple(torch.cat([c[i] for c in cs]) for i in range(2)) for cs in (conds, unconds))  # [B, L, E], [B, P]
     return jagg_options.cat_trajectories(trajs), cond, uncond, images
 
 def evaluation_prompts(cfg, prompts_all):
@@ -477,8 +452,8 @@ def sample_grid(images, prompts, rewards, cell=96):
 # === 5. Files: atomic writes, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
 
 def atomic_write(path, write_fn, mode="w"):
-    """Write through write_fn(file) into a temporary file beside path, then rename: a reader (or a killed
-    run) sees the old file or the new one, never half of one."""
+    """Write through write_fn(file) into a temporary file beside path, then rename it over path: a reader (or a
+    killed run) sees the old file or the new one, never half of one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
     try:
@@ -491,23 +466,17 @@ def atomic_write(path, write_fn, mode="w"):
         raise
 
 def json_ready(obj):  # JSON has no NaN: a non-finite number is written as null
-    if isinstance(obj, dict):
-        return {k: json_ready(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_ready(v) for v in obj]
+    if isinstance(obj, (dict, list, tuple)):
+        return {k: json_ready(v) for k, v in obj.items()} if isinstance(obj, dict) else [json_ready(v) for v in obj]
     return None if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(json_ready(obj), f, indent=2, sort_keys=True, allow_nan=False))
 
-def write_jsonl(path, rows):
-    atomic_write(path, lambda f: f.writelines(json.dumps(json_ready(r), sort_keys=True, allow_nan=False) + "\n"
-                                              for r in rows))
-
 def trainable(transformer):
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
 
-def weights_path(folder, lora_rank):  # a finished run's trained weights (the EMA if kept)
+def weights_path(folder, lora_rank):  # a finished run's trained weights (the EMA if kept), for users: safetensors
     return os.path.join(folder, "lora.safetensors" if lora_rank else "transformer.safetensors")
 
 def load_weights(transformer, weights):
@@ -519,7 +488,7 @@ def load_weights(transformer, weights):
         for n, w in weights.items():
             params[n].copy_(as_param(w, params[n]))
 
-def as_param(w, p):
+def as_param(w, p):  # a whole tensor laid out as the parameter p: on its device, in its dtype, sharded as it is
     w = w.to(p.device, p.dtype)
     return distribute_tensor(w, p.device_mesh, p.placements) if isinstance(p, DTensor) else w
 
@@ -529,32 +498,29 @@ def checkpoint_path(run):
 CHECKPOINT_KEYS = {"epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer"}
 
 def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
-    """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically, then the weights
-    for users. The optimizer state is keyed by parameter name; tensors and plain data only (weights_only loads)."""
+    """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically, then the weights.
+    Tensors and plain data only, so that it is read with weights_only; the optimizer state keyed by name."""
     from safetensors.torch import save
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    optim = get_optimizer_state_dict(transformer, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                                       cpu_offload=True))
     whole = lambda tensors: {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().contiguous()  # noqa: E731
                              for n, t in tensors.items()}
     state = dict(epoch=epoch, config=config, rows=rows, probe_average=probe_average, weights=whole(trainable(transformer)),
-                 ema=ema and whole(ema), optimizer=optim)
+                 ema=ema and whole(ema), optimizer=get_optimizer_state_dict(
+                     transformer, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     if not dist.is_initialized() or dist.get_rank() == 0:
         atomic_write(checkpoint_path(out), lambda f: torch.save(state, f), "wb")
         atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(state["ema"] or state["weights"])), "wb")
 
 def read_checkpoint(run, mmap=False):
-    """The checkpoint's dict, loaded safely (weights_only); an unreadable file ends the run in one line naming it."""
-    path = checkpoint_path(run)
+    """The checkpoint's dict, read safely (weights_only); a cut or foreign file ends the run in one line naming it."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        ckpt = torch.load(checkpoint_path(run), map_location="cpu", weights_only=True, mmap=mmap)
         missing = CHECKPOINT_KEYS - set(ckpt if isinstance(ckpt, dict) else ())
         if missing:
             raise ValueError(f"it has no {', '.join(sorted(missing))}")
     except Exception as e:
-        fail(f"cannot resume: {path} is not a whole train_sd.py checkpoint ({type(e).__name__}: {str(e)[:200]}); "
-             "start afresh with --overwrite")
+        fail(f"cannot resume: {checkpoint_path(run)} is not a whole train_sd.py checkpoint ({type(e).__name__}: "
+             f"{str(e)[:200]}); start afresh with --overwrite")
     return ckpt
 
 
@@ -574,26 +540,21 @@ def optimizer_steps(perm, adv, cfg, generator):
         keep = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
     return [list(part.split(cfg.train_batch)) if len(part) else [] for part in keep.tensor_split(cfg.steps_per_epoch)]
 
-def mode_name(method, opts):
-    """A training mode's name, from its options: exact, jagg, jagg_shared, jagg_rollout, jagg_shared_rollout."""
-    shared, rollout = opts.anchors == "shared", opts.interior == "rollout"
-    return "exact" if method == "exact" else "jagg" + "_shared" * shared + "_rollout" * rollout
+def mode_name(method, opts):  # exact, jagg, jagg_shared, jagg_rollout or jagg_shared_rollout
+    return "exact" if method == "exact" else "jagg" + "_shared" * (opts.anchors == "shared") + "_rollout" * (
+        opts.interior == "rollout")
 
 def epoch_metrics(stats):
-    """The epoch's metrics from its micro-batches' stats (each step's last with optimizer_step's): means
-    of the diagnostics, sums of the rest."""
+    """The epoch's metrics from its micro-batches' stats (each step's last with optimizer_step's)."""
     mean = lambda key: sum(s[key] for s in stats) / len(stats) if stats else float("nan")  # noqa: E731
     steps = [s for s in stats if "grad_norm" in s]  # one per optimizer step
-    row = {f"train/{k}": mean(k) for k in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac")}
-    row.update({"train/grad_norm": sum(s["grad_norm"] for s in steps) / max(len(steps), 1),
-                "train/grad_rows": sum(s["grad_rows"] for s in stats), "train/skipped_steps": sum(s["skipped"] for s in steps),
-                "train/optimizer_steps": sum(not s["skipped"] for s in steps),
-                "time/backward_seconds": sum(s["backward_seconds"] for s in stats),
-                "time/grad_seconds": sum(s["grad_seconds"] for s in stats)})
-    for key in ("rollout_refreshed", "anchor_drift"):  # the drift guard of rollout interiors, where it ran
-        if stats and key in stats[0]:
-            row[f"train/{key}"] = mean(key)
-    return row
+    drift = [k for k in ("rollout_refreshed", "anchor_drift") if stats and k in stats[0]]  # rollout interiors' guard
+    return {**{f"train/{k}": mean(k) for k in ["loss", "clipfrac", "approx_kl", "kl", "routed_frac", *drift]},
+            "train/grad_norm": sum(s["grad_norm"] for s in steps) / max(len(steps), 1),
+            "train/grad_rows": sum(s["grad_rows"] for s in stats), "train/skipped_steps": sum(s["skipped"] for s in steps),
+            "train/optimizer_steps": sum(not s["skipped"] for s in steps),
+            "time/backward_seconds": sum(s["backward_seconds"] for s in stats),
+            "time/grad_seconds": sum(s["grad_seconds"] for s in stats)}
 
 def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs on the CPU in fp32)
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -601,7 +562,6 @@ def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs 
 def train(cfg):
     """One run (--method exact or jagg). Returns (metrics rows, summary)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     rank, world = jagg_options.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
     device = pick_device()
@@ -615,15 +575,15 @@ def train(cfg):
     if cfg.lora_rank == 0 and cfg.beta > 0:
         ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
     if cfg.fsdp:  # weights, gradients and optimizer state sharded over the ranks; the reference too
-        for module in filter(None, (transformer, ref_transformer)):
+        for module in [m for m in (transformer, ref_transformer) if m is not None]:
             shard_transformer(module)
     params = list(trainable(transformer).values())
     net = transformer if cfg.fsdp or world == 1 else torch.nn.parallel.DistributedDataParallel(
-        transformer, device_ids=[device.index] if device.type == "cuda" else None)
+        transformer, device_ids=[device.index] if use_bf16 else None)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=FIXED["weight_decay"])
     ema = {n: p.detach().clone() for n, p in trainable(transformer).items()} if cfg.ema else None
     start_epoch, rows, probe_avg = 0, [], None
-    if cfg.resume:  # where the run stopped: its weights, optimizer state, EMA, metrics rows and probe average
+    if cfg.resume:  # where the run stopped: weights, optimizer state, EMA, metrics rows, probe average
         ckpt = read_checkpoint(cfg.resume)
         load_weights(transformer, ckpt["weights"])
         set_optimizer_state_dict(transformer, optimizer, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
@@ -632,26 +592,22 @@ def train(cfg):
     config = {**dataclasses.asdict(cfg), "fixed": FIXED}
     if rank == 0:
         write_json(os.path.join(cfg.out, "config.json"), config)
-        print("config: " + json.dumps(config))
-        print(f"trainable parameters: {sum(p.numel() for p in params):,}; device {device}; bf16 {use_bf16}; "
-              f"world {world}")
-
+        print(f"config: {json.dumps(config)}\ntrainable parameters: {sum(p.numel() for p in params):,}; device "
+              f"{device}; bf16 {use_bf16}; world {world}")
     sigmas = sampling_sigmas(cfg, pipe.scheduler).to(device)  # [T+1]
-    # jagg's contract, checked before training: v of z's shape, equal calls equal, S steps at once = S single
     cond, uncond = encode(pipe, (list(dict.fromkeys(prompts_all)) * 2)[:2], device)
     noise = torch.randn(2, transformer.config.in_channels, h, h, generator=torch.Generator(device).manual_seed(0),
                         device=device)  # [2, C, h, w]
-    try:
+    try:  # jagg's contract, before training: v of z's shape, equal calls equal, S steps at once = S single
         jagg_options.check_velocity_fn(make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16),
                                        noise, sigmas, rtol=2e-2 if use_bf16 else None)
     except ValueError as e:  # NaN weights, say
         fail(f"--model {cfg.model!r} fails jagg's velocity_fn contract on the first prompts: {e}")
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    opts, n_train = cfg.jagg_options(), cfg.trained_steps()
+    opts, n_train, eval_prompts = cfg.jagg_options(), cfg.trained_steps(), evaluation_prompts(cfg, prompts_all)
     # The samples one optimizer step averages, all ranks: the probe measures JAGG's error in their noise.
-    step_batch = cfg.train_batch * world if not cfg.steps_per_epoch else max(
-        1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch)
-    eval_prompts = evaluation_prompts(cfg, prompts_all)
+    step_batch = max(1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch) if cfg.steps_per_epoch \
+        else cfg.train_batch * world
     evaluates = rank == 0 or cfg.fsdp  # under FSDP every rank runs the evaluation's forwards; rank 0 keeps it
 
     def evaluate(epoch, row):
@@ -672,10 +628,8 @@ def train(cfg):
             if hasattr(reward_fn, "eval_metrics"):  # a custom reward's own evaluation figures
                 row.update({f"eval/{k}": v for k, v in reward_fn.eval_metrics(images, eval_prompts).items()})
 
-    def no_sync(j, n):
-        """Micro-batch j of n's accumulation switch: DDP's no_sync around each (jagg_options all-reduces
-        once per optimizer step), FSDP's own around all but the last."""
-        if world > 1 and not cfg.fsdp:
+    def no_sync(j, n):  # accumulation: DDP's around each micro-batch (jagg_options all-reduces once a step), FSDP's
+        if world > 1 and not cfg.fsdp:  # around all but a step's last
             return net.no_sync
         return (lambda: jagg_options.fsdp_no_sync(transformer)) if cfg.fsdp and j < n - 1 else contextlib.nullcontext
 
@@ -749,9 +703,7 @@ def train(cfg):
                 micro_stats.append(s)
             done = jagg_options.optimizer_step(params, optimizer, [s["loss"] for s in micro_stats], step=step,
                                                micro_batches=len(micro), max_grad_norm=FIXED["max_grad_norm"])
-            if micro_stats:
-                micro_stats[-1].update(done)
-            stats += micro_stats
+            stats += micro_stats[:-1] + [{**micro_stats[-1], **done}] if micro_stats else []
             if ema is not None and not done["skipped"] and step % FIXED["ema_every"] == 0:
                 decay = min(step / (9 + step), FIXED["ema_decay"])  # Flow-GRPO's min((1 + s) / (10 + s), 0.9), s = step - 1
                 with torch.no_grad():
@@ -774,7 +726,8 @@ def train(cfg):
         if epoch % cfg.eval_every == 0 or epoch == cfg.epochs or stopping:
             save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, config, probe_avg)
         if rank == 0:
-            write_jsonl(os.path.join(cfg.out, "metrics.jsonl"), rows)
+            atomic_write(os.path.join(cfg.out, "metrics.jsonl"), lambda f: f.writelines(
+                json.dumps(json_ready(r), sort_keys=True, allow_nan=False) + "\n" for r in rows))
         if stopping:
             fail(f"stopped by {STOP[0] if STOP else 'a signal to another rank'} after epoch {epoch}, checkpointed: go "
                  f"on with --resume {cfg.out}")
@@ -787,26 +740,27 @@ def train(cfg):
               f"({cfg.eval_samples} samples), training {summary['train_seconds']:.0f} s (backward "
               f"{summary['backward_seconds']:.0f} s), outputs in {cfg.out}/")
     return rows, summary
+
+
 # === 7. A run's summary ===
 
 def summarize(cfg, rows):
-    """summary.json: the evaluation curve (the final reward: the last evaluation), times, and the
-    probe's figures per segment position pooled over the run's probes (jagg_options.pool_probes)."""
+    """summary.json: the evaluation curve (the final reward: the last evaluation), times, and the probe's
+    figures per segment position pooled over the run's probes (jagg_options.pool_probes)."""
     evals, trained = [(r["epoch"], r["eval/reward"]) for r in rows if "eval/reward" in r], [r for r in rows if r["epoch"]]
     routes = cfg.method == "jagg" and cfg.route == "probe"  # the probe's time counts as training only where it routes
     epoch_seconds = [r["time/train_seconds"] - (0.0 if routes else r.get("time/probe_seconds", 0.0)) for r in trained]
     pooled = jagg_options.pool_probes([{"cosine": r["probe/grad_cosine"], "error": r["probe/error"],
                                         "noise": r["probe/noise"]} for r in trained if "probe/error" in r]) or {}
+    total = lambda key: sum(r.get(key, 0.0) for r in trained)  # noqa: E731
     return {"method": cfg.method, "mode": mode_name(cfg.method, cfg.jagg_options()), "weights": cfg.weights,
             "window": cfg.window, "epochs": cfg.epochs, "initial_reward": evals[0][1], "final_reward": evals[-1][1],
             "reward_gain": evals[-1][1] - evals[0][1], "eval_curve": evals, "train_seconds": sum(epoch_seconds),
-            "epoch_seconds": epoch_seconds, "backward_seconds": sum(r["time/backward_seconds"] for r in trained),
-            "grad_seconds": sum(r["time/grad_seconds"] for r in trained),
-            "probe_seconds": sum(r.get("time/probe_seconds", 0.0) for r in trained),
-            "grad_steps": sum(r["train/grad_rows"] for r in trained),  # network rows with grad
-            "skipped_steps": sum(r["train/skipped_steps"] for r in trained),
-            "nonfinite_samples": sum(r.get("rollout/nonfinite_samples", 0) for r in trained), "probe_cosine_by_position":
-                pooled.get("cosine"), "probe_error_to_noise_by_position": pooled.get("error_to_noise"),
+            "epoch_seconds": epoch_seconds, "backward_seconds": total("time/backward_seconds"),
+            "grad_seconds": total("time/grad_seconds"), "probe_seconds": total("time/probe_seconds"),
+            "grad_steps": total("train/grad_rows"), "skipped_steps": total("train/skipped_steps"),  # grad_steps: rows
+            "nonfinite_samples": total("rollout/nonfinite_samples"), "probe_cosine_by_position": pooled.get("cosine"),
+            "probe_error_to_noise_by_position": pooled.get("error_to_noise"),
             "probe_error_to_noise_stderr_by_position": pooled.get("stderr"), "config": dataclasses.asdict(cfg)}
 
 
@@ -816,37 +770,36 @@ def benchmark(cfg, repeats=5):
     """Exact vs the flags' JAGG mode, one training step each as train() runs it, on a random transformer of
     --model's shape (the timing does not depend on the weights): interleaved repeats after a warm-up, medians."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-    device, local = pick_device(), os.path.isdir(os.path.expanduser(cfg.model))
-    use_bf16, B = device.type == "cuda", cfg.train_batch
-    name = cfg.model if local else "SD3.5-medium" if use_bf16 else "SD3 reduced for a CPU"
+    device, local, B = pick_device(), os.path.isdir(os.path.expanduser(cfg.model)), cfg.train_batch
+    gpu = device.type == "cuda"
+    name = cfg.model if local else "SD3.5-medium" if gpu else "SD3 reduced for a CPU"
+    config = SD3Transformer2DModel.load_config(os.path.expanduser(cfg.model), subfolder="transformer") if local else (
+        SD35_MEDIUM if gpu else SD3_CPU)
     torch.manual_seed(cfg.seed)
     with torch.device(device):  # initialised where it runs: 2.24B parameters take seconds on a GPU
-        transformer = SD3Transformer2DModel.from_config(SD3Transformer2DModel.load_config(os.path.expanduser(
-            cfg.model), subfolder="transformer") if local else SD35_MEDIUM if use_bf16 else SD3_CPU)
-    transformer.to(dtype=torch.bfloat16 if use_bf16 else torch.float32)
+        transformer = SD3Transformer2DModel.from_config(config).to(dtype=torch.bfloat16 if gpu else torch.float32)
     add_lora(transformer, cfg.lora_rank) if cfg.lora_rank else None
     transformer.enable_gradient_checkpointing() if cfg.gradient_checkpointing else None
     tc, h = transformer.config, (cfg.resolution or min(512, transformer.config.sample_size * 8)) // 8  # latents' side
     cond, uncond = ((torch.randn(B, 77, tc.joint_attention_dim, device=device),  # ([B, L, E], [B, P])
                      torch.randn(B, tc.pooled_projection_dim, device=device)) for _ in range(2))
-    velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)
+    velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, gpu)
     sigmas = sampling_sigmas(cfg, FlowMatchEulerDiscreteScheduler(shift=3.0)).to(device)  # [T+1], SD3's
     start, noise = time.perf_counter(), torch.randn(B, tc.in_channels, h, h, device=device)  # [B, C, h, w]
     traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level).first_steps(cfg.trained_steps())
     rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)  # [B]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    runs = {"exact": [], "jagg": []}  # per repeat: (backward seconds, step seconds, rows with grad)
+    runs = {"exact": [], "jagg": []}  # per repeat: (backward s, step s, rows with grad)
     for r in range(repeats + 1):  # round 0 warms up; the order alternates, so drift hits both alike
         for method in ("exact", "jagg")[:: 1 if r % 2 else -1]:
             transformer.zero_grad(set_to_none=True)
             timings, start = {}, time.perf_counter()
             stats = jagg_options.window_gradients(velocity_fn, traj, adv, loss_cfg, cfg.jagg_options(method),
                                                   velocity_fn if cfg.beta else None, timings)[0]
-            torch.cuda.synchronize(device) if use_bf16 else None
+            torch.cuda.synchronize(device) if gpu else None
             runs[method] += [(timings["backward"], time.perf_counter() - start, stats["grad_rows"])] if r else []
     (ex_bwd, ex_s), (jg_bwd, jg_s) = (np.median([x[:2] for x in runs[m]], axis=0).tolist() for m in ("exact", "jagg"))
-    result = {"model": name, "device": torch.cuda.get_device_name(device) if use_bf16 else "cpu", "batch": B,
+    result = {"model": name, "device": torch.cuda.get_device_name(device) if gpu else "cpu", "batch": B,
               "window": cfg.window, "mode": mode_name("jagg", cfg.jagg_options()), "trained_steps": cfg.trained_steps(),
               "rows": {m: runs[m][0][2] for m in runs}, "exact_backward_s": ex_bwd, "jagg_backward_s": jg_bwd,
               "exact_step_s": ex_s, "jagg_step_s": jg_s, "rollout_s": rollout_s, "backward_speedup": ex_bwd / jg_bwd,
@@ -860,7 +813,7 @@ def benchmark(cfg, repeats=5):
     return result
 
 
-# === 9. The command line: validate, claim --out, train; Ctrl-C and SIGTERM stop at the epoch's end, checkpointed ===
+# === 9. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
 
 STOP = []  # the signals received
 
