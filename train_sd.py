@@ -767,15 +767,14 @@ def summarize(cfg, rows):
 # === 8. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
 
 def benchmark(cfg, repeats=5):
-    """Exact vs the flags' JAGG mode, one training step each as train() runs it, on a random transformer of
-    --model's shape (the timing does not depend on the weights): interleaved repeats after a warm-up, medians."""
+    """Exact vs the flags' JAGG mode, one training step each, on a random transformer of --model's shape (SD3.5-medium's
+    on a GPU, a small one on a CPU: the timing does not depend on the weights); medians of interleaved repeats."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     device, local, B = pick_device(), os.path.isdir(os.path.expanduser(cfg.model)), cfg.train_batch
-    gpu = device.type == "cuda"
-    name = cfg.model if local else "SD3.5-medium" if gpu else "SD3 reduced for a CPU"
+    gpu = device.type == "cuda"  # bf16 autocast there, as training
+    torch.manual_seed(cfg.seed)
     config = SD3Transformer2DModel.load_config(os.path.expanduser(cfg.model), subfolder="transformer") if local else (
         SD35_MEDIUM if gpu else SD3_CPU)
-    torch.manual_seed(cfg.seed)
     with torch.device(device):  # initialised where it runs: 2.24B parameters take seconds on a GPU
         transformer = SD3Transformer2DModel.from_config(config).to(dtype=torch.bfloat16 if gpu else torch.float32)
     add_lora(transformer, cfg.lora_rank) if cfg.lora_rank else None
@@ -789,26 +788,26 @@ def benchmark(cfg, repeats=5):
     traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level).first_steps(cfg.trained_steps())
     rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)  # [B]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    runs = {"exact": [], "jagg": []}  # per repeat: (backward s, step s, rows with grad)
+    runs = {"exact": [], "jagg": []}  # per repeat: (backward seconds, step seconds, rows with grad)
     for r in range(repeats + 1):  # round 0 warms up; the order alternates, so drift hits both alike
         for method in ("exact", "jagg")[:: 1 if r % 2 else -1]:
             transformer.zero_grad(set_to_none=True)
             timings, start = {}, time.perf_counter()
-            stats = jagg_options.window_gradients(velocity_fn, traj, adv, loss_cfg, cfg.jagg_options(method),
-                                                  velocity_fn if cfg.beta else None, timings)[0]
+            rows = jagg_options.window_gradients(velocity_fn, traj, adv, loss_cfg, cfg.jagg_options(method),
+                                                 velocity_fn if cfg.beta else None, timings)[0]["grad_rows"]
             torch.cuda.synchronize(device) if gpu else None
-            runs[method] += [(timings["backward"], time.perf_counter() - start, stats["grad_rows"])] if r else []
+            runs[method] += [(timings["backward"], time.perf_counter() - start, rows)] if r else []
     (ex_bwd, ex_s), (jg_bwd, jg_s) = (np.median([x[:2] for x in runs[m]], axis=0).tolist() for m in ("exact", "jagg"))
-    result = {"model": name, "device": torch.cuda.get_device_name(device) if gpu else "cpu", "batch": B,
-              "window": cfg.window, "mode": mode_name("jagg", cfg.jagg_options()), "trained_steps": cfg.trained_steps(),
+    result = {"model": cfg.model if local else "SD3.5-medium" if gpu else "SD3 reduced for a CPU", "batch": B,
+              "device": torch.cuda.get_device_name(device) if gpu else "cpu", "window": cfg.window,
+              "mode": mode_name("jagg", cfg.jagg_options()), "trained_steps": cfg.trained_steps(),
               "rows": {m: runs[m][0][2] for m in runs}, "exact_backward_s": ex_bwd, "jagg_backward_s": jg_bwd,
               "exact_step_s": ex_s, "jagg_step_s": jg_s, "rollout_s": rollout_s, "backward_speedup": ex_bwd / jg_bwd,
               "step_speedup": ex_s / jg_s, "epoch_speedup": (rollout_s + ex_s) / (rollout_s + jg_s),
               "tokens": (h // tc.patch_size) ** 2 + 77, "params": sum(p.numel() for p in transformer.parameters())}
-    print(f"{name} ({result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}, {result['tokens']} tokens), "
-          f"{result['mode']} at W = {cfg.window}: backward {result['backward_speedup']:.2f}x faster than exact "
-          f"({ex_bwd:.3f} s -> {jg_bwd:.3f} s), the step {result['step_speedup']:.2f}x, an epoch with its rollout "
-          f"{result['epoch_speedup']:.2f}x (medians of {repeats})")
+    print(f"{result['model']} ({result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}), {result['mode']} "
+          f"at W = {cfg.window}: backward {result['backward_speedup']:.2f}x faster than exact ({ex_bwd:.3f} s -> "
+          f"{jg_bwd:.3f} s), the step {result['step_speedup']:.2f}x, an epoch {result['epoch_speedup']:.2f}x")
     write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
     return result
 
