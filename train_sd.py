@@ -207,8 +207,8 @@ def read_json(path):
 def read_prompts(cfg):  # --prompts' lines, or the built-in list
     try:
         prompts = [line.strip() for line in open(cfg.prompts, encoding="utf-8") if line.strip()] if cfg.prompts else DEFAULT_PROMPTS
-    except (OSError, UnicodeDecodeError) as e:
-        fail(f"--prompts file {cfg.prompts!r} " + ("does not exist" if isinstance(e, FileNotFoundError) else
+    except (OSError, UnicodeDecodeError):
+        fail(f"--prompts file {cfg.prompts!r} " + ("does not exist" if not os.path.isfile(cfg.prompts) else
                                                    "is not UTF-8 text: give a text file, one prompt a line"))
     return prompts or fail(f"--prompts file {cfg.prompts!r} has no prompts (one a line)")
 
