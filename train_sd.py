@@ -1,4 +1,4 @@
-"""JAGG-GRPO on a real DiT: Stable Diffusion 3 / 3.5 through diffusers, read top to bottom.
+"""JAGG-GRPO on Stable Diffusion 3 / 3.5 through diffusers: Flow-GRPO's SD3 trainer with jagg.py's backward.
 
     python train_sd.py --model stabilityai/stable-diffusion-3.5-medium --method jagg --window 4
     torchrun --nproc_per_node=8 train_sd.py --model DIR [--fsdp]
@@ -6,15 +6,9 @@
     python train_sd.py --method exact --out E; python train_sd.py --method jagg --out J
     python lab/compare_runs.py E J --out DIR            # JAGG against exact GRPO: reward kept, speedups
 
-The algorithm is jagg.py's (with jagg_options.py's options). The model lives in ONE marked block
-(section 2: load, encode, decode, velocity_fn): a new family edits that block. It trains as
-Flow-GRPO's SD3 trainer: LoRA (or full fine-tuning), classifier-free guidance (the unconditional
-branch without graph), KL to the reference (LoRA off, or a frozen copy), bf16 autocast on a GPU with
-the SDE math in fp32, gradient checkpointing, AdamW, clipping, an EMA, advantages over groups
-gathered from every rank (docs/flow_grpo.md lists what differs). An epoch is one rollout of
---prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is one of its
---num-steps. The loop is train() (section 6). Any StableDiffusion3Pipeline saved with
-save_pretrained trains here, e.g. the one lab/mini_sd3.py builds and pretrains on a CPU.
+An epoch is one rollout of --prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is
+one of its --num-steps. The loop is train() (section 6); the model is ONE marked block (section 2), the only SD3
+code. docs/flow_grpo.md lists what differs from Flow-GRPO's trainer.
 """
 
 import argparse
@@ -27,12 +21,10 @@ import io
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,54 +38,56 @@ from jagg_options import all_gather_cat
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
 
-def flag(default, help, choices=None):
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+# The ranges a flag may declare, as its error message and --help say them.
+RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2, "> 0": lambda v: v > 0,
+          "in (0, 1]": lambda v: 0 < v <= 1, "in (0, 1)": lambda v: 0 < v < 1}
 
-@dataclass
+def flag(default, help, must=None, choices=None):
+    return dataclasses.field(default=default, metadata={"help": help, "must": must, "choices": choices})
+
+@dataclasses.dataclass
 class Config:
     model: str = flag("stabilityai/stable-diffusion-3.5-medium", "diffusers StableDiffusion3Pipeline: hub id or folder")
     prompts: str = flag("", "text file, one prompt a line; empty: a small built-in list")
     reward: str = flag("jpeg_compressibility", "a name in REWARDS, module:function, or a CLIP folder (PickScore)")
-    resolution: int = flag(0, "image size in pixels; 0: 512 (Flow-GRPO's), or the model's own if smaller")
-    out: str = flag("runs/sd", "output folder, one run's: config.json, metrics.jsonl, samples_*.png, weights, checkpoints/")
-    resume: str = flag("", "continue the run in this folder, writing there, with its flags; only --epochs (more), "
-                           "--eval-every and --out may change")
+    resolution: int = flag(0, "image size in pixels, a multiple of 16; 0: 512 (Flow-GRPO's), or the model's if smaller")
+    out: str = flag("runs/sd", "output folder, one run's: config.json, metrics.jsonl, samples_*.png, weights, checkpoint.pt")
+    resume: str = flag("", "continue the run in this folder; only --epochs (more), --eval-every and --out may change")
     overwrite: bool = flag(False, "start afresh in an --out that holds a run, deleting that run's files")
-    seed: int = flag(0, "random seed; each rank adds its rank to the sampling seed")
-    method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg", ["exact", "jagg"])
+    seed: int = flag(0, "random seed; each rank adds its rank to the sampling seed", ">= 0")
+    method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg", choices=["exact", "jagg"])
     benchmark: bool = flag(False, "time exact vs JAGG in one process, write --out/benchmark.json, and exit")
-    epochs: int = flag(100, "GRPO epochs, each a rollout and then its optimizer steps")
-    num_steps: int = flag(10, "T, sampling steps of a rollout (Flow-GRPO's 10)")
-    timestep_fraction: float = flag(0.99, "train the first int(T x this) steps (Flow-GRPO's 0.99: 9 of 10)")
-    sigma_schedule: str = flag("scheduler", "the pipeline scheduler's sigmas, or jagg.sigma_schedule's (linear)",
-                               ["scheduler", "linear"])
-    sde_window: int = flag(0, "K > 0: only K steps in a row are SDE and trained, from a random step (Flow-GRPO-Fast)")
+    epochs: int = flag(100, "GRPO epochs, each a rollout and then its optimizer steps", ">= 1")
+    num_steps: int = flag(10, "T, sampling steps of a rollout (Flow-GRPO's 10)", ">= 2")
+    timestep_fraction: float = flag(0.99, "train the first int(T x this) steps (Flow-GRPO's 0.99: 9 of 10)", "in (0, 1]")
+    sigma_schedule: str = flag("scheduler", "the pipeline's sigmas, or jagg.sigma_schedule's", choices=["scheduler", "linear"])
+    sde_window: int = flag(0, "K > 0: only K steps in a row, from a random one, are SDE and trained (Flow-GRPO-Fast)", ">= 0")
     sde_range_end: int = flag(0, "the SDE window lies in steps 0 .. this - 1; 0: T - 1 (the last step stays ODE)")
-    guidance_scale: float = flag(4.5, "classifier-free guidance v_u + scale (v_c - v_u); 1: none")
-    noise_level: float = flag(0.7, "a, Flow-GRPO's SDE noise level: std_t = a sqrt(sigma / (1 - sigma))")
-    prompts_per_epoch: int = flag(2, "prompts sampled each epoch, the same on every rank")
-    group_size: int = flag(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt")
-    train_batch: int = flag(4, "samples per micro-batch (one forward and backward); rollouts run in these too")
-    steps_per_epoch: int = flag(2, "optimizer steps an epoch, zero advantages dropped (Flow-GRPO's); 0: one a micro-batch")
-    lr: float = flag(3e-4, "AdamW learning rate (Flow-GRPO's geneval_sd3)")
-    clip_range: float = flag(1e-4, "GRPO's ratio clip range (Flow-GRPO's)")
-    beta: float = flag(0.04, "KL weight to the reference model (0: no reference forward)")
+    guidance_scale: float = flag(4.5, "classifier-free guidance v_u + scale (v_c - v_u); 1: none", ">= 1")
+    noise_level: float = flag(0.7, "a, Flow-GRPO's SDE noise level: std_t = a sqrt(sigma / (1 - sigma))", "in (0, 1]")
+    prompts_per_epoch: int = flag(2, "prompts sampled each epoch, the same on every rank", ">= 1")
+    group_size: int = flag(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt", ">= 1")
+    train_batch: int = flag(4, "samples per micro-batch (one forward and backward); rollouts run in these too", ">= 1")
+    steps_per_epoch: int = flag(2, "optimizer steps an epoch, zero advantages dropped; 0: one a micro-batch", ">= 0")
+    lr: float = flag(3e-4, "AdamW learning rate (Flow-GRPO's geneval_sd3)", "> 0")
+    clip_range: float = flag(1e-4, "GRPO's ratio clip range (Flow-GRPO's)", "in (0, 1)")
+    beta: float = flag(0.04, "KL weight to the reference model (0: no reference forward)", ">= 0")
     global_std: bool = flag(True, "advantages over the std of all the epoch's rewards (Flow-GRPO's), else each group's")
-    lora_rank: int = flag(32, "LoRA rank on the attention projections (alpha 2 x rank); 0: full fine-tuning")
+    lora_rank: int = flag(32, "LoRA rank on the attention projections (alpha 2 x rank); 0: full fine-tuning", ">= 0")
     gradient_checkpointing: bool = flag(True, "recompute activations in the backward pass to save memory")
     ema: bool = flag(True, "keep an EMA of the trained weights: evaluated and saved (Flow-GRPO's)")
-    eval_every: int = flag(10, "every N epochs and at the last: evaluate on fixed prompts and noise, checkpoint")
-    eval_samples: int = flag(8, "samples per evaluation: the prompt list in order, cycled")
+    eval_every: int = flag(10, "every N epochs and at the last: evaluate on fixed prompts and noise, checkpoint", ">= 1")
+    eval_samples: int = flag(8, "samples per evaluation: the prompt list in order, cycled", ">= 1")
     fsdp: bool = flag(False, "under torchrun, shard the transformer with FSDP2 (else DDP)")
     window: int = flag(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
     jagg_frac: float = flag(1.0, "the share of windows (the most linear by --route) JAGG takes; the rest exact")
-    anchors: str = flag("window", "window: the paper's; shared: windows share end steps", list(jagg_options.ANCHOR_MODES))
+    anchors: str = flag("window", "window: the paper's; shared: windows share end steps", choices=jagg_options.ANCHOR_MODES)
     interior: str = flag("forward", "interiors from a no-graph forward (the paper's), or the rollout's",
-                         list(jagg_options.INTERIOR_MODES))
-    weights: str = flag("time", "interpolation weights by t (the paper's) or by step index", list(jagg_options.WEIGHTS))
+                         choices=jagg_options.INTERIOR_MODES)
+    weights: str = flag("time", "interpolation weights by t (the paper's) or by step index", choices=jagg_options.WEIGHTS)
     max_graph_rows: int = flag(None, "at most this many anchor rows in a graph at once: same gradient, less memory")
-    route: str = flag("velocity", "JAGG's windows by velocity linearity or by the probe", list(jagg_options.ROUTES))
-    probe_every: int = flag(0, "every N epochs, measure JAGG's gradient against exact on one micro-batch; 0: off")
+    route: str = flag("velocity", "JAGG's windows by velocity linearity or by the probe", choices=jagg_options.ROUTES)
+    probe_every: int = flag(0, "every N epochs, measure JAGG's gradient against exact on one micro-batch; 0: off", ">= 0")
 
     def jagg_options(self, method=None):
         """The JaggOptions of these flags; method "exact" trains every window exactly."""
@@ -105,29 +99,23 @@ class Config:
         return self.sde_window or int(self.num_steps * self.timestep_fraction)
 
     def ranges(self):
-        """(ok, flag, what it must be): each flag's range, declared once (the JAGG flags' in jagg_options)."""
-        return [(self.seed >= 0, "seed", ">= 0"), (self.epochs >= 1, "epochs", ">= 1"),
-                (self.resolution == 0 or self.resolution % 16 == 0 < self.resolution, "resolution",
-                 "0 or a multiple of 16 (the VAE's 8x times the 2x2 patches)"), (self.num_steps >= 2, "num_steps", ">= 2"),
-                (0 < self.timestep_fraction <= 1, "timestep_fraction", "in (0, 1]"),
-                (self.sde_window >= 0, "sde_window", ">= 0"), (self.guidance_scale >= 1, "guidance_scale", ">= 1"),
-                (0 <= self.sde_range_end <= self.num_steps, "sde_range_end", f"in [0, --num-steps {self.num_steps}]"),
-                (0 < self.noise_level <= 1, "noise_level", "in (0, 1]"), (self.group_size >= 1, "group_size", ">= 1"),
-                (self.prompts_per_epoch >= 1, "prompts_per_epoch", ">= 1"), (self.train_batch >= 1, "train_batch", ">= 1"),
-                (self.steps_per_epoch >= 0, "steps_per_epoch", ">= 0"), (self.lr > 0, "lr", "> 0"),
-                (0 < self.clip_range < 1, "clip_range", "in (0, 1)"), (self.beta >= 0, "beta", ">= 0"),
-                (self.lora_rank >= 0, "lora_rank", ">= 0"), (self.eval_every >= 1, "eval_every", ">= 1"),
-                (self.eval_samples >= 1, "eval_samples", ">= 1"), (self.probe_every >= 0, "probe_every", ">= 0")]
+        """(ok, flag, what it must be) of each flag declared with a range (the JAGG flags': jagg_options')."""
+        return [(RANGES[f.metadata["must"]](getattr(self, f.name)), f.name, f.metadata["must"])
+                for f in dataclasses.fields(self) if f.metadata["must"]]
 
     def checks(self):
         """(ok, message) of the checks that need more than one flag, or the file system."""
         T, end, world = self.trained_steps(), self.sde_range_end or self.num_steps - 1, int(os.environ.get("WORLD_SIZE", 1))
         local = self.model.startswith((".", "/", "~")) or os.path.exists(self.model) or self.model.count("/") != 1
         return [
+            (self.resolution % 16 == 0 <= self.resolution, f"--resolution must be 0 or a multiple of 16 (the VAE's 8x "
+                                                           f"times the 2x2 patches), got {self.resolution}"),
+            (0 <= self.sde_range_end <= self.num_steps, f"--sde-range-end must be in [0, --num-steps {self.num_steps}], "
+                                                        f"got {self.sde_range_end}"),
             (T >= 1, f"--timestep-fraction {self.timestep_fraction} trains none of the {self.num_steps} steps: raise it"),
             (self.window <= max(T, 2), f"--window {self.window} is longer than the {T} trained steps: use --window <= {T}"),
             (self.sde_window <= end, f"--sde-window {self.sde_window} does not fit in steps 0 to {end - 1}: use a "
-                                     f"smaller window or a larger --sde-range-end"),
+                                     "smaller window or a larger --sde-range-end"),
             (self.route != "probe" or self.probe_every, "--route probe needs the probe: give --probe-every N >= 1"),
             (not self.probe_every or self.train_batch >= 2, "the probe halves a micro-batch: use --train-batch >= 2"),
             (self.group_size >= 2 or world > 1, f"--group-size must be >= 2 on one process (advantages compare a "
@@ -136,13 +124,10 @@ class Config:
                                                          "--nproc_per_node N train_sd.py --fsdp ..."),
             (not (self.fsdp and self.benchmark), "--benchmark times one process: leave out --fsdp"),
             (not (self.resume and self.overwrite), "--resume continues a run, --overwrite deletes it: give one"),
-            (not self.resume or latest_checkpoint(self.resume), f"--resume {self.resume!r} holds no complete "
-                                                                f"checkpoint (checkpoints/epoch_*/complete.json)"),
-            (not self.resume or self.out in (Config.out, self.resume), f"--resume writes where the run is: drop --out "
-                                                                       f"{self.out!r} or give --out {self.resume!r}"),
-            (not self.prompts or os.path.isfile(self.prompts), f"--prompts file {self.prompts!r} does not exist"),
-            (not self.prompts or not os.path.isfile(self.prompts) or bool(read_prompts(self)),
-             f"--prompts file {self.prompts!r} has no prompts (one a line)"),
+            (not self.resume or os.path.isfile(checkpoint_path(self.resume)),
+             f"--resume {self.resume!r} holds no checkpoint ({checkpoint_path(self.resume)}): give a run's folder"),
+            (not self.resume or self.out in (Config.out, self.resume),
+             f"--resume writes where the run is: drop --out {self.out!r} or give --out {self.resume!r}"),
             (not local or os.path.isfile(os.path.join(os.path.expanduser(self.model), "model_index.json")),
              f"--model {self.model!r} is not a folder with a diffusers pipeline (model_index.json)")]
 
@@ -159,19 +144,16 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        name, meta = "--" + f.name.replace("_", "-"), f.metadata
-        if f.type is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
-        else:
-            parser.add_argument(name, type=f.type, default=f.default, choices=meta["choices"], help=meta["help"])
+        kind = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type, choices=f.metadata["choices"])
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind)
     return Config(**vars(parser.parse_args(argv)))
 
-def fail(message):
+def fail(message):  # one line, no traceback
     raise SystemExit(f"error: {message}")
 
 def validate(cfg):
-    """Every bad value ends the run here, in one line that names it, before any model loads. Returns
-    cfg with --out set to --resume's folder and --resolution resolved for a model folder."""
+    """Every bad value ends the run here in one line naming it, before any model loads. Returns cfg with --out
+    set to --resume's folder and --resolution resolved from a model folder."""
     for f in dataclasses.fields(cfg):
         if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name)):
             fail(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(cfg, f.name)}")
@@ -187,7 +169,7 @@ def validate(cfg):
             fail(message)
     cfg = dataclasses.replace(cfg, out=cfg.resume or cfg.out, resolution=cfg.benchmark and cfg.resolution or model_resolution(cfg))
     if cfg.resume:  # the checkpoint's resolved flags: any that changes what is trained is refused
-        saved = read_json(os.path.join(latest_checkpoint(cfg.resume), "state.json"))
+        saved = read_checkpoint(cfg.resume, mmap=True)
         differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)} differs from the run's {v}" for k, v in saved["config"].items()
                   if k not in RESUMABLE and getattr(cfg, k, v) != v and not (k == "resolution" and not cfg.resolution)]
         if differ:
@@ -197,18 +179,11 @@ def validate(cfg):
                  f"{saved['epoch']}")
     if not cfg.benchmark:
         load_reward(cfg.reward, check_only=True)
-    try:  # can --out be written? A temporary entry in it, or in its nearest existing parent
-        existing = os.path.abspath(cfg.out)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        tempfile.TemporaryDirectory(dir=existing, prefix=".write-check-").cleanup()
-    except OSError as e:
-        fail(f"--out {cfg.out!r} cannot be created or written to ({e.strerror or e}); pass a writable folder")
+        read_prompts(cfg)  # a missing, binary or empty file ends here
     return cfg
 
 def model_resolution(cfg):
-    """--resolution resolved and checked against the model folder's configs (json only, no weights):
-    a pipeline without a transformer, a broken model_index.json, a size past the model's limit end here."""
+    """--resolution resolved and checked from the model folder's json configs (no weights are read)."""
     path = os.path.expanduser(cfg.model)
     if not os.path.isfile(os.path.join(path, "model_index.json")):
         return cfg.resolution  # a hub id: resolved once loaded
@@ -229,31 +204,37 @@ def read_json(path):
     except (OSError, ValueError) as e:
         fail(f"cannot read {path} ({type(e).__name__}: {str(e)[:200]}); repair or remove it")
 
-def read_prompts(cfg):
+def read_prompts(cfg):  # --prompts' lines, or the built-in list
     try:
-        return [line.strip() for line in open(cfg.prompts, encoding="utf-8") if line.strip()] if cfg.prompts else DEFAULT_PROMPTS
-    except UnicodeDecodeError:
-        fail(f"--prompts file {cfg.prompts!r} is not UTF-8 text: give a text file, one prompt a line")
+        prompts = [line.strip() for line in open(cfg.prompts, encoding="utf-8") if line.strip()] if cfg.prompts else DEFAULT_PROMPTS
+    except (OSError, UnicodeDecodeError):
+        fail(f"--prompts file {cfg.prompts!r} " + ("does not exist" if not os.path.isfile(cfg.prompts) else
+                                                   "is not UTF-8 text: give a text file, one prompt a line"))
+    return prompts or fail(f"--prompts file {cfg.prompts!r} has no prompts (one a line)")
+
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "lora.safetensors", "transformer.safetensors")
 
 def claim_out(cfg):
-    """The run folder belongs to this run (rank 0's lock file, held until the process exits): a folder in
-    use by another process, or holding another run without --resume or --overwrite, is refused."""
-    os.makedirs(cfg.out, exist_ok=True)
-    lock = open(os.path.join(cfg.out, ".lock"), "a+")
+    """Rank 0 locks --out until the run ends: a folder it cannot write, one in use, or one holding a run without
+    --resume or --overwrite is refused. A killed save's temporary files go (with --overwrite, the old run's too)."""
     try:
+        os.makedirs(cfg.out, exist_ok=True)
+        lock = open(os.path.join(cfg.out, ".lock"), "a+")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         fail(f"--out {cfg.out!r} is in use by another run (it holds {cfg.out}/.lock): wait for it, or pick another folder")
-    run_files = ["config.json", "metrics.jsonl", "summary.json", "checkpoints", "lora.safetensors", "transformer.safetensors"]
-    found = [name for name in run_files if os.path.exists(os.path.join(cfg.out, name))]
+    except OSError as e:
+        fail(f"--out {cfg.out!r} cannot be created or written to ({e.strerror or e}); pass a writable folder")
+    if cfg.benchmark:  # writes benchmark.json alone
+        return lock
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(cfg.out, name))]
     if found and not cfg.resume and not cfg.overwrite:
-        lock.close()
+        lock.close()  # a run in this process may claim the folder next
         fail(f"--out {cfg.out!r} holds a run ({', '.join(found)}): continue it with --resume {cfg.out}, start afresh "
              f"with --overwrite, or pick another folder")
-    if cfg.overwrite:
-        for name in run_files + [n for n in os.listdir(cfg.out) if n.startswith("samples_") and n.endswith(".png")]:
-            path = os.path.join(cfg.out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
+    for name in os.listdir(cfg.out):
+        if name.startswith(".tmp-") or cfg.overwrite and (name in RUN_FILES or name.startswith("samples_")):
+            os.remove(os.path.join(cfg.out, name))
     return lock
 
 
@@ -262,16 +243,14 @@ def claim_out(cfg):
 def load_pipeline(cfg, device, dtype):
     """(pipe, transformer): the pipeline frozen on device; trainable a LoRA, or every weight in fp32 (--lora-rank 0)."""
     from diffusers import StableDiffusion3Pipeline
-
-    path, absent = os.path.expanduser(cfg.model), {}  # parts saved as [null, null] (no T5, say) are passed as None
-    if os.path.isfile(os.path.join(path, "model_index.json")):
-        absent = {k: None for k, v in json.load(open(os.path.join(path, "model_index.json"))).items()
-                  if isinstance(v, list) and v[0] is None}
-    try:
-        pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, **absent)
+    path = os.path.expanduser(cfg.model)
+    index = read_json(os.path.join(path, "model_index.json")) if os.path.isfile(os.path.join(path, "model_index.json")) else {}
+    try:  # parts saved as [null, null] (no T5, say) are passed as None
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, **{
+            k: None for k, v in index.items() if isinstance(v, list) and v[0] is None})
     except Exception as e:
-        raise SystemExit(f"error: could not load --model {cfg.model!r} ({type(e).__name__}: {str(e)[:300]}); pass a "
-                         f"folder saved with save_pretrained, or a hub id on a machine with network") from None
+        fail(f"could not load --model {cfg.model!r} ({type(e).__name__}: {str(e)[:300]}); pass a folder saved with "
+             "save_pretrained, or a hub id on a machine with network")
     pipe.set_progress_bar_config(disable=True)
     for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
         if module is not None:
@@ -285,21 +264,18 @@ def load_pipeline(cfg, device, dtype):
     return pipe, pipe.transformer
 
 def add_lora(transformer, rank):
-    """Flow-GRPO's LoRA (alpha = 2 x rank) on the attention projections of both streams; only it trains."""
+    """Flow-GRPO's LoRA (alpha = 2 x rank) on the attention projections of both streams, in fp32; only it trains."""
     from peft import LoraConfig
-
     transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian",
-                                       target_modules=["to_k", "to_q", "to_v", "to_out.0", "add_k_proj",
-                                                       "add_q_proj", "add_v_proj", "to_add_out"]))
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=[
+        "to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"]))
     for p in transformer.parameters():
         if p.requires_grad:
-            p.data = p.data.float()  # LoRA weights in fp32; the frozen base may stay in bf16
+            p.data = p.data.float()  # the frozen base may stay in bf16
 
 def shard_transformer(transformer):
     """FSDP2: each block one shard group, then the root, resharded after every forward."""
     from torch.distributed.fsdp import fully_shard
-
     for block in transformer.transformer_blocks:
         fully_shard(block)
     return fully_shard(transformer, reshard_after_forward=True)
@@ -319,7 +295,7 @@ def decode(pipe, latents):
     x = latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor + (pipe.vae.config.shift_factor or 0.0)
     images = pipe.vae.decode(x, return_dict=False)[0].float()  # [B, 3, H, W] in [-1, 1]
     finite = (torch.isfinite(images).flatten(1).all(1) & torch.isfinite(latents).flatten(1).all(1)).tolist()  # [B]
-    images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # [B, H, W, 3]
     pil = [Image.fromarray(im) for im in images]
     for im, ok in zip(pil, finite):
         im.info["finite"] = ok
@@ -330,7 +306,6 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond
     uncond: (prompt_embeds [B, L, E], pooled [B, P]), repeated as a block per step. The unconditional branch
     runs without graph as Flow-GRPO's current trainer (the gradient through s * v_c alone); uncond_grad:
     with graph, as its first release (the exact derivative s J_c - (s - 1) J_u)."""
-
     def velocity_fn(z, t):
         S, B = t.shape
         x = z.reshape(S * B, *z.shape[2:])  # [S*B, C, H, W]
@@ -344,29 +319,27 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond
                                       pooled_projections=uncond[1].repeat(S, 1), return_dict=False)[0]
                 v = v_u + guidance_scale * (v - v_u)  # [S*B, C, H, W]
         return v.to(z.dtype).reshape(z.shape)  # [S, B, C, H, W]: fp32 latents even under bf16 autocast
-
     return velocity_fn
 
 def make_ref_velocity_fn(transformer, ref_transformer, cond, uncond, guidance_scale, use_bf16):
     """The KL reference's velocity_fn: a frozen copy (full fine-tuning), or the transformer with its LoRA off."""
+    fn = make_velocity_fn(transformer if ref_transformer is None else ref_transformer, cond, uncond, guidance_scale, use_bf16)
     if ref_transformer is not None:
-        return make_velocity_fn(ref_transformer, cond, uncond, guidance_scale, use_bf16)
-    fn = make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16)
+        return fn
 
-    def ref_velocity_fn(z, t):
+    def lora_off(z, t):
         transformer.disable_adapters()
         try:
             return fn(z, t)
         finally:
             transformer.enable_adapters()
-    return ref_velocity_fn
+    return lora_off
 
 # --benchmark's transformers without weights: SD3.5-medium's (2.24B parameters) on a GPU, on a CPU a
 # reduced one of its kind (7.8M) that 2 cores time in minutes; or the shape of --model's folder.
 SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+                   out_channels=16, pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
 SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32, num_attention_heads=6,
                joint_attention_dim=192, caption_projection_dim=192, pooled_projection_dim=192, pos_embed_max_size=32,
                dual_attention_layers=(), qk_norm=None)
@@ -380,8 +353,7 @@ def jpeg_kb(image):
     image.save(buf, format="JPEG", quality=95)
     return buf.tell() / 1000
 
-def darkness(image):
-    """1 - the image's mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all."""
+def darkness(image):  # 1 - the mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all
     return 1 - int(np.asarray(image.convert("L"), dtype=np.int64).sum()) / (255 * image.width * image.height)
 
 # The built-in rewards: adding one is one line here. Any other is --reward module:function with the same
@@ -399,13 +371,12 @@ def load_reward(name, device="cpu", check_only=False):
         module, function = name.split(":")
         return getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError, ValueError) as e:
-        raise SystemExit(f"error: --reward {name!r} is none of {', '.join(REWARDS)}, no folder, and no importable "
-                         f"module:function ({type(e).__name__}: {e})") from None
+        fail(f"--reward {name!r} is none of {', '.join(REWARDS)}, no folder, and no importable module:function "
+             f"({type(e).__name__}: {e})")
 
 def pickscore(folder, device):
     """PickScore's reward: logit_scale * cos(image embedding, text embedding) of the CLIP model in folder."""
     from transformers import AutoModel, AutoProcessor
-
     processor, model = AutoProcessor.from_pretrained(folder), AutoModel.from_pretrained(folder).eval().to(device)
     unit = lambda out: torch.nn.functional.normalize(getattr(out, "pooler_output", out), dim=-1)  # noqa: E731
 
@@ -456,8 +427,7 @@ def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_
                                                       cfg.sde_window, generator=generator)
         trajs.append(traj), conds.append(cond), unconds.append(uncond)
         images += decode(pipe, final)
-    cond = tuple(torch.cat([c[i] for c in conds]) for i in range(2))  # ([B, L, E], [B, P])
-    uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
+    cond, uncond = (tuple(torch.cat([c[i] for c in cs]) for i in range(2)) for cs in (conds, unconds))  # [B, L, E], [B, P]
     return jagg_options.cat_trajectories(trajs), cond, uncond, images
 
 def evaluation_prompts(cfg, prompts_all):
@@ -479,10 +449,10 @@ def sample_grid(images, prompts, rewards, cell=96):
     return grid
 
 
-# === 5. Files: atomic writes, and checkpoints OUT/checkpoints/epoch_N/, whole or ignored ===
+# === 5. Files: atomic writes, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
 
 def atomic_write(path, write_fn, mode="w"):
-    """Write through write_fn(file) into a temporary file beside path, then rename: a reader (or a
+    """Write through write_fn(file) into a temporary file beside path, then rename it over path: a reader (or a
     killed run) sees the old file or the new one, never half of one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
@@ -496,23 +466,17 @@ def atomic_write(path, write_fn, mode="w"):
         raise
 
 def json_ready(obj):  # JSON has no NaN: a non-finite number is written as null
-    if isinstance(obj, dict):
-        return {k: json_ready(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_ready(v) for v in obj]
+    if isinstance(obj, (dict, list, tuple)):
+        return {k: json_ready(v) for k, v in obj.items()} if isinstance(obj, dict) else [json_ready(v) for v in obj]
     return None if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(json_ready(obj), f, indent=2, sort_keys=True, allow_nan=False))
 
-def write_jsonl(path, rows):
-    atomic_write(path, lambda f: f.writelines(json.dumps(json_ready(r), sort_keys=True, allow_nan=False) + "\n"
-                                              for r in rows))
-
 def trainable(transformer):
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
 
-def weights_path(folder, lora_rank):  # a finished run's trained weights (the EMA if kept)
+def weights_path(folder, lora_rank):  # a finished run's trained weights (the EMA if kept), for users: safetensors
     return os.path.join(folder, "lora.safetensors" if lora_rank else "transformer.safetensors")
 
 def load_weights(transformer, weights):
@@ -524,88 +488,40 @@ def load_weights(transformer, weights):
         for n, w in weights.items():
             params[n].copy_(as_param(w, params[n]))
 
-def as_param(w, p):
+def as_param(w, p):  # a whole tensor laid out as the parameter p: on its device, in its dtype, sharded as it is
     w = w.to(p.device, p.dtype)
     return distribute_tensor(w, p.device_mesh, p.placements) if isinstance(p, DTensor) else w
 
-def latest_checkpoint(run):
-    """The newest complete checkpoint folder of a run (complete.json is written last), or None."""
-    root = os.path.join(run, "checkpoints")
-    done = sorted(n for n in os.listdir(root) if n.startswith("epoch_")
-                  and os.path.isfile(os.path.join(root, n, "complete.json"))) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
+def checkpoint_path(run):
+    return os.path.join(run, "checkpoint.pt")
+
+CHECKPOINT_KEYS = {"epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer"}
 
 def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
-    """Every rank gathers the state (FSDP's shards); rank 0 writes OUT/checkpoints/epoch_N/ into a
-    temporary folder, complete.json (each file's size) last, then renames it: a kill at any instant
-    leaves the newest complete checkpoint. The two newest stay. The optimizer's state is keyed by name."""
+    """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically, then the weights.
+    Tensors and plain data only, so that it is read with weights_only; the optimizer state keyed by name."""
     from safetensors.torch import save
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    optim = get_optimizer_state_dict(transformer, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                                       cpu_offload=True))
     whole = lambda tensors: {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().contiguous()  # noqa: E731
                              for n, t in tensors.items()}
-    weights, ema = whole(trainable(transformer)), ema and whole(ema)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    root = os.path.join(out, "checkpoints")
-    final, tmp = os.path.join(root, f"epoch_{epoch:06d}"), os.path.join(root, f".tmp-epoch_{epoch:06d}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name, state in (("weights", weights), ("ema", ema)):
-        if state:
-            with open(os.path.join(tmp, f"{name}.safetensors"), "wb") as f:
-                f.write(save(state))
-    torch.save(optim, os.path.join(tmp, "optimizer.pt"))  # tensors and numbers only: loaded with weights_only
-    write_jsonl(os.path.join(tmp, "metrics.jsonl"), rows)
-    write_json(os.path.join(tmp, "state.json"), {"epoch": epoch, "config": config, "probe_average": probe_average})
-    write_json(os.path.join(tmp, "complete.json"), {n: os.path.getsize(os.path.join(tmp, n)) for n in os.listdir(tmp)})
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in sorted(n for n in os.listdir(root) if n.startswith("epoch_"))[:-2]:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(ema or weights)), "wb")
+    state = dict(epoch=epoch, config=config, rows=rows, probe_average=probe_average, weights=whole(trainable(transformer)),
+                 ema=ema and whole(ema), optimizer=get_optimizer_state_dict(
+                     transformer, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        atomic_write(checkpoint_path(out), lambda f: torch.save(state, f), "wb")
+        atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(state["ema"] or state["weights"])), "wb")
 
-def check_checkpoint(ckpt, cfg):
-    """Every file a resume reads, before any model loads: one line naming a missing or cut one, or missing rows."""
-    sizes = read_json(os.path.join(ckpt, "complete.json"))
-    for name in ["weights.safetensors", "optimizer.pt", "metrics.jsonl", "state.json"] + ["ema.safetensors"] * cfg.ema:
-        path = os.path.join(ckpt, name)
-        size = os.path.getsize(path) if os.path.isfile(path) else None
-        if name not in sizes or size != sizes[name]:
-            fail(f"cannot resume: {path} is missing or cut ({size} bytes, {sizes.get(name)} written); remove {ckpt} "
-                 f"to resume from the checkpoint before it")
-    epoch = read_json(os.path.join(ckpt, "state.json"))["epoch"]
+def read_checkpoint(run, mmap=False):
+    """The checkpoint's dict, read safely (weights_only); a cut or foreign file ends the run in one line naming it."""
     try:
-        rows = [json.loads(line) for line in open(os.path.join(ckpt, "metrics.jsonl"))]
-    except ValueError as e:
-        fail(f"cannot resume: {ckpt}/metrics.jsonl is unreadable ({e})")
-    if [r["epoch"] for r in rows if r["epoch"]] != list(range(1, epoch + 1)):
-        fail(f"cannot resume: {ckpt}/metrics.jsonl lacks rows of epochs 1 to {epoch}")
-
-def load_checkpoint(ckpt, transformer, optimizer):
-    """(epoch, EMA laid out as the parameters, metrics rows, probe average) of the checkpoint folder ckpt,
-    whose weights and optimizer state are loaded; an unreadable file ends the run in one line naming it."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    def read(name, load):
-        try:
-            return load(os.path.join(ckpt, name))
-        except Exception as e:
-            fail(f"cannot resume: {ckpt}/{name} is unreadable ({type(e).__name__}: {str(e)[:200]}); remove {ckpt} to "
-                 f"resume from the checkpoint before it")
-
-    params, state = trainable(transformer), read_json(os.path.join(ckpt, "state.json"))
-    read("weights.safetensors", lambda path: load_weights(transformer, load_file(path)))
-    read("optimizer.pt", lambda path: set_optimizer_state_dict(transformer, optimizer, torch.load(path, weights_only=True),
-                                                              options=StateDictOptions(full_state_dict=True)))
-    ema = read("ema.safetensors", lambda path: {n: as_param(w, params[n]) for n, w in load_file(path).items()}
-               ) if state["config"]["ema"] else None
-    rows = [{k: math.nan if v is None else v for k, v in json.loads(line).items()}  # null was NaN
-            for line in open(os.path.join(ckpt, "metrics.jsonl"))]
-    return state["epoch"], ema, rows, state.get("probe_average")
+        ckpt = torch.load(checkpoint_path(run), map_location="cpu", weights_only=True, mmap=mmap)
+        missing = CHECKPOINT_KEYS - set(ckpt if isinstance(ckpt, dict) else ())
+        if missing:
+            raise ValueError(f"it has no {', '.join(sorted(missing))}")
+    except Exception as e:
+        fail(f"cannot resume: {checkpoint_path(run)} is not a whole train_sd.py checkpoint ({type(e).__name__}: "
+             f"{str(e)[:200]}); start afresh with --overwrite")
+    return ckpt
 
 
 # === 6. Training: the whole loop, from rollout to optimizer step ===
@@ -624,33 +540,32 @@ def optimizer_steps(perm, adv, cfg, generator):
         keep = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
     return [list(part.split(cfg.train_batch)) if len(part) else [] for part in keep.tensor_split(cfg.steps_per_epoch)]
 
-def mode_name(method, opts):
-    """A training mode's name, from its options: exact, jagg, jagg_shared, jagg_rollout, jagg_shared_rollout."""
-    shared, rollout = opts.anchors == "shared", opts.interior == "rollout"
-    return "exact" if method == "exact" else "jagg" + "_shared" * shared + "_rollout" * rollout
+def mode_name(method, opts):  # exact, jagg, jagg_shared, jagg_rollout or jagg_shared_rollout
+    return "exact" if method == "exact" else "jagg" + "_shared" * (opts.anchors == "shared") + "_rollout" * (
+        opts.interior == "rollout")
 
 def epoch_metrics(stats):
-    """The epoch's metrics from its micro-batches' stats (each step's last with optimizer_step's): means
-    of the diagnostics, sums of the rest."""
+    """The epoch's metrics from its micro-batches' stats (each step's last with optimizer_step's)."""
     mean = lambda key: sum(s[key] for s in stats) / len(stats) if stats else float("nan")  # noqa: E731
     steps = [s for s in stats if "grad_norm" in s]  # one per optimizer step
-    row = {f"train/{k}": mean(k) for k in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac")}
-    row.update({"train/grad_norm": sum(s["grad_norm"] for s in steps) / max(len(steps), 1),
-                "train/grad_rows": sum(s["grad_rows"] for s in stats), "train/skipped_steps": sum(s["skipped"] for s in steps),
-                "train/optimizer_steps": sum(not s["skipped"] for s in steps),
-                "time/backward_seconds": sum(s["backward_seconds"] for s in stats),
-                "time/grad_seconds": sum(s["grad_seconds"] for s in stats)})
-    for key in ("rollout_refreshed", "anchor_drift"):  # the drift guard of rollout interiors, where it ran
-        if stats and key in stats[0]:
-            row[f"train/{key}"] = mean(key)
-    return row
+    drift = [k for k in ("rollout_refreshed", "anchor_drift") if stats and k in stats[0]]  # rollout interiors' guard
+    return {**{f"train/{k}": mean(k) for k in ["loss", "clipfrac", "approx_kl", "kl", "routed_frac", *drift]},
+            "train/grad_norm": sum(s["grad_norm"] for s in steps) / max(len(steps), 1),
+            "train/grad_rows": sum(s["grad_rows"] for s in stats), "train/skipped_steps": sum(s["skipped"] for s in steps),
+            "train/optimizer_steps": sum(not s["skipped"] for s in steps),
+            "time/backward_seconds": sum(s["backward_seconds"] for s in stats),
+            "time/grad_seconds": sum(s["grad_seconds"] for s in stats)}
+
+def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs on the CPU in fp32)
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
 def train(cfg):
     """One run (--method exact or jagg). Returns (metrics rows, summary)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     rank, world = jagg_options.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    use_bf16 = device.type == "cuda"  # bf16 autocast on a GPU; CUDA_VISIBLE_DEVICES= runs on the CPU in fp32
+    device = pick_device()
+    use_bf16 = device.type == "cuda"  # bf16 autocast on a GPU
     torch.cuda.set_device(device) if use_bf16 else None
     prompts_all, reward_fn = read_prompts(cfg), load_reward(cfg.reward, device)
     pipe, transformer = load_pipeline(cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
@@ -660,40 +575,39 @@ def train(cfg):
     if cfg.lora_rank == 0 and cfg.beta > 0:
         ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
     if cfg.fsdp:  # weights, gradients and optimizer state sharded over the ranks; the reference too
-        shard_transformer(transformer)
-        if ref_transformer is not None:
-            shard_transformer(ref_transformer)
+        for module in [m for m in (transformer, ref_transformer) if m is not None]:
+            shard_transformer(module)
     params = list(trainable(transformer).values())
     net = transformer if cfg.fsdp or world == 1 else torch.nn.parallel.DistributedDataParallel(
-        transformer, device_ids=[device.index] if device.type == "cuda" else None)
+        transformer, device_ids=[device.index] if use_bf16 else None)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=FIXED["weight_decay"])
     ema = {n: p.detach().clone() for n, p in trainable(transformer).items()} if cfg.ema else None
     start_epoch, rows, probe_avg = 0, [], None
-    if cfg.resume:
-        start_epoch, saved_ema, rows, probe_avg = load_checkpoint(latest_checkpoint(cfg.resume), transformer, optimizer)
-        ema = saved_ema if cfg.ema else ema
+    if cfg.resume:  # where the run stopped: weights, optimizer state, EMA, metrics rows, probe average
+        ckpt = read_checkpoint(cfg.resume)
+        load_weights(transformer, ckpt["weights"])
+        set_optimizer_state_dict(transformer, optimizer, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+        ema = ema and {n: as_param(ckpt["ema"][n], p) for n, p in trainable(transformer).items()}
+        start_epoch, rows, probe_avg = ckpt["epoch"], ckpt["rows"], ckpt["probe_average"]
     config = {**dataclasses.asdict(cfg), "fixed": FIXED}
     if rank == 0:
         write_json(os.path.join(cfg.out, "config.json"), config)
-        print("config: " + json.dumps(config))
-        print(f"trainable parameters: {sum(p.numel() for p in params):,}; device {device}; bf16 {use_bf16}; world {world}")
-
+        print(f"config: {json.dumps(config)}\ntrainable parameters: {sum(p.numel() for p in params):,}; device "
+              f"{device}; bf16 {use_bf16}; world {world}")
     sigmas = sampling_sigmas(cfg, pipe.scheduler).to(device)  # [T+1]
-    # jagg's contract, checked before training: v of z's shape, equal calls equal, S steps at once = S single
     cond, uncond = encode(pipe, (list(dict.fromkeys(prompts_all)) * 2)[:2], device)
     noise = torch.randn(2, transformer.config.in_channels, h, h, generator=torch.Generator(device).manual_seed(0),
                         device=device)  # [2, C, h, w]
-    try:
+    try:  # jagg's contract, before training: v of z's shape, equal calls equal, S steps at once = S single
         jagg_options.check_velocity_fn(make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16),
                                        noise, sigmas, rtol=2e-2 if use_bf16 else None)
     except ValueError as e:  # NaN weights, say
         fail(f"--model {cfg.model!r} fails jagg's velocity_fn contract on the first prompts: {e}")
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    opts, n_train = cfg.jagg_options(), cfg.trained_steps()
+    opts, n_train, eval_prompts = cfg.jagg_options(), cfg.trained_steps(), evaluation_prompts(cfg, prompts_all)
     # The samples one optimizer step averages, all ranks: the probe measures JAGG's error in their noise.
-    step_batch = cfg.train_batch * world if not cfg.steps_per_epoch else max(
-        1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch)
-    eval_prompts = evaluation_prompts(cfg, prompts_all)
+    step_batch = max(1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch) if cfg.steps_per_epoch \
+        else cfg.train_batch * world
     evaluates = rank == 0 or cfg.fsdp  # under FSDP every rank runs the evaluation's forwards; rank 0 keeps it
 
     def evaluate(epoch, row):
@@ -714,10 +628,8 @@ def train(cfg):
             if hasattr(reward_fn, "eval_metrics"):  # a custom reward's own evaluation figures
                 row.update({f"eval/{k}": v for k, v in reward_fn.eval_metrics(images, eval_prompts).items()})
 
-    def no_sync(j, n):
-        """Micro-batch j of n's accumulation switch: DDP's no_sync around each (jagg_options all-reduces
-        once per optimizer step), FSDP's own around all but the last."""
-        if world > 1 and not cfg.fsdp:
+    def no_sync(j, n):  # accumulation: DDP's around each micro-batch (jagg_options all-reduces once a step), FSDP's
+        if world > 1 and not cfg.fsdp:  # around all but a step's last
             return net.no_sync
         return (lambda: jagg_options.fsdp_no_sync(transformer)) if cfg.fsdp and j < n - 1 else contextlib.nullcontext
 
@@ -791,9 +703,7 @@ def train(cfg):
                 micro_stats.append(s)
             done = jagg_options.optimizer_step(params, optimizer, [s["loss"] for s in micro_stats], step=step,
                                                micro_batches=len(micro), max_grad_norm=FIXED["max_grad_norm"])
-            if micro_stats:
-                micro_stats[-1].update(done)
-            stats += micro_stats
+            stats += micro_stats[:-1] + [{**micro_stats[-1], **done}] if micro_stats else []
             if ema is not None and not done["skipped"] and step % FIXED["ema_every"] == 0:
                 decay = min(step / (9 + step), FIXED["ema_decay"])  # Flow-GRPO's min((1 + s) / (10 + s), 0.9), s = step - 1
                 with torch.no_grad():
@@ -816,7 +726,8 @@ def train(cfg):
         if epoch % cfg.eval_every == 0 or epoch == cfg.epochs or stopping:
             save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, config, probe_avg)
         if rank == 0:
-            write_jsonl(os.path.join(cfg.out, "metrics.jsonl"), rows)
+            atomic_write(os.path.join(cfg.out, "metrics.jsonl"), lambda f: f.writelines(
+                json.dumps(json_ready(r), sort_keys=True, allow_nan=False) + "\n" for r in rows))
         if stopping:
             fail(f"stopped by {STOP[0] if STOP else 'a signal to another rank'} after epoch {epoch}, checkpointed: go "
                  f"on with --resume {cfg.out}")
@@ -834,96 +745,89 @@ def train(cfg):
 # === 7. A run's summary ===
 
 def summarize(cfg, rows):
-    """summary.json: the evaluation curve (the final reward: the last evaluation), times, and the
-    probe's figures per segment position pooled over the run's probes (jagg_options.pool_probes)."""
+    """summary.json: the evaluation curve (the final reward: the last evaluation), times, and the probe's
+    figures per segment position pooled over the run's probes (jagg_options.pool_probes)."""
     evals, trained = [(r["epoch"], r["eval/reward"]) for r in rows if "eval/reward" in r], [r for r in rows if r["epoch"]]
     routes = cfg.method == "jagg" and cfg.route == "probe"  # the probe's time counts as training only where it routes
     epoch_seconds = [r["time/train_seconds"] - (0.0 if routes else r.get("time/probe_seconds", 0.0)) for r in trained]
     pooled = jagg_options.pool_probes([{"cosine": r["probe/grad_cosine"], "error": r["probe/error"],
                                         "noise": r["probe/noise"]} for r in trained if "probe/error" in r]) or {}
+    total = lambda key: sum(r.get(key, 0.0) for r in trained)  # noqa: E731
     return {"method": cfg.method, "mode": mode_name(cfg.method, cfg.jagg_options()), "weights": cfg.weights,
             "window": cfg.window, "epochs": cfg.epochs, "initial_reward": evals[0][1], "final_reward": evals[-1][1],
             "reward_gain": evals[-1][1] - evals[0][1], "eval_curve": evals, "train_seconds": sum(epoch_seconds),
-            "epoch_seconds": epoch_seconds, "backward_seconds": sum(r["time/backward_seconds"] for r in trained),
-            "grad_seconds": sum(r["time/grad_seconds"] for r in trained),
-            "probe_seconds": sum(r.get("time/probe_seconds", 0.0) for r in trained),
-            "grad_steps": sum(r["train/grad_rows"] for r in trained),  # network rows with grad
-            "skipped_steps": sum(r["train/skipped_steps"] for r in trained),
-            "nonfinite_samples": sum(r.get("rollout/nonfinite_samples", 0) for r in trained), "probe_cosine_by_position":
-                pooled.get("cosine"), "probe_error_to_noise_by_position": pooled.get("error_to_noise"),
+            "epoch_seconds": epoch_seconds, "backward_seconds": total("time/backward_seconds"),
+            "grad_seconds": total("time/grad_seconds"), "probe_seconds": total("time/probe_seconds"),
+            "grad_steps": total("train/grad_rows"), "skipped_steps": total("train/skipped_steps"),  # grad_steps: rows
+            "nonfinite_samples": total("rollout/nonfinite_samples"), "probe_cosine_by_position": pooled.get("cosine"),
+            "probe_error_to_noise_by_position": pooled.get("error_to_noise"),
             "probe_error_to_noise_stderr_by_position": pooled.get("stderr"), "config": dataclasses.asdict(cfg)}
 
 
 # === 8. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
 
 def benchmark(cfg, repeats=5):
-    """Exact vs the flags' JAGG mode: one training step as train() runs it, on a random transformer of
-    --model's shape (the timing does not depend on the weights). Interleaved repeats after a warm-up; medians."""
+    """Exact vs the flags' JAGG mode, one training step each, on a random transformer of --model's shape (SD3.5-medium's
+    on a GPU, a small one on a CPU: the timing does not depend on the weights); medians of interleaved repeats."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    use_bf16, local = device.type == "cuda", os.path.isdir(os.path.expanduser(cfg.model))
+    device, local, B = pick_device(), os.path.isdir(os.path.expanduser(cfg.model)), cfg.train_batch
+    gpu = device.type == "cuda"  # bf16 autocast there, as training
     torch.manual_seed(cfg.seed)
-    name = cfg.model if local else "SD3.5-medium" if use_bf16 else "SD3 reduced for a CPU"
     config = SD3Transformer2DModel.load_config(os.path.expanduser(cfg.model), subfolder="transformer") if local else (
-        SD35_MEDIUM if use_bf16 else SD3_CPU)
+        SD35_MEDIUM if gpu else SD3_CPU)
     with torch.device(device):  # initialised where it runs: 2.24B parameters take seconds on a GPU
-        transformer = SD3Transformer2DModel.from_config(config).to(dtype=torch.bfloat16 if use_bf16 else torch.float32)
-    if cfg.lora_rank:
-        add_lora(transformer, cfg.lora_rank)
-    if cfg.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    tc, B, h = transformer.config, cfg.train_batch, (cfg.resolution or min(512, transformer.config.sample_size * 8)) // 8
-    cond, uncond = ((torch.randn(B, 77, tc.joint_attention_dim, device=device),
+        transformer = SD3Transformer2DModel.from_config(config).to(dtype=torch.bfloat16 if gpu else torch.float32)
+    add_lora(transformer, cfg.lora_rank) if cfg.lora_rank else None
+    transformer.enable_gradient_checkpointing() if cfg.gradient_checkpointing else None
+    tc, h = transformer.config, (cfg.resolution or min(512, transformer.config.sample_size * 8)) // 8  # latents' side
+    cond, uncond = ((torch.randn(B, 77, tc.joint_attention_dim, device=device),  # ([B, L, E], [B, P])
                      torch.randn(B, tc.pooled_projection_dim, device=device)) for _ in range(2))
-    velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)
+    velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, gpu)
     sigmas = sampling_sigmas(cfg, FlowMatchEulerDiscreteScheduler(shift=3.0)).to(device)  # [T+1], SD3's
-    noise = torch.randn(B, tc.in_channels, h, h, device=device)  # [B, C, h, w]
-    start, traj = time.perf_counter(), jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level)
-    rollout_s, adv, traj = time.perf_counter() - start, torch.randn(B, device=device), traj.first_steps(cfg.trained_steps())
+    start, noise = time.perf_counter(), torch.randn(B, tc.in_channels, h, h, device=device)  # [B, C, h, w]
+    traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level).first_steps(cfg.trained_steps())
+    rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)  # [B]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    runs = {"exact": [], "jagg": []}
+    runs = {"exact": [], "jagg": []}  # per repeat: (backward seconds, step seconds, rows with grad)
     for r in range(repeats + 1):  # round 0 warms up; the order alternates, so drift hits both alike
         for method in ("exact", "jagg")[:: 1 if r % 2 else -1]:
             transformer.zero_grad(set_to_none=True)
             timings, start = {}, time.perf_counter()
-            stats = jagg_options.window_gradients(velocity_fn, traj, adv, loss_cfg, cfg.jagg_options(method),
-                                                  velocity_fn if cfg.beta else None, timings)[0]
-            torch.cuda.synchronize(device) if use_bf16 else None
-            runs[method] += [(timings["backward"], time.perf_counter() - start, stats["grad_rows"])] if r else []
+            rows = jagg_options.window_gradients(velocity_fn, traj, adv, loss_cfg, cfg.jagg_options(method),
+                                                 velocity_fn if cfg.beta else None, timings)[0]["grad_rows"]
+            torch.cuda.synchronize(device) if gpu else None
+            runs[method] += [(timings["backward"], time.perf_counter() - start, rows)] if r else []
     (ex_bwd, ex_s), (jg_bwd, jg_s) = (np.median([x[:2] for x in runs[m]], axis=0).tolist() for m in ("exact", "jagg"))
-    result = {"model": name, "device": torch.cuda.get_device_name(device) if use_bf16 else "cpu", "batch": B,
-              "window": cfg.window, "mode": mode_name("jagg", cfg.jagg_options()), "trained_steps": cfg.trained_steps(),
+    result = {"model": cfg.model if local else "SD3.5-medium" if gpu else "SD3 reduced for a CPU", "batch": B,
+              "device": torch.cuda.get_device_name(device) if gpu else "cpu", "window": cfg.window,
+              "mode": mode_name("jagg", cfg.jagg_options()), "trained_steps": cfg.trained_steps(),
               "rows": {m: runs[m][0][2] for m in runs}, "exact_backward_s": ex_bwd, "jagg_backward_s": jg_bwd,
               "exact_step_s": ex_s, "jagg_step_s": jg_s, "rollout_s": rollout_s, "backward_speedup": ex_bwd / jg_bwd,
               "step_speedup": ex_s / jg_s, "epoch_speedup": (rollout_s + ex_s) / (rollout_s + jg_s),
               "tokens": (h // tc.patch_size) ** 2 + 77, "params": sum(p.numel() for p in transformer.parameters())}
-    print(f"{name} ({result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}, {result['tokens']} tokens), "
-          f"{result['mode']} at W = {cfg.window}: backward {result['backward_speedup']:.2f}x faster than exact "
-          f"({ex_bwd:.3f} s -> {jg_bwd:.3f} s), the step {result['step_speedup']:.2f}x, an epoch with its rollout "
-          f"{result['epoch_speedup']:.2f}x (medians of {repeats})")
+    print(f"{result['model']} ({result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}), {result['mode']} "
+          f"at W = {cfg.window}: backward {result['backward_speedup']:.2f}x faster than exact ({ex_bwd:.3f} s -> "
+          f"{jg_bwd:.3f} s), the step {result['step_speedup']:.2f}x, an epoch {result['epoch_speedup']:.2f}x")
     write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
     return result
 
 
-STOP = []  # the signals received: the run stops at the end of the epoch, checkpointed
+# === 9. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
 
+STOP = []  # the signals received
 
 def on_signal(signum, frame):
     STOP.append(signal.Signals(signum).name)
     signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)  # a second: now
 
-
 def main(argv=None):
     cfg = validate(parse(argv))
-    if cfg.benchmark:
-        return benchmark(cfg)
-    if cfg.resume:
-        check_checkpoint(latest_checkpoint(cfg.resume), cfg)
     lock = claim_out(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
     STOP.clear()
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if cfg.benchmark:
+            return benchmark(cfg)
         rows, summary = train(cfg)
     finally:
         for s, handler in previous.items():

@@ -69,7 +69,7 @@ run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished befo
   done=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["config"]["epochs"])' "$dir/summary.json" \
          2>/dev/null || echo 0)
   [ "$done" -ge "$epochs" ] && { [ "$done" -gt "$epochs" ] && echo "note: $dir has $done epochs, kept"; return 0; }
-  [ -f "$dir/checkpoint/state.json" ] && resume=(--resume "$dir")  # a shorter finished run continues
+  [ -f "$dir/checkpoint.pt" ] && resume=(--resume "$dir")  # a shorter finished run continues
   mkdir -p "$(dirname "$dir")"
   python3 train_sd.py $preset_flags --epochs "$epochs" $evals --out "$dir" "${resume[@]}" "$@" >> "$dir.log" 2>&1
   tail -n 1 "$dir.log"

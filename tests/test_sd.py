@@ -90,8 +90,8 @@ def test_every_declared_range_refuses_a_value_in_one_line_naming_the_flag(tmp_pa
     (["--reward", "test_sd:nothing"], "no importable module:function"),
     (["--prompts", "EMPTY"], "has no prompts"),
     (["--prompts", "/nonexistent/prompts.txt"], "does not exist"),
-    (["--resume", "/nonexistent/run"], "holds no complete checkpoint"),
-    (["--resume", "RUN"], "holds no complete checkpoint"),  # an epoch folder without complete.json
+    (["--resume", "/nonexistent/run"], "holds no checkpoint"),
+    (["--resume", "RUN"], "holds no checkpoint"),  # a run killed while writing its first checkpoint
     (["--out", "/proc/x"], "cannot be created or written to"),
     (["--route", "probe"], "--route probe needs the probe"),
     (["--interior", "rollout", "--max-graph-rows", "1"], "--max-graph-rows must be an integer >= 2 with rollout"),
@@ -106,7 +106,8 @@ def test_every_declared_range_refuses_a_value_in_one_line_naming_the_flag(tmp_pa
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, extra, message):
     (tmp_path / "empty.txt").write_text("\n  \n")
-    (tmp_path / "run" / "checkpoints" / "epoch_000001").mkdir(parents=True)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".tmp-killed").write_bytes(b"half a checkpoint")
     (tmp_path / "binary.txt").write_bytes(bytes(range(256)))
     for name, index in (("broken", "{not json"), ("notransformer", '{"vae": ["diffusers", "AutoencoderKL"]}')):
         (tmp_path / name).mkdir()
@@ -130,15 +131,16 @@ def test_a_bad_flag_is_one_line_without_traceback(tmp_path):
 # ------------------------------------------------------------------ a run's folder (issue 47)
 
 
-def fake_checkpoint(tiny, out, epoch, **flags):
-    """A checkpoint folder as a run with run_args' flags would leave it at epoch, its files empty."""
+WHOLE = dict(rows=[{"epoch": 0}], probe_average=None, weights={"w": torch.ones(2)}, ema=None, optimizer={})
+
+
+def fake_checkpoint(tiny, out, epoch, **state):
+    """OUT/checkpoint.pt holding a run_args run's config at epoch, and state (no weights unless given)."""
     cfg = train_sd.validate(train_sd.parse(run_args(tiny, out)))
-    ckpt = out / "checkpoints" / f"epoch_{epoch:06d}"
-    ckpt.mkdir(parents=True)
-    config = {**dataclasses.asdict(dataclasses.replace(cfg, **flags)), "fixed": train_sd.FIXED}
-    (ckpt / "state.json").write_text(json.dumps({"epoch": epoch, "config": config}))
-    (ckpt / "complete.json").write_text("{}")
-    return ckpt
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"epoch": epoch, "config": {**dataclasses.asdict(cfg), "fixed": train_sd.FIXED}, **state},
+               out / "checkpoint.pt")
+    return out / "checkpoint.pt"
 
 
 def cli(*args, cwd):
@@ -148,9 +150,9 @@ def cli(*args, cwd):
 
 def test_resume_refuses_what_changes_the_run_before_any_model_loads(tiny, tmp_path):
     """Each changed flag named with the run's value and the new one; --epochs below the checkpoint's epoch
-    refused; --epochs (more) and --eval-every may change, and --help says so; every file the resume needs checked."""
+    refused; --epochs (more) and --eval-every may change, and --help says so; a checkpoint that is not whole refused."""
     out = tmp_path / "run"
-    fake_checkpoint(tiny, out, 6)
+    fake_checkpoint(tiny, out, 6, **WHOLE)
     run = cli(*run_args(tiny, out, "--window", "3", "--lr", "1", "--seed", "5", "--resume", str(out)), cwd=tmp_path)
     assert run.returncode != 0 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     for named in ("--window 3 differs from the run's 2", "--lr 1.0 differs from the run's 0.01",
@@ -158,41 +160,33 @@ def test_resume_refuses_what_changes_the_run_before_any_model_loads(tiny, tmp_pa
         assert named in run.stderr, run.stderr
     run = cli(*run_args(tiny, out, "--epochs", "4", "--resume", str(out)), cwd=tmp_path)
     assert run.stderr.strip() == "error: --resume: --epochs 4 is below the checkpoint's epoch 6: give --epochs >= 6"
+    fake_checkpoint(tiny, out, 6)  # no weights: the flags below pass, the checkpoint does not
     run = cli(*run_args(tiny, out, "--epochs", "9", "--eval-every", "3", "--resume", str(out)), cwd=tmp_path)  # allowed
-    assert run.stderr.strip().splitlines() == [f"error: cannot resume: {out}/checkpoints/epoch_000006/weights."
-                                               f"safetensors is missing or cut (None bytes, None written); remove "
-                                               f"{out}/checkpoints/epoch_000006 to resume from the checkpoint before it"]
+    assert run.stderr.strip().splitlines() == [f"error: cannot resume: {out}/checkpoint.pt is not a whole train_sd.py "
+                                               f"checkpoint (ValueError: it has no ema, optimizer, probe_average, rows, "
+                                               f"weights); start afresh with --overwrite"]
     help = " ".join(cli("--help", cwd=tmp_path).stdout.split())
     assert "only --epochs (more), --eval-every and --out may change" in help and "--overwrite" in help
 
 
-def test_resume_takes_the_newest_complete_checkpoint_and_checks_every_file(tiny, tmp_path):
+def test_a_checkpoint_is_whole_or_refused_in_one_line_and_a_killed_saves_temporary_goes(tiny, tmp_path):
+    """One file, written to a temporary and renamed (a kill leaves the old checkpoint or the new one); a cut,
+    garbage or foreign file is refused in one line naming it; --resume removes a killed save's temporary."""
     out = tmp_path / "run"
-    old, new = fake_checkpoint(tiny, out, 2, ema=True), fake_checkpoint(tiny, out, 4, ema=True)
-    (new / "complete.json").unlink()  # killed before its marker: ignored
-    (out / "checkpoints" / ".tmp-epoch_000006").mkdir()  # killed while writing: ignored
-    assert train_sd.latest_checkpoint(out) == str(old)
-    rows = "".join(json.dumps({"epoch": e}) + "\n" for e in (0, 1, 2))
-    files = {"weights.safetensors": "w", "optimizer.pt": "o", "metrics.jsonl": rows, "ema.safetensors": "e"}
-    for name, text in files.items():
-        (old / name).write_text(text)
-    complete = lambda: (old / "complete.json").write_text(json.dumps({n: (old / n).stat().st_size for n in  # noqa: E731
-                                                                       [*files, "state.json"]}))
-    cfg = train_sd.Config(ema=True)
-    complete()
-    train_sd.check_checkpoint(str(old), cfg)  # whole: passes
-    state = (old / "state.json").read_text()
-    for name, text, message in (("ema.safetensors", None, "ema.safetensors is missing or cut"),
-                                ("metrics.jsonl", rows[:rows.rindex("{")], "metrics.jsonl lacks rows of epochs 1 to 2"),
-                                ("state.json", "{", "state.json \\(JSONDecodeError")):
-        (old / name).unlink() if text is None else (old / name).write_text(text)
-        if text is not None:
-            complete()  # the marker agrees with the files: their content is what is wrong
-        with pytest.raises(SystemExit, match=message) as e:
-            train_sd.check_checkpoint(str(old), cfg)
-        assert "\n" not in str(e.value.code)
-        (old / name).write_text(files.get(name, state))
-        complete()
+    path = fake_checkpoint(tiny, out, 2, **WHOLE)
+    assert train_sd.read_checkpoint(out)["weights"]["w"].tolist() == [1.0, 1.0]  # whole: read
+    whole = path.read_bytes()
+    for broken, why in ((whole[: len(whole) // 2], "(RuntimeError: "), (b"{", "(UnpicklingError: "),
+                        (None, "(ValueError: it has no ema, optimizer, probe_average, rows, weights)")):
+        fake_checkpoint(tiny, out, 2) if broken is None else path.write_bytes(broken)
+        with pytest.raises(SystemExit) as e:
+            train_sd.read_checkpoint(out)
+        message = str(e.value.code)
+        assert message.startswith(f"error: cannot resume: {path} is not a whole train_sd.py checkpoint {why}"), message
+        assert message.endswith("start afresh with --overwrite") and "\n" not in message
+    (out / ".tmp-killed").write_bytes(b"half")
+    train_sd.claim_out(train_sd.Config(out=str(out), resume=str(out))).close()
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint.pt"]
 
 
 def test_an_output_folder_belongs_to_one_run(tiny, tmp_path):
@@ -239,10 +233,9 @@ def test_one_short_run_end_to_end_with_a_reward_from_outside(tiny, tmp_path):
     assert rows[1]["train/routed_frac"] == 1.0 and rows[1]["mode"] == "jagg"
     assert rows[1]["train/grad_rows"] == (2 + 1) * 2  # 2 anchors + 1 exact step, 2 micro-batches
     assert len(rows[1]["probe/grad_cosine"]) == 2 and rows[1]["probe/error_to_noise"][1] == 0  # the 1-step window
-    for name in ("config.json", "metrics.jsonl", "summary.json", "samples_0000.png", "samples_0001.png",
-                 "lora.safetensors", "checkpoints/epoch_000001/weights.safetensors",
-                 "checkpoints/epoch_000001/optimizer.pt", "checkpoints/epoch_000001/state.json", "checkpoints/epoch_000001/complete.json"):
-        assert (out / name).exists(), name
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint.pt", "config.json", "lora.safetensors",
+                                                     "metrics.jsonl", "samples_0000.png", "samples_0001.png",
+                                                     "summary.json"]  # and no temporary file
     config = json.load(open(out / "config.json"))
     assert config["reward"] == "test_sd:brightness" and config["fixed"] == train_sd.FIXED
     assert json.load(open(out / "summary.json"))["probe_cosine_by_position"] is not None
@@ -376,7 +369,7 @@ def test_train_jagg_then_resume_and_exact(tiny, tmp_path):
     assert lora and all("lora" in k for k in lora)
     assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)  # B starts at zero: trained
     rows = train_sd.main(run_args(tiny, out, "--epochs", "2", "--window", "3", "--resume", str(out)))
-    assert [r["epoch"] for r in rows] == [0, 1, 2] and json.load(open(out / "checkpoints" / "epoch_000002" / "state.json"))["epoch"] == 2
+    assert [r["epoch"] for r in rows] == [0, 1, 2] and train_sd.read_checkpoint(out)["epoch"] == 2
     assert any(not torch.equal(lora[k], v) for k, v in load_file(out / "lora.safetensors").items())
     assert [json.loads(line)["epoch"] for line in open(out / "metrics.jsonl")] == [0, 1, 2]
     rows = train_sd.main(run_args(tiny, tmp_path / "exact", "--epochs", "1", "--method", "exact", "--beta", "0.1"))
@@ -385,7 +378,7 @@ def test_train_jagg_then_resume_and_exact(tiny, tmp_path):
     for flags, was, now in ((["--lora-rank", "8"], 4, 8), (["--lora-rank", "0"], 4, 0)):
         with pytest.raises(SystemExit, match=f"--resume: --lora-rank {now} differs from the run's {was};"):
             train_sd.main(run_args(tiny, out, "--epochs", "3", "--window", "3", "--resume", str(out), *flags))
-    assert json.load(open(out / "checkpoints" / "epoch_000002" / "state.json"))["epoch"] == 2
+    assert train_sd.read_checkpoint(out)["epoch"] == 2
 
 
 @slow
@@ -403,32 +396,32 @@ def test_shared_anchors_rollout_interiors_and_probe_routing(tiny, tmp_path):
     assert row["routing/routed"] == [c == max(cosines) for c in cosines]
     # Rows with grad a micro-batch: the routed segment's 2 anchors, the other's 2 steps but the shared anchor.
     assert row["train/grad_rows"] == 2 * 4
-    state = json.load(open(out / "checkpoints" / "epoch_000001" / "state.json"))
+    state = train_sd.read_checkpoint(out)
     assert state["probe_average"] == cosines and state["config"]["anchors"] == "shared"
 
 
 @slow
-def test_resumed_run_equals_uninterrupted_run(tiny, tmp_path):
+def test_resumed_run_equals_uninterrupted_run(tiny, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     straight = train_sd.main(run_args(tiny, tmp_path / "a", "--epochs", "2", "--ema"))
     train_sd.main(run_args(tiny, tmp_path / "b", "--epochs", "1", "--ema"))
-    real = train_sd.write_json
+    real = torch.save
 
-    def killed_at_the_marker(path, obj):  # a kill while epoch 2's checkpoint is written: epoch 1's stands
-        if str(path).endswith("complete.json") and "epoch_000002" in str(path):
+    def killed_while_writing(obj, f, *args, **kwargs):  # a kill halfway through epoch 2's checkpoint
+        if isinstance(obj, dict) and obj.get("epoch") == 2:
+            f.write(b"half a checkpoint")
             raise KeyboardInterrupt
-        real(path, obj)
+        real(obj, f, *args, **kwargs)
 
-    train_sd.write_json = killed_at_the_marker
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train_sd.main(run_args(tiny, tmp_path / "b", "--epochs", "2", "--ema", "--overwrite"))
-    finally:
-        train_sd.write_json = real
-    assert train_sd.latest_checkpoint(tmp_path / "b").endswith("epoch_000001")
+    monkeypatch.setattr(torch, "save", killed_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        train_sd.main(run_args(tiny, tmp_path / "b", "--epochs", "2", "--ema", "--overwrite"))
+    monkeypatch.undo()
+    assert train_sd.read_checkpoint(tmp_path / "b")["epoch"] == 1  # epoch 1's stands
+    (tmp_path / "b" / ".tmp-killed").write_bytes(b"half a checkpoint")  # what a SIGKILL there leaves
     resumed = train_sd.main(run_args(tiny, tmp_path / "b", "--epochs", "2", "--ema", "--resume", str(tmp_path / "b")))
-    assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["epoch_000001", "epoch_000002"]  # no leftover
+    assert not [p for p in os.listdir(tmp_path / "b") if p.startswith(".tmp-")]  # no leftover
     assert straight[2]["rollout/reward_mean"] == pytest.approx(resumed[2]["rollout/reward_mean"], rel=1e-6)
     assert straight[2]["eval/reward"] == pytest.approx(resumed[2]["eval/reward"], rel=1e-6)
     a, b = load_file(tmp_path / "a" / "lora.safetensors"), load_file(tmp_path / "b" / "lora.safetensors")
@@ -459,8 +452,9 @@ def test_full_finetune_with_ema_prompt_file_and_pickscore(tiny, tmp_path):
                                   str(tmp_path / "prompts.txt"), "--reward", str(clip_dir), "--beta", "0.1"))
     assert rows[1]["train/kl"] >= 0 and abs(rows[1]["rollout/reward_mean"]) > 0
     weights = load_file(out / "transformer.safetensors")  # the EMA of every transformer weight
-    assert not any("lora" in k for k in weights) and len(weights) > 20 and (out / "checkpoints" / "epoch_000001" / "ema.safetensors").exists()
-    trained = load_file(out / "checkpoints" / "epoch_000001" / "weights.safetensors")
+    ckpt = train_sd.read_checkpoint(out)
+    assert not any("lora" in k for k in weights) and len(weights) > 20 and ckpt["ema"].keys() == weights.keys()
+    trained = ckpt["weights"]
     assert any(not torch.equal(weights[k], trained[k]) for k in weights)  # the EMA lags the trained weights
 
 
@@ -477,7 +471,7 @@ def test_flow_grpo_defaults(tiny, tmp_path):
     # 8 samples, none with a zero advantage (continuous rewards), in 2 steps of 2 micro-batches of 2;
     # each micro-batch back-propagates its 3 trained steps: 4 x 3 rows.
     assert rows[1]["train/samples"] == 8 and rows[1]["train/grad_rows"] == 4 * 3
-    assert (out / "checkpoints" / "epoch_000001" / "ema.safetensors").exists()
+    assert train_sd.read_checkpoint(out)["ema"] is not None
 
 
 def torchrun(args, n=2):
@@ -610,6 +604,6 @@ def test_sigterm_checkpoints_at_the_end_of_the_epoch_and_the_run_goes_on(tiny, t
     err = proc.communicate(timeout=300)[1]
     assert proc.returncode != 0 and err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM after epoch "), err
     epoch = int(err.split("after epoch ")[1].split(",")[0])
-    assert train_sd.latest_checkpoint(out).endswith(f"epoch_{epoch:06d}")
+    assert train_sd.read_checkpoint(out)["epoch"] == epoch
     rows = train_sd.main(run_args(tiny, out, "--epochs", str(epoch + 1), "--eval-every", "50", "--resume", str(out)))
     assert [r["epoch"] for r in rows] == list(range(epoch + 2))
