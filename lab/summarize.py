@@ -3,7 +3,7 @@
     python lab/summarize.py compare runs/toy runs/toy_seed1 ...          # train_toy.py / train_sd.py compare runs
     python lab/summarize.py routing --exact runs/toy,runs/toy_seed1 runs/route_probe_seed0 ...
     python lab/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # train_sd.py --benchmark
-    python lab/summarize.py toybench runs/toy_bench/benchmark.json       # train_toy.py --benchmark
+    python lab/summarize.py toybench runs/toy_bench/benchmark.json       # lab/toy_benchmark.py
     python lab/summarize.py settings runs/bench_full runs/bench_lora ...  # train_sd.py benchmarks side by side
     python lab/summarize.py curves runs/a runs/b ... [--last 3] [--png F] # single runs: their evaluation curves
     python lab/summarize.py gains runs/mini_geneval/paper_seed*/exact     # one method over seeds: does it raise the reward
@@ -202,16 +202,19 @@ def settings(files):
 
 
 def toybench(files):
-    """train_toy.py's training-step table: its benchmark.json holds every W, in seconds; shown in ms."""
-    print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) |")
-    print("|---|---|---|---|---|---|")
-    for path in files:
-        for w, r in load(path)["results"].items():
+    """The toy's training-step table (lab/toy_benchmark.py): its benchmark.json holds every W, in seconds; shown in ms."""
+    results = [load(path)["results"] for path in files]
+    saved = all("saved_gb" in r for x in results for r in x.values())  # training_step_rows adds the column
+    print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) |"
+          + (" saved for backward |" if saved else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if saved else ""))
+    for x in results:
+        for w, r in x.items():
             training_step_rows({**r, "window": int(w)}, 1000.0, "ms")
 
 
 def window_level(files):
-    """One window's gradient, exact vs JAGG: train_sd.py's benchmark.json (s) or train_toy.py's (ms)."""
+    """One window's gradient, exact vs JAGG: lab/sd_benchmark.py's benchmark.json (s) or lab/toy_benchmark.py's (ms)."""
     print("| W | method | graph forwards | no-graph forwards | backward | total | backward speedup | total speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for path in files:
