@@ -368,3 +368,16 @@ def test_compare_and_routing_read_todays_toy_compare_runs(toy_runs, capsys):
     assert routed == pytest.approx(sum(c * f for c, f in pairs) / sum(f for _, f in pairs))
     assert kept == pytest.approx(sum(c * (1 - f) for c, f in pairs) / sum(1 - f for _, f in pairs))
     assert sum(frac) == pytest.approx(1.0)
+
+
+def test_toy_pictures_draw_the_probe_from_todays_metrics(toy_runs, tmp_path):
+    """lab/toy_pictures.py (the probe pictures train_toy.py no longer draws) on a compare run: its JAGG side's."""
+    from PIL import Image
+
+    import toy_pictures
+
+    toy_pictures.main([str(toy_runs / "route_seed0"), "--out", str(tmp_path)])
+    for name in ("probe.png", "score_vs_cosine.png"):
+        assert Image.open(tmp_path / name).size == (780, 420)
+    with pytest.raises(SystemExit, match="has no probes"):
+        toy_pictures.main([str(toy_runs / "quality" / "paper" / "seed0"), "--out", str(tmp_path)])
