@@ -3,7 +3,7 @@
     python lab/summarize.py compare runs/toy runs/toy_seed1 ...          # train_toy.py / train_sd.py compare runs
     python lab/summarize.py routing --exact runs/toy,runs/toy_seed1 runs/route_probe_seed0 ...
     python lab/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # train_sd.py --benchmark
-    python lab/summarize.py toybench runs/toy_bench/benchmark.json       # train_toy.py --benchmark
+    python lab/summarize.py toybench runs/toy_bench/benchmark.json       # lab/toy_benchmark.py
     python lab/summarize.py settings runs/bench_full runs/bench_lora ...  # train_sd.py benchmarks side by side
     python lab/summarize.py curves runs/a runs/b ... [--last 3] [--png F] # single runs: their evaluation curves
     python lab/summarize.py gains runs/mini_geneval/paper_seed*/exact     # one method over seeds: does it raise the reward
@@ -29,6 +29,68 @@ def load(path):
 
 def cosines(values):
     return ", ".join(f"{c:.2f}" for c in values) if values else "-"
+
+
+# The runs' files in both shapes: the kept runs' (lab/results/, made before the layout change of issue 45)
+# and today's train_toy.py's. Each reader takes either.
+def side(s, key, method):
+    """A compare summary's key for one method ("exact" or "jagg"): {key: {exact, jagg}} in the kept
+    runs' files (and train_sd.py's), each method's own summary in train_toy.py's."""
+    v = s.get(key)
+    return v[method] if isinstance(v, dict) and method in v else s[method][key]
+
+
+def initial_reward(s):
+    """The base model's reward of a compare summary (today's toy keeps it in each method's summary)."""
+    return s["initial_reward"] if "initial_reward" in s else s["exact"]["initial_reward"]
+
+
+def probe_cosines(run):
+    """A run's probe cosine per segment position: the kept runs' probe_cosine_by_position, or today's
+    probe (jagg_options.pool_probes' cosine); None without probes."""
+    return run.get("probe_cosine_by_position") or (run.get("probe") or {}).get("cosine")
+
+
+def grad_rows_per_step(run):
+    """Network rows with grad per optimizer step: the run's total (grad_steps in the kept runs, grad_rows
+    today) over its optimizer steps (epochs: the kept toy runs' steps)."""
+    config = run["config"]
+    total = run["grad_rows"] if "grad_rows" in run else run["grad_steps"]
+    return total // ((config["epochs"] if "epochs" in config else config["steps"]) * config["minibatches"])
+
+
+def routing_figures(path):
+    """(route, reward gain, mean probe cosine of the segments routed to JAGG, of those kept exact,
+    share routed per segment) of a routing run's folder: a single JAGG run or a compare's JAGG side.
+    The kept runs' summaries hold the cosines; today's toy is read from its metrics.jsonl, each probe's
+    cosine weighted by the share of its epoch's optimizer steps that routed the segment to JAGG (or kept
+    it exact): with one step an epoch, the kept runs' figure."""
+    s = load(path)
+    config = s.get("config", {})
+    if s.get("method") == "compare":
+        s, path = s["jagg"], os.path.join(path, "jagg")
+    if "cosine_routed" in s:
+        return s["route"], s["reward_gain"], s["cosine_routed"], s["cosine_kept_exact"], s["routed_frac_by_position"]
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    pairs = [(c, share) for r in rows if "probe/cosine" in r for c, share in zip(r["probe/cosine"], r["routing/routed"])]
+
+    def mean_cosine(weight):
+        total = sum(weight(share) for _, share in pairs)
+        return sum(c * weight(share) for c, share in pairs) / total if total else None
+
+    return (s.get("config", config)["route"], s["reward_gain"], mean_cosine(lambda share: share),
+            mean_cosine(lambda share: 1 - share), s["routed_frac_by_position"])
+
+
+def exact_gain(path):
+    """Exact GRPO's reward gain: a compare run's exact side, or a single exact run's."""
+    s = load(path)
+    return side(s, "reward_gain", "exact") if s.get("method") == "compare" or "exact" in s else s["reward_gain"]
+
+
+def fmt(x):
+    return "-" if x is None else f"{x:.3f}"
 
 
 def noise(run):
@@ -62,10 +124,11 @@ def compare(runs):
         s = load(run)
         ratio = s["reward_gain_ratio"]
         kept.setdefault(s["mode"], []).append(ratio)
-        print(f"| {s['config']['seed']} | {s['mode']} | {s['initial_reward']:.3f} → {s['final_reward']['exact']:.3f} "
-              f"| {s['initial_reward']:.3f} → {s['final_reward']['jagg']:.3f} "
+        start = initial_reward(s)
+        print(f"| {s['config']['seed']} | {s['mode']} | {start:.3f} → {side(s, 'final_reward', 'exact'):.3f} "
+              f"| {start:.3f} → {side(s, 'final_reward', 'jagg'):.3f} "
               f"| {'-' if ratio is None else f'{100 * ratio:.1f} %'} "
-              f"| {s['backward_speedup']:.2f}x | {s['train_speedup']:.2f}x | {cosines(s['jagg']['probe_cosine_by_position'])} |"
+              f"| {s['backward_speedup']:.2f}x | {s['train_speedup']:.2f}x | {cosines(probe_cosines(s['jagg']))} |"
               + (f" {noise(s['exact'])} |" if "eval_curve" in s["exact"] else ""))
     print()
     print("| mode | seeds | gain kept, mean (95 % interval) | gain kept, worst | ratio of mean gains (95 % interval) "
@@ -75,7 +138,7 @@ def compare(runs):
     for mode, ratios in kept.items():
         ratios = [r for r in ratios if r is not None]
         runs_of = [load(run) for run in runs if load(run)["mode"] == mode]
-        gains = [(r["reward_gain"]["exact"], r["reward_gain"]["jagg"]) for r in runs_of]
+        gains = [(side(r, "reward_gain", "exact"), side(r, "reward_gain", "jagg")) for r in runs_of]
         if ratios:
             mean, half = mean_interval(ratios)
             diff, dhalf = mean_interval([j - e for e, j in gains])
@@ -141,18 +204,18 @@ def mean_interval(xs):
 
 
 def routing(runs, exact):
-    gains = {}
-    for run in exact.split(","):
-        s = load(run)
-        gains[s["config"]["seed"]] = s["reward_gain"]["exact"]
+    """Probe-routed runs against exact GRPO's gain of the same seed (--exact: compare runs or exact runs)."""
+    gains = {load(run)["config"]["seed"]: exact_gain(run) for run in exact.split(",")}
     print("| seed | route | reward gain (% of exact's) | mean cosine, routed to JAGG | mean cosine, kept exact "
           "| fraction routed per segment |")
     print("|---|---|---|---|---|---|")
     for run in runs:
-        s = load(run)
-        seed = s["config"]["seed"]
-        print(f"| {seed} | {s['route']} | {s['reward_gain']:.3f} ({100 * s['reward_gain'] / gains[seed]:.0f} %) "
-              f"| {s['cosine_routed']:.3f} | {s['cosine_kept_exact']:.3f} | {cosines(s['routed_frac_by_position'])} |")
+        seed = load(run)["config"]["seed"]
+        if seed not in gains:
+            raise SystemExit(f"error: {run} is seed {seed}, and --exact gives no run of it; add one")
+        route, gain, routed, kept, frac = routing_figures(run)
+        print(f"| {seed} | {route} | {gain:.3f} ({100 * gain / gains[seed]:.0f} %) "
+              f"| {fmt(routed)} | {fmt(kept)} | {cosines(frac)} |")
 
 
 def training_step_rows(r, scale, unit, setting=None):
@@ -202,16 +265,19 @@ def settings(files):
 
 
 def toybench(files):
-    """train_toy.py's training-step table: its benchmark.json holds every W, in seconds; shown in ms."""
-    print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) |")
-    print("|---|---|---|---|---|---|")
-    for path in files:
-        for w, r in load(path)["results"].items():
+    """The toy's training-step table (lab/toy_benchmark.py): its benchmark.json holds every W, in seconds; shown in ms."""
+    results = [load(path)["results"] for path in files]
+    saved = all("saved_gb" in r for x in results for r in x.values())  # training_step_rows adds the column
+    print("| W | mode | rows with grad | training step | x training step | x epoch (with rollout) |"
+          + (" saved for backward |" if saved else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if saved else ""))
+    for x in results:
+        for w, r in x.items():
             training_step_rows({**r, "window": int(w)}, 1000.0, "ms")
 
 
 def window_level(files):
-    """One window's gradient, exact vs JAGG: train_sd.py's benchmark.json (s) or train_toy.py's (ms)."""
+    """One window's gradient, exact vs JAGG: lab/sd_benchmark.py's benchmark.json (s) or lab/toy_benchmark.py's (ms)."""
     print("| W | method | graph forwards | no-graph forwards | backward | total | backward speedup | total speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for path in files:
@@ -548,8 +614,7 @@ def retention(folder):
         diff, dhalf = mean_interval([kept[m][s] - kept["paper"][s] for s in seeds])
         worst = min(seeds, key=lambda s: kept[m][s])
         paired_text = "-" if m == "paper" else f"{100 * diff:+.1f} ({100 * (diff - dhalf):+.1f} to {100 * (diff + dhalf):+.1f}) points"
-        run = runs[m][seeds[0]]  # rows with grad per optimizer step: the run's over its optimizer steps
-        rows = run["grad_steps"] // (run["config"]["steps"] * run["config"]["minibatches"])
+        rows = grad_rows_per_step(runs[m][seeds[0]])
         print(f"| {m} | {rows} | {100 * mean:.1f} % ({100 * (mean - half):.1f}-"
               f"{100 * (mean + half):.1f} %) | {100 * ratio:.1f} % ({100 * (ratio - rhalf):.1f}-{100 * (ratio + rhalf):.1f} %) "
               f"| {paired_text} | {100 * kept[m][worst]:.1f} % (seed {worst}) |")

@@ -40,4 +40,4 @@ for s in $seeds; do
 done
 echo "$(wc -l < "$jobs_file") runs to do in $out"
 xargs -P 2 -I{} bash -c {} < "$jobs_file"
-python3 lab/summarize.py retention "$out"  # c1's lab/summarize.py
+python3 lab/summarize.py retention "$out"

@@ -1,5 +1,5 @@
 """The lab's measuring tools: the benchmark harness (lab/bench.py), the SD3 benchmark of every mode
-(lab/sd_benchmark.py), FSDP's memory per rank (lab/fsdp_memory.py), the charts' ticks
+(lab/sd_benchmark.py), the toy's (lab/toy_benchmark.py), FSDP's memory per rank (lab/fsdp_memory.py), the charts' ticks
 (lab/charts.py) and the gradient-signal statistics (lab/gradient_signal.py)."""
 
 import json
@@ -121,6 +121,34 @@ def test_sd_benchmark_in_the_users_configuration_lora_and_checkpointing(tmp_path
     assert result["backward_rows"]["jagg_shared_rollout"] == 4 and result["train_s"]["exact"] > 0
     saved = json.load(open(tmp_path / "benchmark.json"))
     assert saved["config"]["train"] == "lora" and saved["config"]["checkpointing"] is True
+
+
+def test_toy_benchmark_times_every_mode_and_writes_what_summarize_reads(tmp_path, capsys):
+    """lab/toy_benchmark.py (the old train_toy.py --benchmark) on a toy DiT pretrained for a few steps:
+    both W, every mode with the toy's rows (T = 16, all trained), and summarize's toy tables from its file."""
+    import summarize
+    import toy_benchmark
+    import toy_dit
+
+    toy_dit.pretrain(str(tmp_path / "base.pt"), steps=5, seed=0, batch=64)
+    out = tmp_path / "bench"
+    results = toy_benchmark.main(["--base-ckpt", str(tmp_path / "base.pt"), "--batch", "16", "--repeats", "1",
+                                  "--out", str(out)])
+    assert set(results) == {4, 8}
+    assert results[4]["backward_rows"] == {"exact": 16, "jagg": 8, "jagg_shared": 6, "jagg_rollout": 8,
+                                           "jagg_shared_rollout": 6}
+    assert results[8]["backward_rows"]["jagg"] == 4 and results[8]["window"] == 8
+    for r in results.values():
+        assert r["backward_speedup"] > 0 and r["train_speedup"]["exact"] == 1.0 and r["rollout_s"] > 0
+    saved = json.load(open(out / "benchmark.json"))
+    assert set(saved["results"]) == {"4", "8"} and (out / "benchmark.png").stat().st_size > 1000
+    capsys.readouterr()
+    summarize.toybench([str(out / "benchmark.json")])
+    summarize.window_level([str(out / "benchmark.json")])
+    lines = capsys.readouterr().out.splitlines()
+    assert "| 4 | jagg_shared_rollout | 6 |" in "\n".join(lines) and "| 8 | JAGG |" in "\n".join(lines)
+    with pytest.raises(SystemExit, match="--windows must each be in"):
+        toy_benchmark.main(["--windows", "20", "--out", str(out)])
 
 
 def test_fsdp_memory_per_rank_state_halves_and_activations_stay(tmp_path):

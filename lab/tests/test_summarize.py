@@ -292,3 +292,92 @@ def test_wallclock_takes_single_runs_and_names_learning_rates_when_they_differ(t
         pathlib.Path(p, "summary.json").write_text(json.dumps(s))
     table = summarize.wallclock(paths + [str(tmp_path / "b")])
     assert list(table) == ["all steps, exact, lr 0.0003", "all steps, the paper's JAGG, lr 0.0003", "all steps, exact, lr 0.003"]
+
+
+# --- Both shapes of the runs' files: the kept runs' (made before issue 45's layout) and today's train_toy.py's
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
+
+
+def test_the_kept_toy_retention_table_remakes_from_the_kept_files(capsys):
+    """lab/results/quality/toy holds the old train_toy.py's summaries (grad_steps, config steps): the
+    table docs/quality.md cites comes out of them, as lab/README.md says."""
+    summarize.retention(str(RESULTS / "quality" / "toy"))
+    out = capsys.readouterr().out
+    assert "20 seeds (0-19); exact GRPO's gain +0.501" in out
+    assert "| paper | 8 | 96.7 % (94.1-99.3 %) |" in out and "| shared_rollout | 6 | 96.8 % (93.9-99.7 %) |" in out
+    assert "| exact | 16 |" in out
+
+
+def test_the_kept_mini_sd3_compare_table_remakes_from_the_kept_files(capsys):
+    """The kept train_sd.py compare summaries ({key: {exact, jagg}}, probe_cosine_by_position)."""
+    tables = RESULTS / "mini_sd3" / "tables" / "darkness"
+    summarize.compare([str(tables / f"{mode}_seed{s}") for mode in ("paper", "shared") for s in range(5)])
+    out = capsys.readouterr().out
+    assert "| jagg | 5 | 110.1 % (75-145 %) | 71.2 % | 109.7 % (76-143 %) |" in out
+    assert "| jagg_shared_rollout | 5 | 110.4 % (94-126 %) |" in out
+
+
+@pytest.fixture(scope="module")
+def toy_runs(tmp_path_factory):
+    """Today's train_toy.py, tiny: OUT/<mode>/seed<S> for exact and the paper's JAGG (lab/toy_quality.sh's
+    layout) and probe-routed compare runs, from a toy DiT pretrained for a few steps."""
+    import toy_dit
+    import train_toy
+
+    root = tmp_path_factory.mktemp("toy_runs")
+    base = str(root / "base.pt")
+    toy_dit.pretrain(base, steps=20, seed=0, batch=64)
+    quick = ["--base-ckpt", base, "--epochs", "2", "--num-steps", "8", "--group-size", "4", "--minibatches", "1",
+             "--eval-samples", "16", "--eval-every", "2"]
+    for seed in (0, 1):
+        for mode, flags in (("exact", ["--method", "exact"]), ("paper", ["--method", "jagg"])):
+            train_toy.main([*quick, *flags, "--seed", str(seed), "--out", str(root / "quality" / mode / f"seed{seed}")])
+        train_toy.main([*quick, "--seed", str(seed), "--route", "probe", "--probe-every", "1",
+                        "--jagg-frac", "0.5", "--out", str(root / f"route_seed{seed}")])
+    return root
+
+
+def test_retention_reads_todays_toy_runs(toy_runs, capsys):
+    """grad_rows and config epochs (the kept runs: grad_steps, steps): the rows per optimizer step."""
+    summarize.retention(str(toy_runs / "quality"))
+    out = capsys.readouterr().out
+    assert "2 seeds (0-1)" in out and "| exact | 8 | 100.0 % (100.0-100.0 %) |" in out and "| paper | 4 |" in out
+    run = json.load(open(toy_runs / "quality" / "paper" / "seed0" / "summary.json"))  # T = 8, W = 4: 2 windows of 2 rows
+    assert "grad_steps" not in run and summarize.grad_rows_per_step(run) == 4
+
+
+def test_compare_and_routing_read_todays_toy_compare_runs(toy_runs, capsys):
+    """train_toy.py's compare summary holds each method's summary (probe: pool_probes' figures), the
+    routing figures come from the JAGG side's metrics.jsonl (epoch, probe/cosine, routing/routed)."""
+    runs = [str(toy_runs / f"route_seed{s}") for s in (0, 1)]
+    summarize.compare(runs)
+    out = capsys.readouterr().out
+    s = json.load(open(toy_runs / "route_seed0" / "summary.json"))
+    start, ex, jg = s["exact"]["initial_reward"], s["exact"]["final_reward"], s["jagg"]["final_reward"]
+    cos = summarize.cosines(s["jagg"]["probe"]["cosine"])
+    assert f"| 0 | jagg | {start:.3f} → {ex:.3f} | {start:.3f} → {jg:.3f} |" in out and f"| {cos} |" in out
+    assert len(s["jagg"]["probe"]["cosine"]) == 2 and "| jagg | 2 |" in out
+    summarize.routing(runs, ",".join(runs))
+    out = capsys.readouterr().out
+    route, gain, routed, kept, frac = summarize.routing_figures(runs[0])
+    assert (route, gain, frac) == ("probe", s["jagg"]["reward_gain"], s["jagg"]["routed_frac_by_position"])
+    assert f"| 0 | probe | {gain:.3f} ({100 * gain / s['exact']['reward_gain']:.0f} %) |" in out
+    # W = 4 of T = 8, --jagg-frac 0.5: one of the 2 windows goes to JAGG each step, so both means exist and weigh the same probes
+    rows = [json.loads(line) for line in open(toy_runs / "route_seed0" / "jagg" / "metrics.jsonl")]
+    pairs = [(c, f) for r in rows for c, f in zip(r["probe/cosine"], r["routing/routed"])]
+    assert routed == pytest.approx(sum(c * f for c, f in pairs) / sum(f for _, f in pairs))
+    assert kept == pytest.approx(sum(c * (1 - f) for c, f in pairs) / sum(1 - f for _, f in pairs))
+    assert sum(frac) == pytest.approx(1.0)
+
+
+def test_toy_pictures_draw_the_probe_from_todays_metrics(toy_runs, tmp_path):
+    """lab/toy_pictures.py (the probe pictures train_toy.py no longer draws) on a compare run: its JAGG side's."""
+    from PIL import Image
+
+    import toy_pictures
+
+    toy_pictures.main([str(toy_runs / "route_seed0"), "--out", str(tmp_path)])
+    for name in ("probe.png", "score_vs_cosine.png"):
+        assert Image.open(tmp_path / name).size == (780, 420)
+    with pytest.raises(SystemExit, match="has no probes"):
+        toy_pictures.main([str(toy_runs / "quality" / "paper" / "seed0"), "--out", str(tmp_path)])
