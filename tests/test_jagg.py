@@ -1121,40 +1121,41 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
 
 
 def test_python_jagg_py_runs_its_self_check():
-    """`python jagg.py` prints what a learner should see: exact on a linear velocity, and not when either
-    condition breaks; each window's routing score beside its gradient cosine; routing at jagg_frac 0, 1
-    and 0.5 (the 2-step window never takes JAGG's share) with its cost in rows with grad (10 -> 6, and
-    9 -> 5 on Flow-GRPO's 9 trained steps) and in forward-units; and a tiny GRPO run whose reward rises,
-    every first step after a rollout on-policy (approx_kl ~0) and the second not, and the step-major
-    lesson: conditioning repeated per sample instead of as a block is not on-policy."""
+    """`python jagg.py` prints what a learner should see: exact on a linear velocity with states where t
+    puts them, and not when they sit evenly by step, bend, or the network is a tanh; each window's routing
+    score beside its gradient cosine; routing at jagg_frac 0, 1 and 0.5 (the 2-step window never takes
+    JAGG's share) with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps) and
+    in forward-units; a tiny GRPO run, exact beside JAGG, whose rewards rise (the script also asserts that
+    every first step after a rollout is on-policy, approx_kl ~0, and the second not); and the step-major
+    lesson right after a rollout: c.repeat(S) on-policy, c.repeat_interleave(S) not."""
     import re
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "jagg.py"], capture_output=True, text=True, check=True, timeout=120,
                          cwd=os.path.dirname(os.path.abspath(jagg.__file__))).stdout
-    rel, bent, curved = (float(x) for x in re.search(
-        r"W = 4: (\S+) with v affine in \(z, t\) and straight states;\s+(\S+) when the states bend; (\S+) with a tanh",
-        out).groups())
-    assert bent > 1e-3 and curved > 1e-3, out  # either condition broken: JAGG is no longer exact
+    rel, evenly, bent, curved = (float(x) for x in re.search(
+        r"W = 4, t = 0.9, 0.7, 0.5, 0.2: (\S+) with v\s+affine in \(z, t\) and states on a segment where t puts "
+        r"them; (\S+) evenly by\s+step on it; (\S+) when the states bend; (\S+) with a tanh network", out).groups())
+    assert evenly > 1e-3 and bent > 1e-3 and curved > 1e-3, out  # either condition broken: JAGG is no longer exact
     units = [int(u) for u in re.findall(r"(\d+) forward-units", out)]
     assert units == [30, 22, 26], out  # 3 per row with grad, 1 per row without: exact 30, JAGG 22
-    windows = [(float(s), float(c)) for s, c in re.findall(r"routing score (\S+), JAGG's gradient cosine to exact (\S+)$",
+    windows = [(float(s), float(c)) for s, c in re.findall(r"routing score (\S+), JAGG vs exact cosine (\S+)$",
                                                             out, re.M)]
-    passes = [(int(p), int(r)) for r, p in re.findall(r"(\d+) rows with grad in (\d+)\s+backward passes", out)]
+    passes = [(int(p), int(r)) for r, p in re.findall(r"(\d+) rows with grad in\s+(\d+) backward passes", out)]
     routed = re.findall(r"jagg_frac \S+: windows to JAGG (\[.*?\])", out)
     assert rel < 1e-12 and len(windows) == 3 and windows[2] == (1.0, 1.0), out
     assert all(0.5 < c < 1 - 1e-6 for _, c in windows[:2]), out
     assert passes == [(10, 10), (4, 6), (7, 8)], out
     assert routed == ["[False, False, False]", "[True, True, False]", "[False, True, False]"], out
-    assert "10 -> 6" in out and "9 -> 5 on Flow-GRPO's 9 trained steps" in out and "30 -> 22 = 1.36x" in out, out
-    assert "windows [(0, 4), (4, 8), (8, 9)]" in out, out
-    epochs = [(float(r), float(a), float(b)) for r, a, b in re.findall(
-        r"reward (\S+); approx_kl (\S+) at the first step, (\S+) at the second", out)]
-    assert len(epochs) == 10 and epochs[-1][0] > epochs[0][0] + 0.5, out  # the reward rises
-    assert all(a < 1e-20 and b > 1e-8 for _, a, b in epochs), out  # on-policy, then not
-    wrong = float(re.search(r"c.repeat_interleave\(S\) for c.repeat\(S\): approx_kl (\S+) at the first step", out)[1])
-    assert wrong > 1e-8 and out.strip().endswith("ok"), out
+    assert "Rows with grad (the abstract's unit): 10 -> 6; forward-units: 30 -> 22." in out, out
+    assert re.search(r"On Flow-GRPO's\s+9 trained steps, windows \[\(0, 4\), \(4, 8\), \(8, 9\)\]: 9 -> 5\.", out), out
+    epochs = [(float(e), float(j)) for e, j in re.findall(r"epoch \d+: (\S+) exact, (\S+) JAGG", out)]
+    assert len(epochs) == 10, out
+    assert min(epochs[-1]) > max(epochs[0]) + 0.5, out  # the reward rises, exact's and JAGG's
+    right, wrong = (float(x) for x in re.search(
+        r"approx_kl (\S+) with c.repeat\(S\) \(on-policy\) and\s+(\S+) with c.repeat_interleave\(S\)", out).groups())
+    assert right < 1e-20 and wrong > 1e-3 and out.strip().endswith("ok"), out
 
 
 @pytest.mark.parametrize("beta, options", [(0.0, {}), (0.05, {"anchors": "shared", "interior": "rollout"})])
