@@ -240,7 +240,7 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # ratios away from 1. z [S, B, *D] flattens step-major (row s * B + n is sample n at step s): repeat
 # conditioning as a block, c.repeat(S), never c.repeat_interleave(S) (self-check D). No dropout. Pick
 # the network or expert (Wan 2.2 has two) per row from t; no window may straddle an expert switch (J_a
-# and J_b would be different networks'). Under classifier-free guidance, v is the guided one: 2x a row.
+# and J_b would be different networks'). With classifier-free guidance, each row costs two passes.
 
 # === 7. Routing: which windows are linear enough for JAGG ===
 # Windows tile the trained steps from the first; the last may be shorter (OURS, as is the default W = 4).
