@@ -5,6 +5,7 @@ install (slow, end to end)."""
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -259,9 +260,10 @@ def test_resume_of_a_killed_run_equals_an_uninterrupted_run(base_ckpt, tmp_path)
 @slow
 def test_a_non_editable_install_runs_the_scripts(tmp_path):
     """pip install . (not editable) ships every top-level module the scripts import: run from outside the checkout."""
-    target = tmp_path / "site"
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target",
-                          str(target), ROOT], capture_output=True, text=True, timeout=600)
+    target, source = tmp_path / "site", tmp_path / "source"  # built from a copy: setuptools leaves build/ behind
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "runs", "build", "*.egg-info", "__pycache__"))
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(source)],
+                         capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": str(target)}
     # Every module of the repository's top level that the scripts load must come from the install: an editable
