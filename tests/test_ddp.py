@@ -102,7 +102,9 @@ def worker(rank, world, init_file, out, nan_rank):
                 skipped = train(net, ref, traj, adv, mode, no_sync=net.no_sync, steps=2 if not nan else 1)
             results[f"{i}_{nan}"] = flat(model)
             results[f"{i}_{nan}_skipped"] = torch.tensor(skipped)
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    torch.save(results, os.path.join(out, f"rank{rank}.tmp"))
+    os.replace(os.path.join(out, f"rank{rank}.tmp"), os.path.join(out, f"rank{rank}.pt"))  # whole, or absent
+    dist.barrier()  # no rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 
@@ -110,7 +112,15 @@ def spawned(worker, tmp_path_factory, name):
     """Run worker(rank, 2, init_file, out, nan_rank=1) on two gloo ranks; [rank0, rank1] of the
     {key: tensor} each saved to out/rank<r>.pt."""
     out = tmp_path_factory.mktemp(name)
-    mp.spawn(worker, args=(2, str(out / "init"), str(out), 1), nprocs=2, join=True)
+    try:
+        mp.spawn(worker, args=(2, str(out / "init"), str(out), 1), nprocs=2, join=True)
+    except mp.ProcessExitedException as e:
+        # gloo can abort a rank at exit ("terminate called without an active exception") after its
+        # work is done and saved: what the tests check is the saved results, so that abort alone is
+        # tolerated; a rank that died before saving leaves no file and fails below.
+        if not all((out / f"rank{r}.pt").exists() for r in range(2)):
+            raise
+        warnings.warn(f"a rank ended abnormally after saving its results: {e}", RuntimeWarning)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

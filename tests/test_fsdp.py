@@ -93,7 +93,9 @@ def worker(rank, world, init_file, out, nan_rank):
                 skipped = train(model, ref, batches, mode, shard=model, steps=1 if case == "nan" else 2)
             results[f"{i}_{case}"] = full(model)
             results[f"{i}_{case}_skipped"] = torch.tensor(skipped)
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    torch.save(results, os.path.join(out, f"rank{rank}.tmp"))
+    os.replace(os.path.join(out, f"rank{rank}.tmp"), os.path.join(out, f"rank{rank}.pt"))  # whole, or absent
+    dist.barrier()  # no rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 
