@@ -879,14 +879,15 @@ def window_rollout(velocity_fn, noise, sigmas, noise_level, start, size, generat
 # optimizer_step leaves the already averaged (DTensor) gradients alone: one mechanism for both.
 
 
-def init_distributed(always=False):
-    """(rank, world) for a trainer: torch.distributed started under torchrun (NCCL on GPUs, gloo on
-    CPUs); with always, on a single rank too (FSDP shards over a process group). Outside torchrun: (0, 1)."""
+def init_distributed(always=False, backend=None):
+    """(rank, world) for a trainer: torch.distributed started under torchrun (backend None: NCCL on
+    GPUs, gloo on CPUs; a model kept on the CPU passes "gloo"); with always, on a single rank too
+    (FSDP shards over a process group). Outside torchrun: (0, 1)."""
     if "WORLD_SIZE" not in os.environ or (int(os.environ["WORLD_SIZE"]) == 1 and not always):
         return 0, 1
     if not torch.distributed.is_initialized():  # a second run in one process keeps the group
         torch.distributed.init_process_group(  # a stopped rank fails its peers in minutes, not gloo's 30
-            "nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=5))
+            backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=datetime.timedelta(minutes=5))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 

@@ -265,9 +265,7 @@ def train(cfg, method, base, initial_reward, folder, rank, world):
 
 def main(argv=None):
     cfg = parse(argv)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")  # under torchrun: a process per rank; train_step averages the gradients
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = jagg_options.init_distributed(backend="gloo")  # under torchrun: a rank per process; CPU tensors
     if rank == 0:  # the flags saved beside the results, before any work (--out must take files)
         try:
             save(os.path.join(cfg.out, "config.json"), json.dumps(asdict(cfg), indent=2))
