@@ -125,6 +125,12 @@ class JaggOptions:
         (a bound of 2 or more rows changes nothing for the paper's windows of two anchors)."""
         return self.paper_backward() and self.route == "velocity" and not self.boundaries
 
+    def mode_name(self, method="jagg"):
+        """The training mode's name in metrics and tables: exact, jagg, jagg_shared, jagg_rollout or
+        jagg_shared_rollout (method "exact": every window exact, whatever the options)."""
+        return "exact" if method == "exact" else "jagg" + "_shared" * (self.anchors == "shared") + "_rollout" * (
+            self.interior == "rollout")
+
     def paper_backward(self):
         """True when a JAGG segment's backward is the paper's, jagg.backward_jagg_window."""
         return (self.anchors == "window" and self.interior == "forward" and self.weights == "time"

@@ -540,10 +540,6 @@ def optimizer_steps(perm, adv, cfg, generator):
         keep = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
     return [list(part.split(cfg.train_batch)) if len(part) else [] for part in keep.tensor_split(cfg.steps_per_epoch)]
 
-def mode_name(method, opts):  # exact, jagg, jagg_shared, jagg_rollout or jagg_shared_rollout
-    return "exact" if method == "exact" else "jagg" + "_shared" * (opts.anchors == "shared") + "_rollout" * (
-        opts.interior == "rollout")
-
 def epoch_metrics(stats):
     """The epoch's metrics from its micro-batches' stats (each step's last with optimizer_step's)."""
     mean = lambda key: sum(s[key] for s in stats) / len(stats) if stats else float("nan")  # noqa: E731
@@ -662,7 +658,7 @@ def train(cfg):
         ok, adv = torch.isfinite(all_rewards), torch.zeros_like(all_rewards)  # [world * B]
         adv[ok] = jagg.group_advantages(all_rewards[ok], all_ids[ok], global_std=cfg.global_std, clip=FIXED["adv_clip"])
         adv = adv.reshape(world, -1)[rank]  # [B]
-        row = {"epoch": epoch, "method": cfg.method, "mode": mode_name(cfg.method, opts), "train/lr": cfg.lr,
+        row = {"epoch": epoch, "method": cfg.method, "mode": opts.mode_name(cfg.method), "train/lr": cfg.lr,
                "rollout/reward_mean": all_rewards[ok].mean().item(), "rollout/reward_std": all_rewards[ok].std().item(),
                "rollout/nonfinite_samples": int((~ok).sum())}
         if window_start is not None:
@@ -753,7 +749,7 @@ def summarize(cfg, rows):
     pooled = jagg_options.pool_probes([{"cosine": r["probe/grad_cosine"], "error": r["probe/error"],
                                         "noise": r["probe/noise"]} for r in trained if "probe/error" in r]) or {}
     total = lambda key: sum(r.get(key, 0.0) for r in trained)  # noqa: E731
-    return {"method": cfg.method, "mode": mode_name(cfg.method, cfg.jagg_options()), "weights": cfg.weights,
+    return {"method": cfg.method, "mode": cfg.jagg_options().mode_name(cfg.method), "weights": cfg.weights,
             "window": cfg.window, "epochs": cfg.epochs, "initial_reward": evals[0][1], "final_reward": evals[-1][1],
             "reward_gain": evals[-1][1] - evals[0][1], "eval_curve": evals, "train_seconds": sum(epoch_seconds),
             "epoch_seconds": epoch_seconds, "backward_seconds": total("time/backward_seconds"),
@@ -800,7 +796,7 @@ def benchmark(cfg, repeats=5):
     (ex_bwd, ex_s), (jg_bwd, jg_s) = (np.median([x[:2] for x in runs[m]], axis=0).tolist() for m in ("exact", "jagg"))
     result = {"model": cfg.model if local else "SD3.5-medium" if gpu else "SD3 reduced for a CPU", "batch": B,
               "device": torch.cuda.get_device_name(device) if gpu else "cpu", "window": cfg.window,
-              "mode": mode_name("jagg", cfg.jagg_options()), "trained_steps": cfg.trained_steps(),
+              "mode": cfg.jagg_options().mode_name("jagg"), "trained_steps": cfg.trained_steps(),
               "rows": {m: runs[m][0][2] for m in runs}, "exact_backward_s": ex_bwd, "jagg_backward_s": jg_bwd,
               "exact_step_s": ex_s, "jagg_step_s": jg_s, "rollout_s": rollout_s, "backward_speedup": ex_bwd / jg_bwd,
               "step_speedup": ex_s / jg_s, "epoch_speedup": (rollout_s + ex_s) / (rollout_s + jg_s),

@@ -245,8 +245,7 @@ def train(cfg, method, base, initial_reward, folder, rank, world):
     (final_reward, samples), total = evaluate(model, cfg), lambda key: sum(r.get(key, 0) for r in rows)  # noqa: E731
     probe = jagg_options.pool_probes([{k: r[f"probe/{k}"] for k in ("cosine", "error", "noise")} for r in rows
                                       if "probe/cosine" in r])  # per window: mean cosine, error / noise, its stderr
-    s = {"method": method, "mode": "exact" if method == "exact" else "jagg" + "_shared" * (cfg.anchors == "shared")
-         + "_rollout" * (cfg.interior == "rollout"), "initial_reward": initial_reward, "final_reward": final_reward,
+    s = {"method": method, "mode": opts.mode_name(method), "initial_reward": initial_reward, "final_reward": final_reward,
          "reward_gain": final_reward - initial_reward, "probe": probe, "world_size": world,  # checksums: each rank's
          **{k: total(f"time/{k}") for k in ("train_seconds", "backward_seconds", "probe_seconds")},  # weights, summed:
          **{k: total(f"train/{k}") for k in ("grad_rows", "skipped_steps")},  # equal when DDP kept the ranks in sync

@@ -1,7 +1,7 @@
 """Exact vs JAGG measured: every training mode of jagg.py and jagg_options.py timed interleaved (medians of
 repeats), the activations autograd saves for backward weighed, and the tables the benchmarks print.
 lab/sd_benchmark.py and lab/fsdp_memory.py use it on SD3 transformers; the modes' names derive from
-their options (train_sd.mode_name)."""
+their options (JaggOptions.mode_name)."""
 
 import itertools
 import os
@@ -16,12 +16,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-import train_sd  # noqa: E402
 
 # The training modes the benchmarks compare, by name: (anchors, interior), every one of jagg_options'
 # combinations; every JAGG mode interpolates every segment (jagg_frac = 1). exact: None.
 TRAINING_MODES = {"exact": None, **{
-    train_sd.mode_name("jagg", jagg_options.JaggOptions(anchors=a, interior=i)): (a, i)
+    jagg_options.JaggOptions(anchors=a, interior=i).mode_name(): (a, i)
     for i, a in itertools.product(jagg_options.INTERIOR_MODES, jagg_options.ANCHOR_MODES)}}
 
 

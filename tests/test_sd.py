@@ -351,7 +351,7 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
 
 
 def test_mode_names_derive_from_the_options():
-    names = {train_sd.mode_name(m, jagg_options.JaggOptions(anchors=a, interior=i)) for m in ("exact", "jagg")
+    names = {jagg_options.JaggOptions(anchors=a, interior=i).mode_name(m) for m in ("exact", "jagg")
              for a in jagg_options.ANCHOR_MODES for i in jagg_options.INTERIOR_MODES}
     assert names == {"exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"}
 
