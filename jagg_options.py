@@ -1,4 +1,4 @@
-"""Beyond the paper: our options for JAGG, and the training step for real runs.
+"""Beyond the paper: our options for JAGG, the training step for real runs, and a run's folder.
 
 jagg.py is the paper alone; this module builds on it (it imports jagg, never the reverse). The
 defaults are the paper's JAGG, so JaggOptions() trains what jagg.py's paper_gradients does, bit
@@ -71,7 +71,8 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
 Then the SDE window (section 6) and the real-run step (section 7): many ranks (DDP, one all-reduce
 per optimizer step), gradient accumulation, and non-finite steps skipped on every rank alike.
 Section 0 holds what callers need from jagg.py's world but a learner does not: check_velocity_fn
-(run it once before training), cat_trajectories, check_batch.
+(run it once before training), cat_trajectories, check_batch. Section 8 is what the two trainers
+share that is not JAGG's: a run's folder (a lock, whole files, resuming with the run's flags).
 
 Notation beyond jagg.py's
     anchors    a_0 = 0 < a_1 < ... < a_m = S - 1, the steps whose Jacobians are back-propagated
@@ -85,8 +86,13 @@ Notation beyond jagg.py's
 
 import contextlib
 import datetime
+import fcntl
+import glob
+import json
 import math
 import os
+import signal
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -980,6 +986,21 @@ def optimizer_step(params, optimizer, losses, *, micro_batches=1, max_grad_norm=
     return {"grad_norm": grad_norm, "skipped": not finite}
 
 
+def epoch_stats(stats):
+    """An epoch's figures from its micro-batches' stats (accumulate_gradients', each optimizer step's
+    last merged with optimizer_step's, as train_step returns them): the diagnostics' means, the
+    counts' and times' sums. Keys as in metrics.jsonl: train/... and time/..."""
+    mean = lambda key: sum(s[key] for s in stats) / len(stats) if stats else float("nan")  # noqa: E731
+    steps = [s for s in stats if "grad_norm" in s]  # one per optimizer step
+    guard = [k for k in ("rollout_refreshed", "anchor_drift") if stats and k in stats[0]]  # rollout interiors'
+    return {**{f"train/{k}": mean(k) for k in ["loss", "clipfrac", "approx_kl", "kl", "routed_frac", *guard]},
+            "train/grad_norm": sum(s["grad_norm"] for s in steps) / max(len(steps), 1),
+            "train/grad_rows": sum(s["grad_rows"] for s in stats), "train/skipped_steps": sum(s["skipped"] for s in steps),
+            "train/optimizer_steps": sum(not s["skipped"] for s in steps),
+            "time/backward_seconds": sum(s["backward_seconds"] for s in stats),
+            "time/grad_seconds": sum(s["grad_seconds"] for s in stats)}
+
+
 def train_step(velocity_fn, optimizer, traj, advantages, cfg, opts, *, ref_velocity_fn=None, params=None,
                max_grad_norm=1.0, no_sync=contextlib.nullcontext, probe_cosines=None, step=None):
     """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
@@ -994,3 +1015,105 @@ def train_step(velocity_fn, optimizer, traj, advantages, cfg, opts, *, ref_veloc
                                          no_sync=no_sync, probe_cosines=probe_cosines)
     stats.update(optimizer_step(params, optimizer, [stats["loss"]], max_grad_norm=max_grad_norm, step=step))
     return stats, routed
+
+
+# === 8. A run's folder, for the two trainers: one run per folder, files whole or absent ===
+# Not JAGG's: what train_sd.py and train_toy.py share around it. Each error is a ValueError whose
+# message is one line naming the file or flag and the fix; the trainers print it and exit.
+
+
+def atomic_write(path, data, mode="w"):
+    """Write data (a str, bytes, or a function of the open file) into a temporary file beside path,
+    then rename it over path: a reader, or a killed run, sees the old file or the new, never half."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, mode) as f:
+            data(f) if callable(data) else f.write(data)
+        os.chmod(tmp, 0o644)  # not mkstemp's 0600
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
+
+
+def json_text(obj, indent=None):
+    """JSON of obj with a non-finite number written as null: JSON has no NaN."""
+    def clean(o):
+        if isinstance(o, dict):
+            return {k: clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        return None if isinstance(o, float) and not math.isfinite(o) else o
+    return json.dumps(clean(obj), indent=indent, sort_keys=True, allow_nan=False)
+
+
+def write_json(path, obj):
+    atomic_write(path, json_text(obj, indent=2))
+
+
+def claim_folder(out, run_files, resume=False, overwrite=False, resume_flag="--resume"):
+    """Lock the folder out for this process (the lock holds until the returned file is closed) and
+    check it may take a run: one that another process holds, that cannot be written, or that holds
+    a run (any of run_files: paths inside out, glob patterns) without resume or overwrite is refused.
+    Removes the temporary files of a killed write; with overwrite, the old run's files too."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        lock = open(os.path.join(out, ".lock"), "a+")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"--out {out!r} is in use by another run (it holds {out}/.lock): wait for it, or pick "
+                         "another folder") from None
+    except OSError as e:
+        raise ValueError(f"--out {out!r} cannot be created or written to ({e.strerror or e}); pass a writable "
+                         "folder") from None
+    inside = lambda pattern: glob.glob(os.path.join(glob.escape(out), pattern))  # noqa: E731
+    found = sorted({os.path.relpath(path, out) for name in run_files for path in inside(name)})
+    if found and not resume and not overwrite:
+        lock.close()
+        raise ValueError(f"--out {out!r} holds a run ({', '.join(found)}): continue it with {resume_flag}, start "
+                         "afresh with --overwrite, or pick another folder")
+    for tmp in inside(".tmp-*") + inside("*/.tmp-*"):
+        os.remove(tmp)
+    for name in found if overwrite else ():
+        os.remove(os.path.join(out, name))
+    return lock
+
+
+def read_checkpoint(path, keys, owner, mmap=False):
+    """owner's checkpoint, a dict of tensors and plain data, read safely (weights_only), or one line naming
+    it when it is cut, foreign, or lacks one of keys."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        missing = set(keys) - set(ckpt if isinstance(ckpt, dict) else ())
+        if missing:
+            raise ValueError(f"it has no {', '.join(sorted(missing))}")
+    except Exception as e:
+        raise ValueError(f"cannot resume: {path} is not a whole {owner} checkpoint ({type(e).__name__}: "
+                         f"{str(e)[:200]}); start afresh with --overwrite") from None
+    return ckpt
+
+
+def changed_flags(saved, flags, may_change=()):
+    """Why resuming with flags (a dict) would train another run than the saved flags did: one text
+    per flag not in may_change whose value differs; empty when none does."""
+    return [f"--{k.replace('_', '-')} {flags[k]} differs from the run's {v}" for k, v in saved.items()
+            if k in flags and k not in may_change and flags[k] != v]
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Inside, Ctrl-C (SIGINT) and SIGTERM are recorded in the yielded list instead of stopping the
+    process, so that a trainer ends its epoch, checkpoints and exits; a second one acts at once."""
+    received = []
+
+    def handler(signum, frame):
+        received.append(signal.Signals(signum).name)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

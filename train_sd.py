@@ -15,15 +15,12 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import fcntl
 import importlib
 import io
 import json
 import math
 import os
-import signal
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -34,7 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import jagg
 import jagg_options
-from jagg_options import all_gather_cat
+from jagg_options import all_gather_cat, atomic_write, write_json  # the last two: whole files, JSON without NaN
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
 
@@ -170,8 +167,8 @@ def validate(cfg):
     cfg = dataclasses.replace(cfg, out=cfg.resume or cfg.out, resolution=cfg.benchmark and cfg.resolution or model_resolution(cfg))
     if cfg.resume:  # the checkpoint's resolved flags: any that changes what is trained is refused
         saved = read_checkpoint(cfg.resume, mmap=True)
-        differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)} differs from the run's {v}" for k, v in saved["config"].items()
-                  if k not in RESUMABLE and getattr(cfg, k, v) != v and not (k == "resolution" and not cfg.resolution)]
+        differ = jagg_options.changed_flags(saved["config"], {**dataclasses.asdict(cfg), **(
+            {} if cfg.resolution else {"resolution": saved["config"]["resolution"]})}, RESUMABLE)  # a hub id's: later
         if differ:
             fail(f"--resume: {', '.join(differ)}; give the run's (only --epochs, --eval-every and --out may change)")
         if cfg.epochs < saved["epoch"]:
@@ -212,30 +209,15 @@ def read_prompts(cfg):  # --prompts' lines, or the built-in list
                                                    "is not UTF-8 text: give a text file, one prompt a line"))
     return prompts or fail(f"--prompts file {cfg.prompts!r} has no prompts (one a line)")
 
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "lora.safetensors", "transformer.safetensors")
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "*.safetensors", "samples_*.png")
 
 def claim_out(cfg):
-    """Rank 0 locks --out until the run ends: a folder it cannot write, one in use, or one holding a run without
-    --resume or --overwrite is refused. A killed save's temporary files go (with --overwrite, the old run's too)."""
+    """Rank 0 locks --out until the run ends (jagg_options.claim_folder): refused if in use or holding a run."""
     try:
-        os.makedirs(cfg.out, exist_ok=True)
-        lock = open(os.path.join(cfg.out, ".lock"), "a+")
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fail(f"--out {cfg.out!r} is in use by another run (it holds {cfg.out}/.lock): wait for it, or pick another folder")
-    except OSError as e:
-        fail(f"--out {cfg.out!r} cannot be created or written to ({e.strerror or e}); pass a writable folder")
-    if cfg.benchmark:  # writes benchmark.json alone
-        return lock
-    found = [name for name in RUN_FILES if os.path.exists(os.path.join(cfg.out, name))]
-    if found and not cfg.resume and not cfg.overwrite:
-        lock.close()  # a run in this process may claim the folder next
-        fail(f"--out {cfg.out!r} holds a run ({', '.join(found)}): continue it with --resume {cfg.out}, start afresh "
-             f"with --overwrite, or pick another folder")
-    for name in os.listdir(cfg.out):
-        if name.startswith(".tmp-") or cfg.overwrite and (name in RUN_FILES or name.startswith("samples_")):
-            os.remove(os.path.join(cfg.out, name))
-    return lock
+        return jagg_options.claim_folder(cfg.out, () if cfg.benchmark else RUN_FILES, cfg.resume, cfg.overwrite,
+                                         f"--resume {cfg.out}")
+    except ValueError as e:
+        fail(e)
 
 
 # === 2. THE MODEL: load, encode, decode, velocity_fn. The only SD3 code: a new family edits this block ===
@@ -451,28 +433,6 @@ def sample_grid(images, prompts, rewards, cell=96):
 
 # === 5. Files: atomic writes, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
 
-def atomic_write(path, write_fn, mode="w"):
-    """Write through write_fn(file) into a temporary file beside path, then rename it over path: a reader (or a
-    killed run) sees the old file or the new one, never half of one."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write_fn(f)
-        os.chmod(tmp, 0o644)  # not mkstemp's 0600
-        os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp)
-        raise
-
-def json_ready(obj):  # JSON has no NaN: a non-finite number is written as null
-    if isinstance(obj, (dict, list, tuple)):
-        return {k: json_ready(v) for k, v in obj.items()} if isinstance(obj, dict) else [json_ready(v) for v in obj]
-    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
-
-def write_json(path, obj):
-    atomic_write(path, lambda f: json.dump(json_ready(obj), f, indent=2, sort_keys=True, allow_nan=False))
-
 def trainable(transformer):
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
 
@@ -495,7 +455,7 @@ def as_param(w, p):  # a whole tensor laid out as the parameter p: on its device
 def checkpoint_path(run):
     return os.path.join(run, "checkpoint.pt")
 
-CHECKPOINT_KEYS = {"epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer"}
+CHECKPOINT_KEYS = ("epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer")
 
 def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
     """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically, then the weights.
@@ -511,17 +471,11 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe
         atomic_write(checkpoint_path(out), lambda f: torch.save(state, f), "wb")
         atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(state["ema"] or state["weights"])), "wb")
 
-def read_checkpoint(run, mmap=False):
-    """The checkpoint's dict, read safely (weights_only); a cut or foreign file ends the run in one line naming it."""
+def read_checkpoint(run, mmap=False):  # the checkpoint's dict, or one line naming it
     try:
-        ckpt = torch.load(checkpoint_path(run), map_location="cpu", weights_only=True, mmap=mmap)
-        missing = CHECKPOINT_KEYS - set(ckpt if isinstance(ckpt, dict) else ())
-        if missing:
-            raise ValueError(f"it has no {', '.join(sorted(missing))}")
-    except Exception as e:
-        fail(f"cannot resume: {checkpoint_path(run)} is not a whole train_sd.py checkpoint ({type(e).__name__}: "
-             f"{str(e)[:200]}); start afresh with --overwrite")
-    return ckpt
+        return jagg_options.read_checkpoint(checkpoint_path(run), CHECKPOINT_KEYS, "train_sd.py", mmap)
+    except ValueError as e:
+        fail(e)
 
 
 # === 6. Training: the whole loop, from rollout to optimizer step ===
@@ -540,23 +494,12 @@ def optimizer_steps(perm, adv, cfg, generator):
         keep = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
     return [list(part.split(cfg.train_batch)) if len(part) else [] for part in keep.tensor_split(cfg.steps_per_epoch)]
 
-def epoch_metrics(stats):
-    """The epoch's metrics from its micro-batches' stats (each step's last with optimizer_step's)."""
-    mean = lambda key: sum(s[key] for s in stats) / len(stats) if stats else float("nan")  # noqa: E731
-    steps = [s for s in stats if "grad_norm" in s]  # one per optimizer step
-    drift = [k for k in ("rollout_refreshed", "anchor_drift") if stats and k in stats[0]]  # rollout interiors' guard
-    return {**{f"train/{k}": mean(k) for k in ["loss", "clipfrac", "approx_kl", "kl", "routed_frac", *drift]},
-            "train/grad_norm": sum(s["grad_norm"] for s in steps) / max(len(steps), 1),
-            "train/grad_rows": sum(s["grad_rows"] for s in stats), "train/skipped_steps": sum(s["skipped"] for s in steps),
-            "train/optimizer_steps": sum(not s["skipped"] for s in steps),
-            "time/backward_seconds": sum(s["backward_seconds"] for s in stats),
-            "time/grad_seconds": sum(s["grad_seconds"] for s in stats)}
-
 def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs on the CPU in fp32)
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
-def train(cfg):
-    """One run (--method exact or jagg). Returns (metrics rows, summary)."""
+def train(cfg, stop=()):
+    """One run (--method exact or jagg); stop: the signals received, which end it after the epoch, checkpointed.
+    Returns (metrics rows, summary)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     rank, world = jagg_options.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
@@ -705,7 +648,7 @@ def train(cfg):
                 with torch.no_grad():
                     for n, p in trainable(transformer).items():
                         ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
-        row.update(epoch_metrics(stats))
+        row.update(jagg_options.epoch_stats(stats))
         row["time/train_seconds"] = time.perf_counter() - epoch_start  # rollouts, probe, training; not evaluation
         row["routing/routed"] = routed  # the epoch's last optimizer step's, per segment
         sums = torch.stack([(p.full_tensor() if isinstance(p, DTensor) else p).detach().double().sum() for p in params])
@@ -716,16 +659,15 @@ def train(cfg):
                   f"kl {row['train/kl']:.4f} clipfrac {row['train/clipfrac']:.3f} approx_kl {row['train/approx_kl']:.2e} "
                   f"routed {row['train/routed_frac']:.2f} backward {row['time/backward_seconds']:.1f} s"
                   + (f" skipped {row['train/skipped_steps']}" if row["train/skipped_steps"] else ""), flush=True)
-        stopping = bool(all_gather_cat(torch.tensor([len(STOP)], device=device)).sum())  # every rank alike
+        stopping = bool(all_gather_cat(torch.tensor([len(stop)], device=device)).sum())  # every rank alike
         if evaluates and (epoch % cfg.eval_every == 0 or epoch == cfg.epochs):
             evaluate(epoch, row)
         if epoch % cfg.eval_every == 0 or epoch == cfg.epochs or stopping:
             save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, config, probe_avg)
         if rank == 0:
-            atomic_write(os.path.join(cfg.out, "metrics.jsonl"), lambda f: f.writelines(
-                json.dumps(json_ready(r), sort_keys=True, allow_nan=False) + "\n" for r in rows))
+            atomic_write(os.path.join(cfg.out, "metrics.jsonl"), "".join(jagg_options.json_text(r) + "\n" for r in rows))
         if stopping:
-            fail(f"stopped by {STOP[0] if STOP else 'a signal to another rank'} after epoch {epoch}, checkpointed: go "
+            fail(f"stopped by {stop[0] if stop else 'a signal to another rank'} after epoch {epoch}, checkpointed: go "
                  f"on with --resume {cfg.out}")
     if dist.is_initialized():
         dist.barrier()
@@ -810,24 +752,15 @@ def benchmark(cfg, repeats=5):
 
 # === 9. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
 
-STOP = []  # the signals received
-
-def on_signal(signum, frame):
-    STOP.append(signal.Signals(signum).name)
-    signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)  # a second: now
-
 def main(argv=None):
     cfg = validate(parse(argv))
     lock = claim_out(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
-    STOP.clear()
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if cfg.benchmark:
-            return benchmark(cfg)
-        rows, summary = train(cfg)
+        with jagg_options.stop_on_signals() as stop:
+            if cfg.benchmark:
+                return benchmark(cfg)
+            rows, summary = train(cfg, stop)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         lock and lock.close()
     if not sum(r.get("train/optimizer_steps", 1) for r in rows if r["epoch"]):
         fail(f"no optimizer step was taken in {cfg.epochs} epochs ({summary and summary['skipped_steps']} skipped as "

@@ -18,6 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
 from charts import chart, compare_grid, save_png  # noqa: E402
 
@@ -90,7 +91,7 @@ def main(argv=None):
     ex, jg = with_final(ex, args.final_evals), with_final(jg, args.final_evals)
     result = comparison(ex, jg, jg["config"])
     result["exact_run"], result["jagg_run"] = args.exact, args.jagg
-    train_sd.write_json(os.path.join(args.out, "summary.json"), result)
+    jagg_options.write_json(os.path.join(args.out, "summary.json"), result)
     save_png(os.path.join(args.out, "reward_curves.png"), chart(
         {m: s["eval_curve"] for m, s in (("exact", ex), ("jagg", jg))},
         f"evaluation reward ({jg['config']['reward']}, {jg['config']['eval_samples']} samples, fixed noise)",

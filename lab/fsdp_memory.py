@@ -29,7 +29,7 @@ import jagg_options  # noqa: E402
 from bench import TRAINING_MODES, mode_settings, saved_bytes_peak  # noqa: E402
 from jagg_options import init_distributed  # noqa: E402
 from sd_benchmark import SD3_CONFIGS  # noqa: E402
-from train_sd import write_json  # noqa: E402
+from jagg_options import write_json  # noqa: E402
 
 
 def local_bytes(tensors):

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-from train_sd import write_json  # noqa: E402
+from jagg_options import write_json  # noqa: E402
 from base_batches import mini_batches, toy_batches  # noqa: E402
 
 

@@ -40,7 +40,7 @@ import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
 from base_batches import draw_groups  # noqa: E402
-from train_sd import write_json  # noqa: E402
+from jagg_options import write_json  # noqa: E402
 
 
 def rollouts(pipe, transformer, cfg, prompts_all, args, g):

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-from train_sd import write_json  # noqa: E402
+from jagg_options import write_json  # noqa: E402
 
 # name -> JaggOptions fields; "guarded" is rollout interiors with the drift guard (the default),
 # "unguarded" the rollout rule at any drift (max_drift None: the code before the guard).
