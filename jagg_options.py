@@ -1022,19 +1022,27 @@ def train_step(velocity_fn, optimizer, traj, advantages, cfg, opts, *, ref_veloc
 # message is one line naming the file or flag and the fix; the trainers print it and exit.
 
 
+class WriteError(OSError):
+    """atomic_write could not write a file (a full disk, say); the file it would replace stands."""
+
+
 def atomic_write(path, data, mode="w"):
     """Write data (a str, bytes, or a function of the open file) into a temporary file beside path,
-    then rename it over path: a reader, or a killed run, sees the old file or the new, never half."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    then rename it over path: a reader, or a killed run, sees the old file or the new, never half.
+    An OSError becomes a WriteError whose message is one line naming path."""
+    folder, tmp = os.path.dirname(os.path.abspath(path)), None
     try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
         with os.fdopen(fd, mode) as f:
             data(f) if callable(data) else f.write(data)
         os.chmod(tmp, 0o644)  # not mkstemp's 0600
         os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp)
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError):
+            raise WriteError(f"cannot write {path} ({e.strerror or e}); what was there before stands") from e
         raise
 
 

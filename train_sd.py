@@ -760,6 +760,9 @@ def main(argv=None):
             if cfg.benchmark:
                 return benchmark(cfg)
             rows, summary = train(cfg, stop)
+    except jagg_options.WriteError as e:  # a full disk, say: the last checkpoint stands
+        fail(f"{e}: free space, then " + (f"go on with --resume {cfg.out}" if os.path.isfile(checkpoint_path(cfg.out))
+                                          else "start again with --overwrite"))
     finally:
         lock and lock.close()
     if not sum(r.get("train/optimizer_steps", 1) for r in rows if r["epoch"]):

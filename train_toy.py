@@ -16,7 +16,6 @@ import copy
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -46,6 +45,7 @@ class Config:
     out: str = flag("runs/toy", "output folder")
     seed: int = flag(0, "random seed (base model, rollouts; each rank adds its rank to the rollouts')", AT_LEAST_0)
     resume: bool = flag(False, "continue the run in --out from its checkpoints (with its flags), bit for bit")
+    overwrite: bool = flag(False, "start afresh in an --out that holds a run, deleting that run's files")
     # --- GRPO
     epochs: int = flag(80, "epochs: each one rollout of the batch, then --minibatches optimizer steps", AT_LEAST_1)
     num_steps: int = flag(16, "T, sampling steps of a rollout", AT_LEAST_2)
@@ -97,33 +97,29 @@ def parse(argv):
         (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= rows,
          f"--max-graph-rows {cfg.max_graph_rows} is below the {rows} --interior {cfg.interior} needs; use 0 or >= {rows}"),
         (B % cfg.minibatches == 0, f"--minibatches {cfg.minibatches} must divide the batch of {B} (4 x --group-size)"),
-        (not cfg.base_ckpt or os.path.isfile(cfg.base_ckpt), f"--base-ckpt {cfg.base_ckpt!r} does not exist; omit it")]
-    saved = json.load(open(p)) if cfg.resume and os.path.isfile(p := os.path.join(cfg.out, "config.json")) else None
-    checks += [(saved is not None or not cfg.resume, f"--resume: {cfg.out} holds no run (no config.json); drop --resume")]
-    checks += [(False, f"--resume: --{k.replace('_', '-')} {getattr(cfg, k)} differs from the run's {v}; give the run's")
-               for k, v in (saved or {}).items() if k != "resume" and getattr(cfg, k, v) != v]  # it goes on as it started
+        (not cfg.base_ckpt or os.path.isfile(cfg.base_ckpt), f"--base-ckpt {cfg.base_ckpt!r} does not exist; omit it"),
+        (not (cfg.resume and cfg.overwrite), "--resume continues a run, --overwrite deletes it: give one")]
+    try:  # --resume goes on as the run started: every flag as it was (--epochs sets the learning rate's cosine)
+        saved = json.load(open(os.path.join(cfg.out, "config.json"))) if cfg.resume else {}
+    except (OSError, ValueError) as e:
+        saved, checks = {}, checks + [
+            (False, f"--resume: {cfg.out} holds no run ({type(e).__name__} reading its config.json); drop --resume")]
+    checks += [(False, f"--resume: {d}; give the run's") for d in jagg_options.changed_flags(saved, asdict(cfg),
+                                                                                            ("resume", "overwrite"))]
     if any(not ok for ok, _ in checks):
         raise SystemExit("error: " + next(message for ok, message in checks if not ok))
     return cfg
 
 
 # === Files and ranks ===
-def save(path, obj):  # written beside path, then renamed: a kill leaves the old file or the new, never half of one
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", delete=False) as f:
-        if isinstance(obj, str):  # JSON, JSON lines
-            f.write(obj.encode())
-        elif path.endswith(".png"):
-            obj.save(f, format="PNG")
-        else:  # tensors, lists, numbers: torch.load(weights_only=True) reads them back without running pickled code
-            torch.save(obj, f)
-    os.replace(f.name, path)
+def save(path, obj):  # whole or not at all (a kill leaves the old file or the new): text, a picture, or tensors and lists
+    jagg_options.atomic_write(path, (lambda f: f.write(obj.encode())) if isinstance(obj, str) else (lambda f: obj.save(
+        f, format="PNG")) if path.endswith(".png") else (lambda f: torch.save(obj, f)), "wb")  # torch.load(weights_only)
 
 
 def all_ranks(obj):  # [rank 0's obj, rank 1's, ...] on every rank; [obj] on one process
     out = [obj] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized():
-        dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj) if dist.is_initialized() else None
     return out
 
 
@@ -169,8 +165,9 @@ def evaluate(model, cfg):
 
 
 # === GRPO: the whole loop in one place ===
-def train(cfg, method, base, initial_reward, folder, rank, world):
-    """Fine-tune a copy of base by GRPO, exact or JAGG, checkpointed each epoch. Returns (summary, samples, curve)."""
+def train(cfg, method, base, initial_reward, folder, rank, world, stop=()):
+    """Fine-tune a copy of base by GRPO, exact or JAGG, checkpointed each epoch; a signal in stop ends it after the
+    epoch. Returns (summary, samples, curve)."""
     model = copy.deepcopy(base)
     ref = copy.deepcopy(base).requires_grad_(False) if cfg.beta > 0 else None  # the KL's frozen reference
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -187,7 +184,10 @@ def train(cfg, method, base, initial_reward, folder, rank, world):
     ref_fn = lambda idx: make_velocity_fn(ref, labels[idx]) if ref is not None else None  # noqa: E731
     rows, probe_avg, path = [], None, os.path.join(folder, "checkpoint.pt")
     if cfg.resume and os.path.exists(path):  # go on where it stopped: weights, optimizer, this rank's rollouts, rows
-        ckpt = torch.load(path, weights_only=True)
+        try:  # a cut or foreign file: one line
+            ckpt = jagg_options.read_checkpoint(path, ("model", "optimizer", "rng", "rows", "probe_average"), "train_toy.py")
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
         model.load_state_dict(ckpt["model"]), opt.load_state_dict(ckpt["optimizer"]), g.set_state(ckpt["rng"][rank])
         rows, probe_avg = ckpt["rows"], ckpt["probe_average"]
     for epoch in range(len(rows) + 1, cfg.epochs + 1):
@@ -222,12 +222,8 @@ def train(cfg, method, base, initial_reward, folder, rank, world):
         # 5. Logging: the means of the steps' diagnostics, the sums of their counts and times
         row["time/train_seconds"] = time.perf_counter() - start  # the rollout and the optimizer steps
         row["rollout/reward_mean"] = sum(all_ranks(rewards.mean().item())) / world
-        row.update({f"train/{k}": sum(s[k] for s in stats) / len(stats) for k in ("loss", "clipfrac", "approx_kl", "kl",
-                    "routed_frac", "grad_norm", "rollout_refreshed", "anchor_drift") if k in stats[0]})
-        row.update({"train/grad_rows": sum(s["grad_rows"] for s in stats), "routing/window_scores": stats[0]["window_scores"],
-                    "routing/routed": [sum(r) / len(routed) for r in zip(*routed)],  # per window: share of the steps
-                    "train/skipped_steps": sum(s["skipped"] for s in stats),
-                    "time/backward_seconds": sum(s["backward_seconds"] for s in stats)})
+        row.update({**jagg_options.epoch_stats(stats), "routing/window_scores": stats[0]["window_scores"],
+                    "routing/routed": [sum(r) / len(routed) for r in zip(*routed)]})  # per window: share of the steps
         if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
             row["eval/reward"], _ = evaluate(model, cfg)
             if rank == 0:
@@ -236,11 +232,14 @@ def train(cfg, method, base, initial_reward, folder, rank, world):
                       f"approx_kl {row['train/approx_kl']:.5f}  routed {row['train/routed_frac']:.2f}  "
                       f"backward {row['time/backward_seconds']:.2f}s", flush=True)
         rows.append(row)
-        rng = all_ranks(g.get_state())  # every rank's generator: each resumes its own rollouts
+        rng, stops = zip(*all_ranks((g.get_state(), list(stop))))  # every rank's generator and signals received
         if rank == 0:  # the checkpoint holds the rows too: a kill between the two files loses nothing
             save(path, {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng, "rows": rows,
                         "probe_average": probe_avg})
-            save(os.path.join(folder, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+            save(os.path.join(folder, "metrics.jsonl"), "".join(jagg_options.json_text(r) + "\n" for r in rows))
+        if any(stops):  # Ctrl-C or SIGTERM on any rank: every rank stops here, after the checkpoint
+            raise SystemExit(f"error: stopped by {sum(stops, [])[0]} after epoch {epoch} of {method}, checkpointed: go on "
+                             "with the same command and --resume")
 
     (final_reward, samples), total = evaluate(model, cfg), lambda key: sum(r.get(key, 0) for r in rows)  # noqa: E731
     probe = jagg_options.pool_probes([{k: r[f"probe/{k}"] for k in ("cosine", "error", "noise")} for r in rows
@@ -252,32 +251,35 @@ def train(cfg, method, base, initial_reward, folder, rank, world):
          "routed_frac_by_position": [sum(f) / len(rows) for f in zip(*(r["routing/routed"] for r in rows))],
          "param_checksums": all_ranks(sum(p.detach().double().sum().item() for p in model.parameters()))}
     if rank == 0:
-        save(os.path.join(folder, "summary.json"), json.dumps({**s, "config": asdict(cfg)}, indent=2))
+        save(os.path.join(folder, "summary.json"), jagg_options.json_text({**s, "config": asdict(cfg)}, indent=2))
         print(f"[{method}] reward {initial_reward:.3f} -> {final_reward:.3f} ({s['reward_gain']:+.3f}), backward "
               f"{s['backward_seconds']:.1f} s, training {s['train_seconds']:.1f} s"
               + (f", {s['skipped_steps']} optimizer steps skipped (non-finite)" if s["skipped_steps"] else ""))
-    if rank == 0 and probe:  # the probes pooled, per window: cosine to exact, error / a step's noise (95 % interval)
-        print(f"[{method}] probe per window: " + "; ".join(f"cosine {c:.2f}, error/noise {e:.2f}" + (f" ±{1.96 * se:.2f}" if se
-              else "") for c, e, se in zip(probe["cosine"], probe["error_to_noise"], probe["stderr"])))
+        for i, (c, e, se) in enumerate(zip(*[probe[k] for k in ("cosine", "error_to_noise", "stderr")]) if probe else []):
+            print(f"[{method}] probe, window {i}: cosine {c:.2f}, error/noise {e:.2f}" + (f" ±{1.96 * se:.2f}" if se else ""))
     return s, samples, [(0, initial_reward)] + [(r["epoch"], r["eval/reward"]) for r in rows if "eval/reward" in r]
 
 
 def main(argv=None):
     cfg = parse(argv)
+    try:  # --out is this run's alone: rank 0 locks it until main returns, and refuses a folder holding another run
+        lock = int(os.environ.get("RANK", 0)) == 0 and jagg_options.claim_folder(
+            cfg.out, ("*.json*", "*.png", "*.pt", "*/*.json*", "*/*.pt"), cfg.resume, cfg.overwrite)  # a run's files
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     rank, world = jagg_options.init_distributed(backend="gloo")  # under torchrun: a rank per process; CPU tensors
-    if rank == 0:  # the flags saved beside the results, before any work (--out must take files)
-        try:
-            save(os.path.join(cfg.out, "config.json"), json.dumps(asdict(cfg), indent=2))
-        except OSError as e:
-            raise SystemExit(f"error: --out {cfg.out!r} cannot be created or written to ({e.strerror}); pass another")
+    if rank == 0:  # the flags saved beside the results, before any work
+        save(os.path.join(cfg.out, "config.json"), json.dumps(asdict(cfg), indent=2))
         print("config: " + json.dumps(asdict(cfg)))
     base, _ = base_model(cfg, rank)
     initial_reward, base_samples = evaluate(base, cfg)
     summaries, samples, curves = {}, {"base": base_samples}, {}
-    for method in ["exact", "jagg"] if cfg.method == "compare" else [cfg.method]:
-        folder = os.path.join(cfg.out, method) if cfg.method == "compare" else cfg.out
-        summaries[method], samples[method], curves[method] = train(cfg, method, base, initial_reward, folder, rank, world)
-    if rank == 0:
+    with jagg_options.stop_on_signals() as stop:  # Ctrl-C and SIGTERM end the run after an epoch, checkpointed
+        for method in ["exact", "jagg"] if cfg.method == "compare" else [cfg.method]:
+            folder = os.path.join(cfg.out, method) if cfg.method == "compare" else cfg.out
+            summaries[method], samples[method], curves[method] = train(cfg, method, base, initial_reward, folder, rank,
+                                                                       world, stop)
+    if rank == 0:  # the pictures: each method's samples beside the base model's, and the reward curves
         save(os.path.join(cfg.out, "samples.png"), toy_dit.samples_picture(samples, TARGETS.tolist()))
         save(os.path.join(cfg.out, "reward.png"), toy_dit.curve_picture(curves))
     if rank == 0 and cfg.method == "compare":
@@ -289,6 +291,7 @@ def main(argv=None):
         print(f"JAGG ({jg['mode']}) kept {100 * (ratios['reward_gain_ratio'] or 0):.0f} % of exact GRPO's reward gain; "
               f"{ex['grad_rows'] / jg['grad_rows']:.2f}x fewer rows with grad, backward {ratios['backward_speedup']:.1f}x "
               f"faster, training {ratios['train_speedup']:.1f}x (rollouts included)")
+    lock and lock.close()  # the folder is free for the next run
 
 
 if __name__ == "__main__":

@@ -335,6 +335,52 @@ def test_optimizer_steps_drop_zero_advantages_as_flow_grpo():
     assert sorted(torch.cat([i for m in fsdp for i in m]).tolist()) == list(range(10))  # FSDP: every sample
 
 
+def test_a_full_disk_is_one_line_and_the_last_checkpoint_stands(tiny, tmp_path, monkeypatch):
+    """A write that fails (ENOSPC at the first picture, then at the second epoch's) ends the run in one line
+    naming the file, with no temporary file left, and says how to go on: --overwrite before any checkpoint,
+    --resume after one, whose checkpoint is whole."""
+    from PIL import Image
+
+    out, save = tmp_path / "run", Image.Image.save
+    for full_at, then in (("samples_0000.png", "start again with --overwrite"), ("samples_0002.png", f"--resume {out}")):
+        def png(image, fp, *args, **kwargs):
+            written.append(kwargs.get("format"))
+            if written.count("PNG") > cut and kwargs.get("format") == "PNG":  # the samples_*.png, one an evaluation
+                raise OSError(28, "No space left on device")
+            return save(image, fp, *args, **kwargs)
+        written, cut = [], 0 if full_at == "samples_0000.png" else 2
+        monkeypatch.setattr(Image.Image, "save", png)
+        with pytest.raises(SystemExit) as e:
+            train_sd.main(run_args(tiny, out, "--epochs", "2", "--overwrite"))
+        message = str(e.value.code)
+        assert message.startswith(f"error: cannot write {out}/{full_at} (No space left on device)"), message
+        assert message.endswith(then) and "\n" not in message
+        assert not list(out.glob(".tmp-*"))
+    assert train_sd.read_checkpoint(out)["epoch"] == 1  # epoch 1's checkpoint stands, whole
+
+
+def test_the_run_folder_helpers_refuse_and_name_what_is_wrong(tmp_path):
+    """jagg_options' run-folder section, which both trainers use: flags compared with a run's, a folder
+    holding a run refused and cleared only on overwrite, a signal recorded rather than raised."""
+    import signal
+
+    assert jagg_options.changed_flags({"lr": 0.1, "epochs": 4, "seed": 0}, {"lr": 0.2, "epochs": 9, "seed": 0},
+                                      ("epochs",)) == ["--lr 0.2 differs from the run's 0.1"]
+    out = tmp_path / "run"
+    (out / "jagg").mkdir(parents=True)
+    (out / "jagg" / "checkpoint.pt").write_bytes(b"x")
+    (out / "notes.txt").write_text("mine")
+    (out / "jagg" / ".tmp-killed").write_text("")
+    with pytest.raises(ValueError, match=r"holds a run \(jagg/checkpoint.pt\): continue it with --resume"):
+        jagg_options.claim_folder(str(out), ("*.json", "*/*.pt"))
+    jagg_options.claim_folder(str(out), ("*.json", "*/*.pt"), overwrite=True).close()
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [".lock", "jagg", "notes.txt"]
+    with jagg_options.stop_on_signals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+    assert stop == ["SIGINT"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "summary.json"
     train_sd.write_json(path, {"reward": 1.0})

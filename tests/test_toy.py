@@ -86,6 +86,39 @@ def test_unwritable_out_fails_before_any_work(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()  # no pretraining started
 
 
+def test_an_output_folder_belongs_to_one_run(tmp_path):
+    """A folder that holds a run is refused without --resume or --overwrite, one in use (its lock held) is
+    refused, --resume with --overwrite is refused, a checkpoint that is not whole is one line; each before any
+    work, with nothing of the old run touched."""
+    import fcntl
+
+    out = tmp_path / "out"
+    (out / "jagg").mkdir(parents=True)
+    (out / "jagg" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit) as e:
+        train_toy.main(["--out", str(out), "--pretrain-steps", "1"])
+    assert str(e.value.code) == (f"error: --out '{out}' holds a run (jagg/metrics.jsonl): continue it with --resume, "
+                                 "start afresh with --overwrite, or pick another folder")
+    with pytest.raises(SystemExit, match="--resume continues a run, --overwrite deletes it: give one"):
+        train_toy.main(["--out", str(out), "--resume", "--overwrite"])
+    with open(out / ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run holds the folder
+        with pytest.raises(SystemExit, match=f"--out '{out}' is in use by another run"):
+            train_toy.main(["--out", str(out), "--pretrain-steps", "1", "--overwrite"])
+    args = ["--out", str(out), "--method", "jagg", "--base-ckpt", make_base(tmp_path), "--eval-samples", "8"]
+    (out / "config.json").write_text(json.dumps(train_toy.asdict(train_toy.parse(args))))
+    (out / "checkpoint.pt").write_bytes(b"cut")
+    with pytest.raises(SystemExit, match=f"error: cannot resume: {out}/checkpoint.pt is not a whole train_toy.py checkpoint"):
+        train_toy.main([*args, "--resume"])
+    assert (out / "jagg" / "metrics.jsonl").read_text() == "{}\n" and not (tmp_path / "runs").exists()
+
+
+def make_base(tmp_path):  # a toy DiT pretrained for one step: enough to load
+    path = str(tmp_path / "base.pt")
+    toy_dit.pretrain(path, steps=1, seed=0, batch=8)
+    return path
+
+
 def test_a_corrupt_base_checkpoint_is_one_line(tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"this is not a checkpoint")
@@ -229,32 +262,40 @@ def test_a_run_repeats_exactly_on_one_machine(base_ckpt, tmp_path, threads):
 
 @slow
 def test_resume_of_a_killed_run_equals_an_uninterrupted_run(base_ckpt, tmp_path):
-    """A compare run killed (SIGKILL) partway, then resumed with --resume, ends with the weights, metrics and
-    summary rewards of a run that was never stopped, bit for bit; a changed flag is refused."""
+    """A compare run killed (SIGKILL), or stopped by Ctrl-C (SIGINT: one line, no traceback, the epoch's
+    checkpoint written), partway, then resumed with --resume, ends with the weights, metrics and summary
+    rewards of a run that was never stopped, bit for bit; a changed flag is refused."""
     args = ["--epochs", "12", "--probe-every", "3", "--route", "probe", "--jagg-frac", "0.5"]
     whole = run_script(quick(base_ckpt, tmp_path / "whole", *args))
     assert whole.returncode == 0, whole.stderr[-2000:]
-    killed = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_toy.py"), *quick(base_ckpt, tmp_path / "cut", *args)],
-                              cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-    checkpoint = tmp_path / "cut" / "jagg" / "checkpoint.pt"  # killed inside the second method's run
-    deadline = time.time() + 300
-    while not (checkpoint.exists() and len(torch.load(checkpoint, weights_only=True)["rows"]) >= 3) and time.time() < deadline:
-        time.sleep(0.05)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
-    done = len(torch.load(checkpoint, weights_only=True)["rows"])
-    assert 3 <= done < 12, done  # it was stopped partway
-    changed = run_script(quick(base_ckpt, tmp_path / "cut", *args, "--lr", "0.002", "--resume"))
-    assert changed.returncode != 0 and "--resume: --lr 0.002 differs from the run's 0.001" in changed.stderr
-    resumed = run_script(quick(base_ckpt, tmp_path / "cut", *args, "--resume"))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    for method in ("exact", "jagg"):
-        a, b = (torch.load(tmp_path / run / method / "checkpoint.pt", weights_only=True) for run in ("whole", "cut"))
-        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-        untimed = [[{k: v for k, v in r.items() if not k.startswith("time/")} for r in c["rows"]] for c in (a, b)]
-        assert untimed[0] == untimed[1] and len(untimed[0]) == 12
-    s_whole, s_cut = (json.load(open(tmp_path / run / "summary.json")) for run in ("whole", "cut"))
-    assert s_whole["reward_gain_ratio"] == s_cut["reward_gain_ratio"]
+    for stop in (signal.SIGKILL, signal.SIGINT):
+        cut = tmp_path / stop.name
+        killed = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_toy.py"), *quick(base_ckpt, cut, *args)],
+                                  cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+        checkpoint = cut / "jagg" / "checkpoint.pt"  # stopped inside the second method's run
+        deadline = time.time() + 300
+        while not (checkpoint.exists() and len(torch.load(checkpoint, weights_only=True)["rows"]) >= 3) and time.time() < deadline:
+            time.sleep(0.05)
+        killed.send_signal(stop)
+        stderr = killed.communicate()[1]
+        done = len(torch.load(checkpoint, weights_only=True)["rows"])
+        assert 3 <= done < 12, done  # it was stopped partway
+        if stop == signal.SIGINT:
+            assert killed.returncode == 1 and stderr.strip().splitlines()[-1] == (
+                f"error: stopped by SIGINT after epoch {done} of jagg, checkpointed: go on with the same command and "
+                "--resume") and "Traceback" not in stderr, stderr[-2000:]
+        changed = run_script(quick(base_ckpt, cut, *args, "--lr", "0.002", "--resume"))
+        assert changed.returncode != 0 and "--resume: --lr 0.002 differs from the run's 0.001" in changed.stderr
+        resumed = run_script(quick(base_ckpt, cut, *args, "--resume"))
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        for method in ("exact", "jagg"):
+            a, b = (torch.load(run / method / "checkpoint.pt", weights_only=True) for run in (tmp_path / "whole", cut))
+            assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+            untimed = [[{k: v for k, v in r.items() if not k.startswith("time/")} for r in c["rows"]] for c in (a, b)]
+            assert untimed[0] == untimed[1] and len(untimed[0]) == 12
+        s_whole, s_cut = (json.load(open(run / "summary.json")) for run in (tmp_path / "whole", cut))
+        assert s_whole["reward_gain_ratio"] == s_cut["reward_gain_ratio"]
 
 
 @slow
