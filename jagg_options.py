@@ -92,10 +92,11 @@ import json
 import math
 import os
 import signal
+import statistics
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -657,6 +658,25 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
     if opts.interior == "rollout":  # how often the drift guard (section 2) sent a segment to forward interiors
         stats.update(rollout_refreshed=record.get("rollout_refreshed", 0), anchor_drift=record.get("anchor_drift", 0.0))
     return stats, routed
+
+
+def time_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None, repeats=5):
+    """Is JAGG faster on YOUR model? The batch's gradient (window_gradients) computed exactly
+    (opts with jagg_frac 0) and with opts, each repeats times after a warm-up round, interleaved
+    with the order alternating so that a shared machine's drift hits both alike. Returns
+    {"exact": ..., "jagg": ...}, each {"backward_s", "step_s": medians in seconds (the backward
+    passes; the whole gradient), "grad_rows"}. params' .grad are cleared before each call."""
+    methods, runs = {"exact": replace(opts, jagg_frac=0.0), "jagg": opts}, {"exact": [], "jagg": []}
+    for r in range(repeats + 1):
+        for method in list(methods)[:: 1 if r % 2 else -1]:
+            for p in params:
+                p.grad = None
+            timings = {}
+            with timed(timings, "step", traj.z.device):
+                stats = window_gradients(velocity_fn, traj, advantages, cfg, methods[method], ref_velocity_fn, timings)[0]
+            runs[method] += [(timings["backward"], timings["step"], stats["grad_rows"])] if r else []
+    return {m: {"backward_s": statistics.median(x[0] for x in run), "step_s": statistics.median(x[1] for x in run),
+                "grad_rows": run[0][2]} for m, run in runs.items()}
 
 
 # === 5. The fidelity probe: is the approximation good on YOUR model? ===

@@ -726,20 +726,13 @@ def benchmark(cfg, repeats=5):
     traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level).first_steps(cfg.trained_steps())
     rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)  # [B]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    runs = {"exact": [], "jagg": []}  # per repeat: (backward seconds, step seconds, rows with grad)
-    for r in range(repeats + 1):  # round 0 warms up; the order alternates, so drift hits both alike
-        for method in ("exact", "jagg")[:: 1 if r % 2 else -1]:
-            transformer.zero_grad(set_to_none=True)
-            timings, start = {}, time.perf_counter()
-            rows = jagg_options.window_gradients(velocity_fn, traj, adv, loss_cfg, cfg.jagg_options(method),
-                                                 velocity_fn if cfg.beta else None, timings)[0]["grad_rows"]
-            torch.cuda.synchronize(device) if gpu else None
-            runs[method] += [(timings["backward"], time.perf_counter() - start, rows)] if r else []
-    (ex_bwd, ex_s), (jg_bwd, jg_s) = (np.median([x[:2] for x in runs[m]], axis=0).tolist() for m in ("exact", "jagg"))
+    times = jagg_options.time_gradients(velocity_fn, list(transformer.parameters()), traj, adv, loss_cfg,
+                                        cfg.jagg_options("jagg"), velocity_fn if cfg.beta else None, repeats)
+    (ex_bwd, ex_s), (jg_bwd, jg_s) = ((times[m]["backward_s"], times[m]["step_s"]) for m in ("exact", "jagg"))
     result = {"model": cfg.model if local else "SD3.5-medium" if gpu else "SD3 reduced for a CPU", "batch": B,
               "device": torch.cuda.get_device_name(device) if gpu else "cpu", "window": cfg.window,
               "mode": cfg.jagg_options().mode_name("jagg"), "trained_steps": cfg.trained_steps(),
-              "rows": {m: runs[m][0][2] for m in runs}, "exact_backward_s": ex_bwd, "jagg_backward_s": jg_bwd,
+              "rows": {m: times[m]["grad_rows"] for m in times}, "exact_backward_s": ex_bwd, "jagg_backward_s": jg_bwd,
               "exact_step_s": ex_s, "jagg_step_s": jg_s, "rollout_s": rollout_s, "backward_speedup": ex_bwd / jg_bwd,
               "step_speedup": ex_s / jg_s, "epoch_speedup": (rollout_s + ex_s) / (rollout_s + jg_s),
               "tokens": (h // tc.patch_size) ** 2 + 77, "params": sum(p.numel() for p in transformer.parameters())}
