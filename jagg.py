@@ -99,11 +99,10 @@ def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
     t_next = sigmas[1:, None].expand(T, B).to(noise.device).contiguous()  # [T, B]
     zs, log_probs, vs = [noise], [], []  # v is kept: routing scores windows by it (section 7)
     for k in range(T):
-        v = velocity_fn(zs[k][None], t[k : k + 1])[0]  # one step, S = 1: [B, *D]
-        z_next, log_prob, _, _ = sde_step(v, zs[k], t[k], t_next[k], noise_level, generator=generator)
+        vs.append(velocity_fn(zs[k][None], t[k : k + 1])[0])  # one step, S = 1: [B, *D]
+        z_next, log_prob, _, _ = sde_step(vs[k], zs[k], t[k], t_next[k], noise_level, generator=generator)
         zs.append(z_next)
         log_probs.append(log_prob)
-        vs.append(v)
     zs = torch.stack(zs)  # [T + 1, B, *D]
     return Trajectory(zs[:-1], zs[1:], t, t_next, torch.stack(log_probs), torch.stack(vs), noise_level)
 
@@ -212,8 +211,7 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
     v_ab = velocity_fn(z[[0, -1]], t[[0, -1]])  # the double batch [z_a; z_b], with graph: [2, B, *D]
     v = torch.cat([v_ab[:1].detach(), v_mid.to(v_ab.dtype), v_ab[1:].detach()])  # [W, B, *D], no graph
     # G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k, with each g_k from the loss alone
-    G_a = torch.zeros(v.shape[1:], dtype=acc, device=z.device)  # [B, *D]
-    G_b = torch.zeros_like(G_a)  # [B, *D]
+    G_a, G_b = torch.zeros((2, *v.shape[1:]), dtype=acc, device=z.device)  # [B, *D] each
     total = 0.0  # the summed loss
     for i in range(W):  # step k = a + i
         v_k = v[i].detach().requires_grad_(True)  # [B, *D], a leaf: the loss's gradient, not the net's
@@ -303,8 +301,7 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
                      ref_velocity_fn=None):
     """paper_gradients, clipped to norm 1 (Flow-GRPO's max_grad_norm), then an optimizer step."""
     optimizer.zero_grad(set_to_none=True)
-    stats, routed = paper_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac,
-                                    ref_velocity_fn)
+    stats, routed = paper_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
     optimizer.step()
@@ -327,6 +324,9 @@ def _self_check():
         net.zero_grad(set_to_none=True)
         backward(velocity_fn_of(net), *args)
         return torch.cat([p.grad.flatten() for p in net.parameters()])
+    def jagg_vs_exact(net, z, t, loss):  # net's gradients on one window: cosine, |JAGG - exact| / |exact|
+        e, j = (flat_grad(net, f, z, t, loss) for f in (backward_exact, backward_jagg_window))  # [P] each
+        return torch.cosine_similarity(e, j, dim=0).item(), ((j - e).norm() / e.norm()).item()
     # A. Section 6's exactness condition, and each part of it failing on its own. A made-up loss.
     linear = nn.Sequential(nn.Linear(D + 1, D + 1), nn.Linear(D + 1, D))  # v affine in (z, t)
     t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B], unevenly spaced
@@ -338,15 +338,13 @@ def _self_check():
     net = nn.Sequential(nn.Linear(D + 1, 32), nn.Tanh(), nn.Linear(32, D))  # J not affine in (z, t)
     def loss(i, v):
         return (w[i] * v).sum() + (v**2).sum()
-    def jagg_error(net, z):  # |JAGG - exact| / |exact| of net's gradient on the window z
-        exact = flat_grad(net, backward_exact, z, t, loss)
-        return ((flat_grad(net, backward_jagg_window, z, t, loss) - exact).norm() / exact.norm()).item()
-    errors = [jagg_error(linear, z) for z in (straight, evenly, bent)] + [jagg_error(net, straight)]
+    cases = [(linear, straight), (linear, evenly), (linear, bent), (net, straight)]  # (network, states)
+    errors = [jagg_vs_exact(model, z, t, loss)[1] for model, z in cases]
     assert errors[0] < 1e-12 and min(errors[1:]) > 1e-3
     print(f"A. |JAGG - exact| / |exact|, W = {W}, t = 0.9, 0.7, 0.5, 0.2: {errors[0]:.1e} with v\n"
           f"   affine in (z, t) and states on a segment where t puts them; {errors[1]:.1e} evenly by\n"
           f"   step on it; {errors[2]:.1e} when the states bend; {errors[3]:.1e} with a tanh network")
-    # B. The tanh network on its own rollouts; a sample's reward is -|sample|, in groups of 4.
+    # B. The tanh network on its own rollouts, reward -|sample|, groups of 4. A cosine ~1 can hide errors.
     cfg = LossConfig(noise_level=0.7, clip_range=0.2)
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # [B]
@@ -355,10 +353,7 @@ def _self_check():
     print(f"B. the tanh network on its own rollouts, T = {T}, W = {W}: windows {bounds} (start, stop)")
     for start, stop in bounds:
         z, v, t = traj.z[start:stop], traj.v[start:stop], traj.t[start:stop]  # [W, B, D] twice, [W, B]
-        step_loss = make_step_loss(traj, advantages, start, stop, cfg)
-        exact, jagg = (flat_grad(net, f, z, t, step_loss) for f in (backward_exact, backward_jagg_window))
-        cos = torch.cosine_similarity(exact, jagg, dim=0).item()
-        rel = ((jagg - exact).norm() / exact.norm()).item()  # a cosine near 1 can hide a large error
+        cos, rel = jagg_vs_exact(net, z, t, make_step_loss(traj, advantages, start, stop, cfg))
         assert cos > 0.9 and rel > 1e-3 if stop - start > 2 else abs(cos - 1) < 1e-12 and rel < 1e-12
         print(f"   steps {start}-{stop - 1}: routing score {linearity_score(v, t):.5f}; "
               f"JAGG vs exact: cosine {cos:.5f}, |JAGG - exact| / |exact| {rel:.1e}")
@@ -384,9 +379,8 @@ def _self_check():
     c = torch.randn(4, 2)[prompt_of]  # [B, 2], each sample's target point
     def prompted(net, c, interleave=False):  # velocity_fn of net, each sample's prompt c: [B, 2]
         def velocity_fn(z, t):  # z: [S, B, 2], t: [S, B], flattened step-major to S * B rows
-            S, n = t.shape
-            c_rows = c.repeat_interleave(S, dim=0) if interleave else c.repeat(S, 1)  # [S * B, 2]
-            x = torch.cat([z.reshape(S * n, 2), t.reshape(S * n, 1), c_rows], dim=-1)  # [S * B, 5]
+            c_rows = c.repeat_interleave(len(z), 0) if interleave else c.repeat(len(z), 1)  # [S * B, 2]
+            x = torch.cat([z.flatten(0, 1), t.reshape(-1, 1), c_rows], dim=-1)  # [S * B, 5]
             return net(x).reshape(z.shape)  # [S, B, 2]
         return velocity_fn
     rewards = {"exact": [], "JAGG": []}  # the mean reward of each epoch's rollout
