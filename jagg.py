@@ -9,12 +9,13 @@ Notation (code name -> symbol)
     W          window length: a window covers the steps a, a + 1, ..., b = a + W - 1, in code i = k - a
     z_k, t_k   the state before step k; its time t_k = sigma_k (1 = pure noise, 0 = clean sample)
     v_k        v_theta(z_k, t_k), the velocity the network predicts at step k
-    g_k        dL_k / dv_k, how step k's loss changes with v_k: cheap, the loss alone
-    J_k        dv_k / dtheta, how v_k changes with the weights: a backward pass through the network
+    g_k        dL_k / dv_k, how step k's loss changes with v_k; cheap, from the loss alone
+    J_k        dv_k / dtheta, how v_k changes with the weights; costs a backward pass through the network
     alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the first step a, 1 at the last step b
-Shapes: S a number of steps, *D one sample's shape, P the number of weights. A "row" is one step of the
-batch: B samples sent through the network together. Your model is velocity_fn(z [S, B, *D], t [S, B])
--> v [S, B, *D], t = sigma, v = dz/dsigma = noise - data (SD3's rectified flow); see "Your model".
+Shapes: S a number of steps, *D one sample's shape, P the number of weights. A row is one sample's
+network evaluation at one step, so a call on z [S, B, *D] evaluates S * B rows. Your model is
+velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], with t = sigma and v = dz/dsigma = noise - data
+(SD3's rectified flow); see "Your model".
 In the repository, the trainers call jagg_options.window_gradients, which is this file's window loop
 (paper_gradients) with options added and hands each window to backward_jagg_window or backward_exact.
 """
@@ -33,7 +34,7 @@ def _check_window(z, t):  # one window: z [W, B, *D] and t [W, B]
 # The flow ODE has no log-probability. An SDE with the same marginals makes each step a Gaussian
 # policy, z_{k+1} ~ N(mu_k, std_t^2 |dt|), and GRPO needs the ratio of such densities.
 def sigma_schedule(num_steps, shift=3.0):
-    """sigma_0 = 1 > ... > sigma_T = 0 [T+1], fp32 always: an even grid bent by SD3's shift to noise."""
+    """sigma_0 = 1 > ... > sigma_T = 0 [T+1], in fp32: an even grid, bent toward noise by SD3's shift."""
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
     return (shift * s / (1 + (shift - 1) * s)).float()  # [T+1]
 
@@ -182,18 +183,16 @@ def backward_exact(velocity_fn, z, t, step_loss):
 #     J_k ~= (1 - alpha_k) J_a + alpha_k J_b,    alpha_k = (t_a - t_k) / (t_a - t_b).
 # Put that in the sum and collect the terms of J_a and of J_b:
 #     grad ~= G_a^T J_a + G_b^T J_b,    G_a = sum_k (1 - alpha_k) g_k,    G_b = sum_k alpha_k g_k.
-# That is the gradient of sum(v_a * G_a) + sum(v_b * G_b) with G_a, G_b held fixed: ONE forward with
-# graph on the double batch [z_a; z_b], then ONE backward pass. Only the Jacobians are approximated:
-# each g_k (its step's ratio and clip) uses the step's true velocity at the current weights, from a
-# forward without graph at the interior steps (OURS: the abstract does not say where g_k's v comes from).
-# We recompute them, although traj.v holds them on a rollout's first minibatch: each update moves them.
+# That is the gradient of sum(v_a * G_a) + sum(v_b * G_b) with G_a and G_b held fixed. So JAGG runs ONE
+# forward with graph on the double batch [z_a; z_b], then ONE backward pass. Only the Jacobians are
+# approximated. Each g_k (its step's ratio and clip) uses v_k at the current weights, from a forward
+# without graph at the interior steps (OURS: the abstract is silent; traj.v goes stale as weights move).
 # When is it exact? OURS: the abstract says "velocity linear in (z, t)"; we need more. In two lines:
 #    v = A z + c t + e (A, c, e any functions of theta)  =>  J = A'z + c't + e' (' = d/dtheta), affine;
 #    so J_k = (1 - alpha_k) J_a + alpha_k J_b if (z_k, t_k) = (1 - alpha_k)(z_a, t_a) + alpha_k(z_b, t_b)
-# t_k holds by alpha's definition; z_k must lie on the straight segment from z_a to z_b, at the point
-# alpha_k that t sets. A sampler's states do not: even a noise-free Euler path bends where v changes
-# with z, and the SDE's noise bends it more. Self-check A breaks each condition alone. It does not show
-# that weights in t beat weights by step on real rollouts, whose states lie on no straight line.
+# t_k holds by alpha's definition. z_k must lie on the segment from z_a to z_b, where t puts it, and a
+# sampler's states do not: even a noise-free Euler path bends where v changes with z. Self-check A breaks
+# each condition alone; it cannot show that weights in t beat weights by step on real rollouts.
 def interpolation_weights(t):
     """alpha_k = (t_a - t_k) / (t_a - t_b) of a window's times t [W, B]: [W, B], 0 at a, 1 at b."""
     span = t[0] - t[-1]  # [B]
@@ -224,10 +223,11 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
     (v_ab[0] * G_a.to(v_ab.dtype) + v_ab[1] * G_b.to(v_ab.dtype)).sum().backward()
     return total
 
-# Cost per window. Exact: W rows with grad in W backward passes. JAGG: 2 rows with grad in one pass,
-# and W - 2 rows without graph. OURS: we read the abstract's ~2x as backward work, in rows with grad:
-# W -> 2. For all the work we ASSUME a row with grad costs 3 forward-units (a backward is about two
-# forwards: nearer one with LoRA, more with checkpointing) and a row without graph 1: 3W -> W + 4.
+# Cost per window, counted per trajectory. Exact: W rows with grad (a graph kept, then a backward) in W
+# backward passes. JAGG: 2 rows with grad in one backward pass, and W - 2 rows without graph. The paper's
+# ~2x counts only these costly rows with grad: W -> 2 (OURS: our reading). Counting all the work, JAGG
+# saves less: if a backward costs two forwards (ASSUMED; nearer one with LoRA), a window costs 3W -> W + 4
+# forwards. Over self-check C's 10 steps, rows with grad fall x1.67 but forwards only x1.36.
 # Memory: the double batch holds two rows' graphs at once (exact: one) for one bigger, faster pass.
 # Separate forwards keep exact's peak: G_a needs no g_b (its weight 1 - alpha_b is 0), so back-propagate
 # sum(v_a * G_a) before z_b's forward, at the price of two smaller backward passes instead of one.
@@ -235,7 +235,7 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # === Your model: what velocity_fn must promise ===
 # The rollout calls velocity_fn one step at a time, JAGG on several steps at once: both must give the
 # same v up to rounding, or the first optimizer step after a rollout (on-policy, approx_kl ~0) sees
-# ratios away from 1. z [S, B, *D] flattens step-major (row s * B + n is sample n at step s): repeat
+# ratios away from 1. z [S, B, *D] flattens step-major (index s * B + n is sample n at step s): repeat
 # conditioning as a block, c.repeat(S), never c.repeat_interleave(S) (self-check D). No dropout. Pick
 # the network or expert (Wan 2.2 has two) per row from t; no window may straddle an expert switch (J_a
 # and J_b would be different networks'). With classifier-free guidance, each row costs two passes.
@@ -245,8 +245,8 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # The abstract routes by "a cosine-similarity rule" with a knob jagg_frac. OURS: the score and the rule.
 # The score is the cosine of the interior velocities with the straight line between the end steps'. It
 # is free, since the rollout kept every v_k, but it sees v bend, not J: a hint, not JAGG's error (B).
-# The rule: jagg_frac is not a threshold (scores sit near 1, on a scale that differs by model) but the
-# share of windows of 3+ steps (2-step ones have no interior to save) that go to JAGG, best first. In
+# The rule sends the best-scoring share jagg_frac of the 3+ step windows (2-step ones have no interior to
+# save) to JAGG. A share, not a threshold: scores sit near 1, on scales that differ by model. In
 # self-check C, jagg_frac 0.5 sends round(0.5 x 2) = 1 window to JAGG, the higher-scoring 4-7.
 def window_bounds(num_steps, window):
     """Split T steps into windows of W: [(start, stop), ...], stop = b + 1; the last may be shorter."""
@@ -357,23 +357,21 @@ def _self_check():
         assert cos > 0.9 and rel > 1e-3 if stop - start > 2 else abs(cos - 1) < 1e-12 and rel < 1e-12
         print(f"   steps {start}-{stop - 1}: routing score {linearity_score(v, t):.5f}; "
               f"JAGG vs exact: cosine {cos:.5f}, |JAGG - exact| / |exact| {rel:.1e}")
-    # C. The whole batch at jagg_frac 0 (all exact), 1 and 0.5, counting the network's calls.
+    # C. The whole batch at jagg_frac 0 (all exact), 1 and 0.5, counting calls' rows per trajectory.
     expected = {0.0: ([False, False, False], 10, 10, 30), 1.0: ([True, True, False], 6, 4, 22),
-                0.5: ([False, True, False], 8, 7, 26)}  # windows to JAGG, rows with grad, passes, units
-    for frac, (want_routed, want_rows, want_passes, want_units) in expected.items():
+                0.5: ([False, True, False], 8, 7, 26)}  # windows to JAGG, rows with grad, passes, cost
+    for frac, want in expected.items():
         calls.clear()
         stats, routed = paper_gradients(velocity_fn_of(net), traj, advantages, cfg, W, frac)
         rows = [c["steps"] for c in calls if c["grad"]]  # each a forward with graph, then a backward
         no_graph = sum(c["steps"] for c in calls if not c["grad"])  # JAGG's interior steps
-        units = 3 * sum(rows) + no_graph
-        assert routed == want_routed and sum(rows) == stats["grad_rows"] == want_rows
-        assert len(rows) == want_passes and units == want_units
+        cost = 3 * sum(rows) + no_graph  # in forwards: a backward counts as two (section 6)
+        assert (routed, sum(rows), len(rows), cost) == want and stats["grad_rows"] == sum(rows)
         print(f"C. jagg_frac {frac}: windows to JAGG {routed}; {sum(rows)} rows with grad in\n"
-              f"   {len(rows)} backward passes, {no_graph} rows without graph: {units} forward-units")
-    stats_9, _ = paper_gradients(velocity_fn_of(net), traj.first_steps(9), advantages, cfg, W)
-    assert stats_9["grad_rows"] == 5
-    print(f"   Rows with grad (the abstract's unit): 10 -> 6; forward-units: 30 -> 22. On Flow-GRPO's\n"
-          f"   9 trained steps, windows {window_bounds(9, W)}: 9 -> {stats_9['grad_rows']}.")
+              f"   {len(rows)} backward passes, {no_graph} rows without graph: a cost of {cost} forwards")
+    rows_9 = paper_gradients(velocity_fn_of(net), traj.first_steps(9), advantages, cfg, W)[0]["grad_rows"]
+    assert rows_9 == 5
+    print(f"   Flow-GRPO's 9 trained steps, windows {window_bounds(9, W)}: 9 -> {rows_9} rows with grad.")
     # D. A tiny GRPO run. A prompt is a target point, the reward -|sample - target|.
     prompt_of = torch.arange(32) // 8  # [B], each sample's prompt: 4 prompts, 8 samples each
     c = torch.randn(4, 2)[prompt_of]  # [B, 2], each sample's target point
