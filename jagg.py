@@ -228,9 +228,9 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # ~2x counts only these costly rows with grad: W -> 2 (OURS: our reading). Counting all the work, JAGG
 # saves less: if a backward costs two forwards (ASSUMED; nearer one with LoRA), a window costs 3W -> W + 4
 # forwards. Over self-check C's 10 steps, rows with grad fall x1.67 but forwards only x1.36.
-# Memory: the double batch holds two rows' graphs at once (exact: one) for one bigger, faster pass.
-# Separate forwards keep exact's peak: G_a needs no g_b (its weight 1 - alpha_b is 0), so back-propagate
-# sum(v_a * G_a) before z_b's forward, at the price of two smaller backward passes instead of one.
+# Memory: the double batch keeps 2B rows' graphs at once (exact: B), for one bigger, faster pass. G_a
+# needs no g_b (weight 1 - alpha_b = 0), so back-propagating v_a's term before z_b's forward would keep
+# exact's peak and gradient in two smaller passes. Not done here; jagg_options' max_graph_rows=1 does it.
 
 # === Your model: what velocity_fn must promise ===
 # The rollout calls velocity_fn one step at a time, JAGG on several steps at once: both must give the
