@@ -13,9 +13,13 @@ Notation (code name -> symbol)
     J_k        dv_k / dtheta, how v_k changes with the weights; costs a backward pass through the network
     alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the first step a, 1 at the last step b
 Shapes: S a number of steps, *D one sample's shape, P the number of weights. A row is one sample's
-network evaluation at one step, so a call on z [S, B, *D] evaluates S * B rows. Your model is
-velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], with t = sigma and v = dz/dsigma = noise - data
-(SD3's rectified flow); see "Your model".
+network evaluation at one step, so a call on z [S, B, *D] evaluates S * B rows.
+Your model is velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], t = sigma, v = dz/dsigma = noise - data
+(SD3's rectified flow). One call on S steps (JAGG's) must give the v of S one-step calls (the rollout's)
+up to rounding, or the first update after a rollout sees ratios away from 1. z flattens step-major
+(index s * B + n is sample n at step s), so repeat conditioning as a block, c.repeat(S), never
+c.repeat_interleave(S) (self-check D). No dropout. Pick the network or expert (Wan 2.2 has two) per row
+from t; no window may straddle an expert switch. With classifier-free guidance a row costs two passes.
 In the repository, the trainers call jagg_options.window_gradients, which is this file's window loop
 (paper_gradients) with options added and hands each window to backward_jagg_window or backward_exact.
 """
@@ -231,14 +235,6 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # Memory: the double batch keeps 2B rows' graphs at once (exact: B), for one bigger, faster pass. G_a
 # needs no g_b (weight 1 - alpha_b = 0), so back-propagating v_a's term before z_b's forward would keep
 # exact's peak and gradient in two smaller passes. Not done here; jagg_options' max_graph_rows=1 does it.
-
-# === Your model: what velocity_fn must promise ===
-# The rollout calls velocity_fn one step at a time, JAGG on several steps at once: both must give the
-# same v up to rounding, or the first optimizer step after a rollout (on-policy, approx_kl ~0) sees
-# ratios away from 1. z [S, B, *D] flattens step-major (index s * B + n is sample n at step s): repeat
-# conditioning as a block, c.repeat(S), never c.repeat_interleave(S) (self-check D). No dropout. Pick
-# the network or expert (Wan 2.2 has two) per row from t; no window may straddle an expert switch (J_a
-# and J_b would be different networks'). With classifier-free guidance, each row costs two passes.
 
 # === 7. Routing: which windows are linear enough for JAGG ===
 # Windows tile the trained steps from the first; the last may be shorter (OURS, as is the default W = 4).
