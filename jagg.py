@@ -242,8 +242,8 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # The score is the cosine of the interior velocities with the straight line between the end steps'. It
 # is free, since the rollout kept every v_k, but it sees v bend, not J: a hint, not JAGG's error (B).
 # The rule sends the best-scoring share jagg_frac of the 3+ step windows (2-step ones have no interior to
-# save) to JAGG. A share, not a threshold: scores sit near 1, on scales that differ by model. In
-# self-check C, jagg_frac 0.5 sends round(0.5 x 2) = 1 window to JAGG, the higher-scoring 4-7.
+# save) to JAGG. A share, not a threshold: scores sit near 1, on scales that differ by model. round() is
+# Python's, halves to even (0.5 x 3 -> 2, 0.5 x 1 -> 0); self-check C: round(0.5 x 2) = 1 window, 4-7.
 def window_bounds(num_steps, window):
     """Split T steps into windows of W: [(start, stop), ...], stop = b + 1; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates two end steps), got {window}")
