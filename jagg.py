@@ -304,9 +304,14 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
     return stats, routed
 
 # === Run it: python jagg.py (a few seconds) prints what a learner should see; an assert checks each line
-def _self_check():
+def _self_check():  # parts A to D below, in float64; the caller's default dtype is restored after
+    dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # so that "exact" shows as ~1e-16, not fp32's ~1e-7
-    torch.set_num_threads(1)  # tiny tensors: threads would cost more than they save
+    try:
+        _self_check_parts()
+    finally:
+        torch.set_default_dtype(dtype)
+def _self_check_parts():
     torch.manual_seed(0)
     nn = torch.nn
     T, W, B, D = 10, 4, 16, 3  # steps, window, samples, dims of a sample
@@ -405,4 +410,5 @@ def _self_check():
     print("ok")
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # tiny tensors: threads would cost more than they save
     _self_check()
