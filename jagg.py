@@ -382,7 +382,7 @@ def _self_check_parts():
             x = torch.cat([z.flatten(0, 1), t.reshape(-1, 1), c_rows], dim=-1)  # [S * B, 5]
             return net(x).reshape(z.shape)  # [S, B, 2]
         return velocity_fn
-    rewards = {"exact": [], "JAGG": []}  # the mean reward of each epoch's rollout
+    rewards, rows, first = {"exact": [], "JAGG": []}, {"exact": 0, "JAGG": 0}, {}  # D prints them
     for name, frac in (("exact", 0.0), ("JAGG", 1.0)):
         torch.manual_seed(1)  # the same start for both
         net = nn.Sequential(nn.Linear(2 + 1 + 2, 32), nn.Tanh(), nn.Linear(32, 2))  # sees (z, t, prompt)
@@ -397,10 +397,16 @@ def _self_check_parts():
                 stats, _ = paper_train_step(prompted(net, c[idx]), optimizer, traj.subset(idx),
                                             advantages[idx], cfg, W, frac)  # c sliced with the same idx
                 assert stats["approx_kl"] < 1e-20 if n == 0 else stats["approx_kl"] > 1e-8
+                rows[name] += stats["grad_rows"]  # C checked it against the calls
+                first.setdefault(name, torch.cat([p.grad.flatten() for p in net.parameters()]))  # [P]
     print("D. a tiny GRPO run from one start, mean reward per epoch (a rollout, 2 half-batch steps):")
     for epoch, (exact, jagg) in enumerate(zip(rewards["exact"], rewards["JAGG"])):
         print(f"   epoch {epoch}: {exact:.3f} exact, {jagg:.3f} JAGG")
     assert min(r[-1] for r in rewards.values()) > max(r[0] for r in rewards.values()) + 0.5  # both learn
+    cos = torch.cosine_similarity(first["exact"], first["JAGG"], dim=0).item()  # same weights and batch
+    assert 0.9 < cos < 1 - 1e-6 and rows == {"exact": 200, "JAGG": 120}
+    print(f"   Rows with grad in the run: {rows['exact']} exact, {rows['JAGG']} JAGG. The first step's\n"
+          f"   gradients, from the same weights and batch, have cosine {cos:.5f}.")
     traj = rollout(prompted(net, c), torch.randn(32, 2), sigma_schedule(T), 0.7)  # "Your model"'s lesson
     right = paper_gradients(prompted(net, c), traj, torch.zeros(32), cfg, W)[0]["approx_kl"]
     wrong = paper_gradients(prompted(net, c, True), traj, torch.zeros(32), cfg, W)[0]["approx_kl"]

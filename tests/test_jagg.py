@@ -1126,8 +1126,9 @@ def test_python_jagg_py_runs_its_self_check():
     score beside its gradient cosine; routing at jagg_frac 0, 1 and 0.5 (the 2-step window never takes
     JAGG's share) with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps) and
     in forwards (30 -> 22); a tiny GRPO run, exact beside JAGG, whose rewards rise (the script also asserts that
-    every first step after a rollout is on-policy, approx_kl ~0, and the second not); and the step-major
-    lesson right after a rollout: c.repeat(S) on-policy, c.repeat_interleave(S) not."""
+    every first step after a rollout is on-policy, approx_kl ~0, and the second not), with the rows with grad
+    each used and the cosine of their first gradients; and the step-major lesson right after a rollout:
+    c.repeat(S) on-policy, c.repeat_interleave(S) not."""
     import re
     import subprocess
     import sys
@@ -1152,6 +1153,9 @@ def test_python_jagg_py_runs_its_self_check():
     epochs = [(float(e), float(j)) for e, j in re.findall(r"epoch \d+: (\S+) exact, (\S+) JAGG", out)]
     assert len(epochs) == 10, out
     assert min(epochs[-1]) > max(epochs[0]) + 0.5, out  # the reward rises, exact's and JAGG's
+    rows_exact, rows_jagg, cos = re.search(r"Rows with grad in the run: (\d+) exact, (\d+) JAGG\. The first step's\s+"
+                                           r"gradients, from the same weights and batch, have cosine (\S+)\.", out).groups()
+    assert (int(rows_exact), int(rows_jagg)) == (200, 120) and 0.9 < float(cos) < 1 - 1e-6, out
     right, wrong = (float(x) for x in re.search(
         r"approx_kl (\S+) with c.repeat\(S\) \(on-policy\) and\s+(\S+) with c.repeat_interleave\(S\)", out).groups())
     assert right < 1e-20 and wrong > 1e-3 and out.strip().endswith("ok"), out
