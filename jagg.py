@@ -9,12 +9,17 @@ Notation (code name -> symbol)
     W          window length: a window covers the steps a, a + 1, ..., b = a + W - 1, in code i = k - a
     z_k, t_k   the state before step k; its time t_k = sigma_k (1 = pure noise, 0 = clean sample)
     v_k        v_theta(z_k, t_k), the velocity the network predicts at step k
-    g_k        dL_k / dv_k, how step k's loss changes with v_k: cheap, the loss alone
-    J_k        dv_k / dtheta, how v_k changes with the weights: a backward pass through the network
+    g_k        dL_k / dv_k, how step k's loss changes with v_k; cheap, from the loss alone
+    J_k        dv_k / dtheta, how v_k changes with the weights; costs a backward pass through the network
     alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the first step a, 1 at the last step b
-Shapes: S a number of steps, *D one sample's shape, P the number of weights. A "row" is one step of the
-batch: B samples sent through the network together. Your model is velocity_fn(z [S, B, *D], t [S, B])
--> v [S, B, *D], t = sigma, v = dz/dsigma = noise - data (SD3's rectified flow); see "Your model".
+Shapes: S a number of steps, *D one sample's shape, P the number of weights. A row is one sample's
+network evaluation at one step, so a call on z [S, B, *D] evaluates S * B rows.
+Your model is velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], t = sigma, v = dz/dsigma = noise - data
+(SD3's rectified flow). One call on S steps (JAGG's) must give the v of S one-step calls (the rollout's)
+up to rounding, or the first update after a rollout sees ratios away from 1. z flattens step-major
+(index s * B + n is sample n at step s), so repeat conditioning as a block, c.repeat(S), never
+c.repeat_interleave(S) (self-check D). No dropout. Pick the network or expert (Wan 2.2 has two) per row
+from t; no window may straddle an expert switch. With classifier-free guidance a row costs two passes.
 In the repository, the trainers call jagg_options.window_gradients, which is this file's window loop
 (paper_gradients) with options added and hands each window to backward_jagg_window or backward_exact.
 """
@@ -33,7 +38,7 @@ def _check_window(z, t):  # one window: z [W, B, *D] and t [W, B]
 # The flow ODE has no log-probability. An SDE with the same marginals makes each step a Gaussian
 # policy, z_{k+1} ~ N(mu_k, std_t^2 |dt|), and GRPO needs the ratio of such densities.
 def sigma_schedule(num_steps, shift=3.0):
-    """sigma_0 = 1 > ... > sigma_T = 0 [T+1], fp32 always: an even grid bent by SD3's shift to noise."""
+    """sigma_0 = 1 > ... > sigma_T = 0 [T+1], in fp32: an even grid, bent toward noise by SD3's shift."""
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
     return (shift * s / (1 + (shift - 1) * s)).float()  # [T+1]
 
@@ -99,11 +104,10 @@ def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
     t_next = sigmas[1:, None].expand(T, B).to(noise.device).contiguous()  # [T, B]
     zs, log_probs, vs = [noise], [], []  # v is kept: routing scores windows by it (section 7)
     for k in range(T):
-        v = velocity_fn(zs[k][None], t[k : k + 1])[0]  # one step, S = 1: [B, *D]
-        z_next, log_prob, _, _ = sde_step(v, zs[k], t[k], t_next[k], noise_level, generator=generator)
+        vs.append(velocity_fn(zs[k][None], t[k : k + 1])[0])  # one step, S = 1: [B, *D]
+        z_next, log_prob, _, _ = sde_step(vs[k], zs[k], t[k], t_next[k], noise_level, generator=generator)
         zs.append(z_next)
         log_probs.append(log_prob)
-        vs.append(v)
     zs = torch.stack(zs)  # [T + 1, B, *D]
     return Trajectory(zs[:-1], zs[1:], t, t_next, torch.stack(log_probs), torch.stack(vs), noise_level)
 
@@ -183,18 +187,16 @@ def backward_exact(velocity_fn, z, t, step_loss):
 #     J_k ~= (1 - alpha_k) J_a + alpha_k J_b,    alpha_k = (t_a - t_k) / (t_a - t_b).
 # Put that in the sum and collect the terms of J_a and of J_b:
 #     grad ~= G_a^T J_a + G_b^T J_b,    G_a = sum_k (1 - alpha_k) g_k,    G_b = sum_k alpha_k g_k.
-# That is the gradient of sum(v_a * G_a) + sum(v_b * G_b) with G_a, G_b held fixed: ONE forward with
-# graph on the double batch [z_a; z_b], then ONE backward pass. Only the Jacobians are approximated:
-# each g_k (its step's ratio and clip) uses the step's true velocity at the current weights, from a
-# forward without graph at the interior steps (OURS: the abstract does not say where g_k's v comes from).
-# We recompute them, although traj.v holds them on a rollout's first minibatch: each update moves them.
+# That is the gradient of sum(v_a * G_a) + sum(v_b * G_b) with G_a and G_b held fixed. So JAGG runs ONE
+# forward with graph on the double batch [z_a; z_b], then ONE backward pass. Only the Jacobians are
+# approximated. Each g_k (its step's ratio and clip) uses v_k at the current weights, from a forward
+# without graph at the interior steps (OURS: the abstract is silent; traj.v goes stale as weights move).
 # When is it exact? OURS: the abstract says "velocity linear in (z, t)"; we need more. In two lines:
 #    v = A z + c t + e (A, c, e any functions of theta)  =>  J = A'z + c't + e' (' = d/dtheta), affine;
 #    so J_k = (1 - alpha_k) J_a + alpha_k J_b if (z_k, t_k) = (1 - alpha_k)(z_a, t_a) + alpha_k(z_b, t_b)
-# t_k holds by alpha's definition; z_k must lie on the straight segment from z_a to z_b, at the point
-# alpha_k that t sets. A sampler's states do not: even a noise-free Euler path bends where v changes
-# with z, and the SDE's noise bends it more. Self-check A breaks each condition alone. It does not show
-# that weights in t beat weights by step on real rollouts, whose states lie on no straight line.
+# t_k holds by alpha's definition. z_k must lie on the segment from z_a to z_b, where t puts it, and a
+# sampler's states do not: even a noise-free Euler path bends where v changes with z. Self-check A breaks
+# each condition alone; it cannot show that weights in t beat weights by step on real rollouts.
 def interpolation_weights(t):
     """alpha_k = (t_a - t_k) / (t_a - t_b) of a window's times t [W, B]: [W, B], 0 at a, 1 at b."""
     span = t[0] - t[-1]  # [B]
@@ -212,8 +214,7 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
     v_ab = velocity_fn(z[[0, -1]], t[[0, -1]])  # the double batch [z_a; z_b], with graph: [2, B, *D]
     v = torch.cat([v_ab[:1].detach(), v_mid.to(v_ab.dtype), v_ab[1:].detach()])  # [W, B, *D], no graph
     # G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k, with each g_k from the loss alone
-    G_a = torch.zeros(v.shape[1:], dtype=acc, device=z.device)  # [B, *D]
-    G_b = torch.zeros_like(G_a)  # [B, *D]
+    G_a, G_b = torch.zeros((2, *v.shape[1:]), dtype=acc, device=z.device)  # [B, *D] each
     total = 0.0  # the summed loss
     for i in range(W):  # step k = a + i
         v_k = v[i].detach().requires_grad_(True)  # [B, *D], a leaf: the loss's gradient, not the net's
@@ -226,30 +227,23 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
     (v_ab[0] * G_a.to(v_ab.dtype) + v_ab[1] * G_b.to(v_ab.dtype)).sum().backward()
     return total
 
-# Cost per window. Exact: W rows with grad in W backward passes. JAGG: 2 rows with grad in one pass,
-# and W - 2 rows without graph. OURS: we read the abstract's ~2x as backward work, in rows with grad:
-# W -> 2. For all the work we ASSUME a row with grad costs 3 forward-units (a backward is about two
-# forwards: nearer one with LoRA, more with checkpointing) and a row without graph 1: 3W -> W + 4.
-# Memory: the double batch holds two rows' graphs at once (exact: one) for one bigger, faster pass.
-# Separate forwards keep exact's peak: G_a needs no g_b (its weight 1 - alpha_b is 0), so back-propagate
-# sum(v_a * G_a) before z_b's forward, at the price of two smaller backward passes instead of one.
-
-# === Your model: what velocity_fn must promise ===
-# The rollout calls velocity_fn one step at a time, JAGG on several steps at once: both must give the
-# same v up to rounding, or the first optimizer step after a rollout (on-policy, approx_kl ~0) sees
-# ratios away from 1. z [S, B, *D] flattens step-major (row s * B + n is sample n at step s): repeat
-# conditioning as a block, c.repeat(S), never c.repeat_interleave(S) (self-check D). No dropout. Pick
-# the network or expert (Wan 2.2 has two) per row from t; no window may straddle an expert switch (J_a
-# and J_b would be different networks'). With classifier-free guidance, each row costs two passes.
+# Cost per window, counted per trajectory. Exact: W rows with grad (a graph kept, then a backward) in W
+# backward passes. JAGG: 2 rows with grad in one backward pass, and W - 2 rows without graph. The paper's
+# ~2x counts only these costly rows with grad: W -> 2 (OURS: our reading). Counting all the work, JAGG
+# saves less: if a backward costs two forwards (ASSUMED; nearer one with LoRA), a window costs 3W -> W + 4
+# forwards. Over self-check C's 10 steps, rows with grad fall x1.67 but forwards only x1.36.
+# Memory: the double batch keeps 2B rows' graphs at once (exact: B), for one bigger, faster pass. G_a
+# needs no g_b (weight 1 - alpha_b = 0), so back-propagating v_a's term before z_b's forward would keep
+# exact's peak and gradient in two smaller passes. Not done here; jagg_options' max_graph_rows=1 does it.
 
 # === 7. Routing: which windows are linear enough for JAGG ===
 # Windows tile the trained steps from the first; the last may be shorter (OURS, as is the default W = 4).
 # The abstract routes by "a cosine-similarity rule" with a knob jagg_frac. OURS: the score and the rule.
 # The score is the cosine of the interior velocities with the straight line between the end steps'. It
 # is free, since the rollout kept every v_k, but it sees v bend, not J: a hint, not JAGG's error (B).
-# The rule: jagg_frac is not a threshold (scores sit near 1, on a scale that differs by model) but the
-# share of windows of 3+ steps (2-step ones have no interior to save) that go to JAGG, best first. In
-# self-check C, jagg_frac 0.5 sends round(0.5 x 2) = 1 window to JAGG, the higher-scoring 4-7.
+# The rule sends the best-scoring share jagg_frac of the 3+ step windows (2-step ones have no interior to
+# save) to JAGG. A share, not a threshold: scores sit near 1, on scales that differ by model. round() is
+# Python's, halves to even (0.5 x 3 -> 2, 0.5 x 1 -> 0); self-check C: round(0.5 x 2) = 1 window, 4-7.
 def window_bounds(num_steps, window):
     """Split T steps into windows of W: [(start, stop), ...], stop = b + 1; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates two end steps), got {window}")
@@ -303,17 +297,21 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
                      ref_velocity_fn=None):
     """paper_gradients, clipped to norm 1 (Flow-GRPO's max_grad_norm), then an optimizer step."""
     optimizer.zero_grad(set_to_none=True)
-    stats, routed = paper_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac,
-                                    ref_velocity_fn)
+    stats, routed = paper_gradients(velocity_fn, traj, advantages, cfg, window, jagg_frac, ref_velocity_fn)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
     optimizer.step()
     return stats, routed
 
 # === Run it: python jagg.py (a few seconds) prints what a learner should see; an assert checks each line
-def _self_check():
+def _self_check():  # parts A to D below, in float64; the caller's default dtype is restored after
+    dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # so that "exact" shows as ~1e-16, not fp32's ~1e-7
-    torch.set_num_threads(1)  # tiny tensors: threads would cost more than they save
+    try:
+        _self_check_parts()
+    finally:
+        torch.set_default_dtype(dtype)
+def _self_check_parts():
     torch.manual_seed(0)
     nn = torch.nn
     T, W, B, D = 10, 4, 16, 3  # steps, window, samples, dims of a sample
@@ -327,6 +325,9 @@ def _self_check():
         net.zero_grad(set_to_none=True)
         backward(velocity_fn_of(net), *args)
         return torch.cat([p.grad.flatten() for p in net.parameters()])
+    def jagg_vs_exact(net, z, t, loss):  # net's gradients on one window: cosine, |JAGG - exact| / |exact|
+        e, j = (flat_grad(net, f, z, t, loss) for f in (backward_exact, backward_jagg_window))  # [P] each
+        return torch.cosine_similarity(e, j, dim=0).item(), ((j - e).norm() / e.norm()).item()
     # A. Section 6's exactness condition, and each part of it failing on its own. A made-up loss.
     linear = nn.Sequential(nn.Linear(D + 1, D + 1), nn.Linear(D + 1, D))  # v affine in (z, t)
     t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B], unevenly spaced
@@ -338,15 +339,13 @@ def _self_check():
     net = nn.Sequential(nn.Linear(D + 1, 32), nn.Tanh(), nn.Linear(32, D))  # J not affine in (z, t)
     def loss(i, v):
         return (w[i] * v).sum() + (v**2).sum()
-    def jagg_error(net, z):  # |JAGG - exact| / |exact| of net's gradient on the window z
-        exact = flat_grad(net, backward_exact, z, t, loss)
-        return ((flat_grad(net, backward_jagg_window, z, t, loss) - exact).norm() / exact.norm()).item()
-    errors = [jagg_error(linear, z) for z in (straight, evenly, bent)] + [jagg_error(net, straight)]
+    cases = [(linear, straight), (linear, evenly), (linear, bent), (net, straight)]  # (network, states)
+    errors = [jagg_vs_exact(model, z, t, loss)[1] for model, z in cases]
     assert errors[0] < 1e-12 and min(errors[1:]) > 1e-3
     print(f"A. |JAGG - exact| / |exact|, W = {W}, t = 0.9, 0.7, 0.5, 0.2: {errors[0]:.1e} with v\n"
           f"   affine in (z, t) and states on a segment where t puts them; {errors[1]:.1e} evenly by\n"
           f"   step on it; {errors[2]:.1e} when the states bend; {errors[3]:.1e} with a tanh network")
-    # B. The tanh network on its own rollouts; a sample's reward is -|sample|, in groups of 4.
+    # B. The tanh network on its own rollouts, reward -|sample|, groups of 4. A cosine ~1 can hide errors.
     cfg = LossConfig(noise_level=0.7, clip_range=0.2)
     traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # [B]
@@ -355,41 +354,35 @@ def _self_check():
     print(f"B. the tanh network on its own rollouts, T = {T}, W = {W}: windows {bounds} (start, stop)")
     for start, stop in bounds:
         z, v, t = traj.z[start:stop], traj.v[start:stop], traj.t[start:stop]  # [W, B, D] twice, [W, B]
-        step_loss = make_step_loss(traj, advantages, start, stop, cfg)
-        exact, jagg = (flat_grad(net, f, z, t, step_loss) for f in (backward_exact, backward_jagg_window))
-        cos = torch.cosine_similarity(exact, jagg, dim=0).item()
-        rel = ((jagg - exact).norm() / exact.norm()).item()  # a cosine near 1 can hide a large error
+        cos, rel = jagg_vs_exact(net, z, t, make_step_loss(traj, advantages, start, stop, cfg))
         assert cos > 0.9 and rel > 1e-3 if stop - start > 2 else abs(cos - 1) < 1e-12 and rel < 1e-12
         print(f"   steps {start}-{stop - 1}: routing score {linearity_score(v, t):.5f}; "
               f"JAGG vs exact: cosine {cos:.5f}, |JAGG - exact| / |exact| {rel:.1e}")
-    # C. The whole batch at jagg_frac 0 (all exact), 1 and 0.5, counting the network's calls.
+    # C. The whole batch at jagg_frac 0 (all exact), 1 and 0.5, counting calls' rows per trajectory.
     expected = {0.0: ([False, False, False], 10, 10, 30), 1.0: ([True, True, False], 6, 4, 22),
-                0.5: ([False, True, False], 8, 7, 26)}  # windows to JAGG, rows with grad, passes, units
-    for frac, (want_routed, want_rows, want_passes, want_units) in expected.items():
+                0.5: ([False, True, False], 8, 7, 26)}  # windows to JAGG, rows with grad, passes, cost
+    for frac, want in expected.items():
         calls.clear()
         stats, routed = paper_gradients(velocity_fn_of(net), traj, advantages, cfg, W, frac)
         rows = [c["steps"] for c in calls if c["grad"]]  # each a forward with graph, then a backward
         no_graph = sum(c["steps"] for c in calls if not c["grad"])  # JAGG's interior steps
-        units = 3 * sum(rows) + no_graph
-        assert routed == want_routed and sum(rows) == stats["grad_rows"] == want_rows
-        assert len(rows) == want_passes and units == want_units
+        cost = 3 * sum(rows) + no_graph  # in forwards: a backward counts as two (section 6)
+        assert (routed, sum(rows), len(rows), cost) == want and stats["grad_rows"] == sum(rows)
         print(f"C. jagg_frac {frac}: windows to JAGG {routed}; {sum(rows)} rows with grad in\n"
-              f"   {len(rows)} backward passes, {no_graph} rows without graph: {units} forward-units")
-    stats_9, _ = paper_gradients(velocity_fn_of(net), traj.first_steps(9), advantages, cfg, W)
-    assert stats_9["grad_rows"] == 5
-    print(f"   Rows with grad (the abstract's unit): 10 -> 6; forward-units: 30 -> 22. On Flow-GRPO's\n"
-          f"   9 trained steps, windows {window_bounds(9, W)}: 9 -> {stats_9['grad_rows']}.")
+              f"   {len(rows)} backward passes, {no_graph} rows without graph: a cost of {cost} forwards")
+    rows_9 = paper_gradients(velocity_fn_of(net), traj.first_steps(9), advantages, cfg, W)[0]["grad_rows"]
+    assert rows_9 == 5
+    print(f"   Flow-GRPO's 9 trained steps, windows {window_bounds(9, W)}: 9 -> {rows_9} rows with grad.")
     # D. A tiny GRPO run. A prompt is a target point, the reward -|sample - target|.
     prompt_of = torch.arange(32) // 8  # [B], each sample's prompt: 4 prompts, 8 samples each
     c = torch.randn(4, 2)[prompt_of]  # [B, 2], each sample's target point
     def prompted(net, c, interleave=False):  # velocity_fn of net, each sample's prompt c: [B, 2]
         def velocity_fn(z, t):  # z: [S, B, 2], t: [S, B], flattened step-major to S * B rows
-            S, n = t.shape
-            c_rows = c.repeat_interleave(S, dim=0) if interleave else c.repeat(S, 1)  # [S * B, 2]
-            x = torch.cat([z.reshape(S * n, 2), t.reshape(S * n, 1), c_rows], dim=-1)  # [S * B, 5]
+            c_rows = c.repeat_interleave(len(z), 0) if interleave else c.repeat(len(z), 1)  # [S * B, 2]
+            x = torch.cat([z.flatten(0, 1), t.reshape(-1, 1), c_rows], dim=-1)  # [S * B, 5]
             return net(x).reshape(z.shape)  # [S, B, 2]
         return velocity_fn
-    rewards = {"exact": [], "JAGG": []}  # the mean reward of each epoch's rollout
+    rewards, rows, first = {"exact": [], "JAGG": []}, {"exact": 0, "JAGG": 0}, {}  # D prints them
     for name, frac in (("exact", 0.0), ("JAGG", 1.0)):
         torch.manual_seed(1)  # the same start for both
         net = nn.Sequential(nn.Linear(2 + 1 + 2, 32), nn.Tanh(), nn.Linear(32, 2))  # sees (z, t, prompt)
@@ -404,10 +397,16 @@ def _self_check():
                 stats, _ = paper_train_step(prompted(net, c[idx]), optimizer, traj.subset(idx),
                                             advantages[idx], cfg, W, frac)  # c sliced with the same idx
                 assert stats["approx_kl"] < 1e-20 if n == 0 else stats["approx_kl"] > 1e-8
+                rows[name] += stats["grad_rows"]  # C checked it against the calls
+                first.setdefault(name, torch.cat([p.grad.flatten() for p in net.parameters()]))  # [P]
     print("D. a tiny GRPO run from one start, mean reward per epoch (a rollout, 2 half-batch steps):")
     for epoch, (exact, jagg) in enumerate(zip(rewards["exact"], rewards["JAGG"])):
         print(f"   epoch {epoch}: {exact:.3f} exact, {jagg:.3f} JAGG")
     assert min(r[-1] for r in rewards.values()) > max(r[0] for r in rewards.values()) + 0.5  # both learn
+    cos = torch.cosine_similarity(first["exact"], first["JAGG"], dim=0).item()  # same weights and batch
+    assert 0.9 < cos < 1 - 1e-6 and rows == {"exact": 200, "JAGG": 120}
+    print(f"   Rows with grad in the run: {rows['exact']} exact, {rows['JAGG']} JAGG. The first step's\n"
+          f"   gradients, from the same weights and batch, have cosine {cos:.5f}.")
     traj = rollout(prompted(net, c), torch.randn(32, 2), sigma_schedule(T), 0.7)  # "Your model"'s lesson
     right = paper_gradients(prompted(net, c), traj, torch.zeros(32), cfg, W)[0]["approx_kl"]
     wrong = paper_gradients(prompted(net, c, True), traj, torch.zeros(32), cfg, W)[0]["approx_kl"]
@@ -417,4 +416,5 @@ def _self_check():
     print("ok")
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # tiny tensors: threads would cost more than they save
     _self_check()

@@ -1126,9 +1126,10 @@ def test_python_jagg_py_runs_its_self_check():
     puts them, and not when they sit evenly by step, bend, or the network is a tanh; each window's routing
     score beside its gradient cosine; routing at jagg_frac 0, 1 and 0.5 (the 2-step window never takes
     JAGG's share) with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps) and
-    in forward-units; a tiny GRPO run, exact beside JAGG, whose rewards rise (the script also asserts that
-    every first step after a rollout is on-policy, approx_kl ~0, and the second not); and the step-major
-    lesson right after a rollout: c.repeat(S) on-policy, c.repeat_interleave(S) not."""
+    in forwards (30 -> 22); a tiny GRPO run, exact beside JAGG, whose rewards rise (the script also asserts that
+    every first step after a rollout is on-policy, approx_kl ~0, and the second not), with the rows with grad
+    each used and the cosine of their first gradients; and the step-major lesson right after a rollout:
+    c.repeat(S) on-policy, c.repeat_interleave(S) not."""
     import re
     import subprocess
     import sys
@@ -1139,8 +1140,8 @@ def test_python_jagg_py_runs_its_self_check():
         r"W = 4, t = 0.9, 0.7, 0.5, 0.2: (\S+) with v\s+affine in \(z, t\) and states on a segment where t puts "
         r"them; (\S+) evenly by\s+step on it; (\S+) when the states bend; (\S+) with a tanh network", out).groups())
     assert evenly > 1e-3 and bent > 1e-3 and curved > 1e-3, out  # either condition broken: JAGG is no longer exact
-    units = [int(u) for u in re.findall(r"(\d+) forward-units", out)]
-    assert units == [30, 22, 26], out  # 3 per row with grad, 1 per row without: exact 30, JAGG 22
+    costs = [int(u) for u in re.findall(r"a cost of (\d+) forwards", out)]
+    assert costs == [30, 22, 26], out  # 3 per row with grad, 1 per row without: exact 30, JAGG 22
     windows = [(float(s), float(c), float(e)) for s, c, e in re.findall(
         r"routing score (\S+); JAGG vs exact: cosine (\S+), \|JAGG - exact\| / \|exact\| (\S+)$", out, re.M)]
     passes = [(int(p), int(r)) for r, p in re.findall(r"(\d+) rows with grad in\s+(\d+) backward passes", out)]
@@ -1149,11 +1150,13 @@ def test_python_jagg_py_runs_its_self_check():
     assert all(0.5 < c < 1 - 1e-6 and e > 1e-3 for _, c, e in windows[:2]), out  # a cosine near 1, an error not small
     assert passes == [(10, 10), (4, 6), (7, 8)], out
     assert routed == ["[False, False, False]", "[True, True, False]", "[False, True, False]"], out
-    assert "Rows with grad (the abstract's unit): 10 -> 6; forward-units: 30 -> 22." in out, out
-    assert re.search(r"On Flow-GRPO's\s+9 trained steps, windows \[\(0, 4\), \(4, 8\), \(8, 9\)\]: 9 -> 5\.", out), out
+    assert re.search(r"Flow-GRPO's\s+9 trained steps, windows \[\(0, 4\), \(4, 8\), \(8, 9\)\]: 9 -> 5 rows", out), out
     epochs = [(float(e), float(j)) for e, j in re.findall(r"epoch \d+: (\S+) exact, (\S+) JAGG", out)]
     assert len(epochs) == 10, out
     assert min(epochs[-1]) > max(epochs[0]) + 0.5, out  # the reward rises, exact's and JAGG's
+    rows_exact, rows_jagg, cos = re.search(r"Rows with grad in the run: (\d+) exact, (\d+) JAGG\. The first step's\s+"
+                                           r"gradients, from the same weights and batch, have cosine (\S+)\.", out).groups()
+    assert (int(rows_exact), int(rows_jagg)) == (200, 120) and 0.9 < float(cos) < 1 - 1e-6, out
     right, wrong = (float(x) for x in re.search(
         r"approx_kl (\S+) with c.repeat\(S\) \(on-policy\) and\s+(\S+) with c.repeat_interleave\(S\)", out).groups())
     assert right < 1e-20 and wrong > 1e-3 and out.strip().endswith("ok"), out
