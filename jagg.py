@@ -1,8 +1,8 @@
 """JAGG: GRPO for flow-matching transformers that back-propagates 2 steps of each window of W, not W.
 
-This file holds the paper alone and reads from top to bottom. It implements JAGG (Jacobian-Aggregated
-Group Gradient, arXiv 2607.17572, 2026) on Flow-GRPO's SDE sampler and loss (Liu et al., arXiv
-2505.05470). OURS marks each choice that the abstract leaves open or that we make differently.
+This file is a reference implementation of one paper, meant to be read from top to bottom: JAGG
+(Jacobian-Aggregated Group Gradient, arXiv 2607.17572, 2026), built on Flow-GRPO's SDE sampler and loss
+(Liu et al., arXiv 2505.05470). Comments marked OURS are choices that the paper's abstract leaves open.
 
 Notation (code name -> symbol)
     T, B       number of sampling steps; number of samples in the batch
@@ -12,16 +12,11 @@ Notation (code name -> symbol)
     g_k        dL_k / dv_k, how step k's loss changes with v_k; cheap, from the loss alone
     J_k        dv_k / dtheta, how v_k changes with the weights; costs a backward pass through the network
     alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the first step a, 1 at the last step b
+    G_a, G_b   sum_k (1 - alpha_k) g_k and sum_k alpha_k g_k: a window's loss signal, gathered at a and b
 Shapes: S a number of steps, *D one sample's shape, P the number of weights. A row is one sample's
 network evaluation at one step, so a call on z [S, B, *D] evaluates S * B rows.
-Your model is velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], t = sigma, v = dz/dsigma = noise - data
-(SD3's rectified flow). One call on S steps (JAGG's) must give the v of S one-step calls (the rollout's)
-up to rounding, or the first update after a rollout sees ratios away from 1. z flattens step-major
-(index s * B + n is sample n at step s), so repeat conditioning as a block, c.repeat(S), never
-c.repeat_interleave(S) (self-check D). No dropout. Pick the network or expert (Wan 2.2 has two) per row
-from t; no window may straddle an expert switch. With classifier-free guidance a row costs two passes.
-In the repository, the trainers call jagg_options.window_gradients, which is this file's window loop
-(paper_gradients) with options added and hands each window to backward_jagg_window or backward_exact.
+The network enters only as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D] (section 9).
+Run it: `python jagg.py` (the self-check at the end, a few seconds); `python -m pytest -q tests/test_jagg.py`.
 """
 
 import math
@@ -232,9 +227,10 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # ~2x counts only these costly rows with grad: W -> 2 (OURS: our reading). Counting all the work, JAGG
 # saves less: if a backward costs two forwards (ASSUMED; nearer one with LoRA), a window costs 3W -> W + 4
 # forwards. Over self-check C's 10 steps, rows with grad fall x1.67 but forwards only x1.36.
-# Memory: the double batch keeps 2B rows' graphs at once (exact: B), for one bigger, faster pass. G_a
-# needs no g_b (weight 1 - alpha_b = 0), so back-propagating v_a's term before z_b's forward would keep
-# exact's peak and gradient in two smaller passes. Not done here; jagg_options' max_graph_rows=1 does it.
+# Memory: the double batch keeps the graphs of 2B rows at once, where exact keeps B. Running the two end
+# steps one after the other would keep exact's peak memory and give the same gradient: forward z_a with
+# graph, form G_a (step b's weight in it is 1 - alpha_b = 0, so it needs no g_b) and back-propagate its term,
+# then do the same for z_b. This file does not, because two half-size passes are slower than one.
 
 # === 7. Routing: which windows are linear enough for JAGG ===
 # Windows tile the trained steps from the first; the last may be shorter (OURS, as is the default W = 4).
@@ -269,7 +265,9 @@ def route_windows(scores, lengths, jagg_frac):
     return [w in chosen for w in range(len(scores))]
 
 # === 8. One training step over a batch of trajectories ===
-# "paper_" marks the paper's JAGG with our routing rule (section 7); these functions take no options.
+# The prefix paper_ marks the paper's JAGG with our routing rule (section 7) and no further options.
+# In the repository, the trainers call jagg_options.window_gradients, which is this file's window loop
+# (paper_gradients) with options added.
 def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_velocity_fn=None):
     """Add to .grad the gradient of the batch's GRPO loss (the mean over traj's T steps and B samples;
     advantages: [B]), window by window. Returns (stats, routed), routed[w] True for JAGG."""
@@ -302,6 +300,20 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
     stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
     optimizer.step()
     return stats, routed
+
+# === 9. Using your own model ===
+# Wrap your network as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], with t = sigma and
+# v = dz/dsigma = noise - data, the convention of SD3's rectified flow. Four rules keep JAGG correct.
+# - The rollout calls velocity_fn one step at a time (S = 1); JAGG calls it on several steps at once. Both
+#   must give the same v up to rounding, or the first update after a rollout sees ratios away from 1.
+# - Most networks take a flat batch, so flatten z step-major: row s * B + n is sample n at step s. Then
+#   repeat each sample's conditioning c [B, ...] as a block, c.repeat(S, ...). The tempting
+#   c.repeat_interleave(S, ...) pairs rows with the wrong prompts (self-check D shows the damage).
+# - Use no dropout: two calls on the same input must return the same v.
+# - If the model switches networks along the trajectory (Wan 2.2 has two experts, split by noise level),
+#   choose the network for each row from its t, and choose W so that no window contains the switch:
+#   JAGG must not interpolate between two networks' Jacobians.
+# With classifier-free guidance, v is the guided velocity, so every row costs two network passes.
 
 # === Run it: python jagg.py (a few seconds) prints what a learner should see; an assert checks each line
 def _self_check():  # parts A to D below, in float64; the caller's default dtype is restored after
