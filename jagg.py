@@ -58,6 +58,8 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
         prev_sample = mean + std * noise
     # log N(x; mu, std^2) = -(x - mu)^2 / (2 std^2) - log std - log sqrt(2 pi), per element
     log_prob = -(prev_sample.detach() - mean) ** 2 / (2 * std**2) - torch.log(std)  # [B, *D]
+    # Flow-GRPO takes the MEAN over the sample's dimensions *D, not the sum, so a log-ratio is the full
+    # Gaussian's divided by the number of elements; this is why its clip range is as small as 1e-4.
     log_prob = (log_prob - 0.5 * math.log(2 * math.pi)).mean(dim=tuple(range(1, z.ndim)))  # [B]
     return prev_sample.to(dtype), log_prob, mean, std_t
 
@@ -87,7 +89,7 @@ class Trajectory:
     def first_steps(self, n):  # the first n steps, the ones Flow-GRPO trains (9 of T = 10)
         _check(1 <= n <= len(self.z), f"a trajectory of {len(self.z)} steps has no first {n} steps")
         return replace(self, **{k: getattr(self, k)[:n] for k in self.TENSORS})
-    def subset(self, idx):  # the samples idx, a minibatch: slice advantages and conditioning alike
+    def subset(self, idx):  # a minibatch of the samples idx; slice advantages and conditioning with idx too
         return replace(self, **{k: getattr(self, k)[:, idx] for k in self.TENSORS})
 
 @torch.no_grad()
@@ -177,21 +179,21 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # === 6. JAGG: interpolate the Jacobians, back-propagate once ===
 # Step k's loss L_k depends on the weights only through v_k (the states and the reference are fixed), so
 #     grad = sum_k g_k^T J_k,   g_k = dL_k/dv_k (elementwise ops),   J_k = dv_theta(z_k, t_k)/dtheta
-# and each J_k costs a backward pass. Training-free DiT accelerators (e.g. Delta-DiT) rely on
-# features and velocities changing nearly linearly along a trajectory; JAGG bets its Jacobians do too:
+# and each J_k costs a backward pass. Training-free DiT accelerators (e.g. Delta-DiT) rely on features and
+# velocities changing nearly linearly along a trajectory. JAGG assumes that the Jacobians do too:
 #     J_k ~= (1 - alpha_k) J_a + alpha_k J_b,    alpha_k = (t_a - t_k) / (t_a - t_b).
-# Put that in the sum and collect the terms of J_a and of J_b:
+# Putting this into the sum and collecting the terms in J_a and in J_b gives
 #     grad ~= G_a^T J_a + G_b^T J_b,    G_a = sum_k (1 - alpha_k) g_k,    G_b = sum_k alpha_k g_k.
-# That is the gradient of sum(v_a * G_a) + sum(v_b * G_b) with G_a and G_b held fixed. So JAGG runs ONE
-# forward with graph on the double batch [z_a; z_b], then ONE backward pass. Only the Jacobians are
-# approximated. Each g_k (its step's ratio and clip) uses v_k at the current weights, from a forward
-# without graph at the interior steps (OURS: the abstract is silent; traj.v goes stale as weights move).
-# When is it exact? OURS: the abstract says "velocity linear in (z, t)"; we need more. In two lines:
-#    v = A z + c t + e (A, c, e any functions of theta)  =>  J = A'z + c't + e' (' = d/dtheta), affine;
-#    so J_k = (1 - alpha_k) J_a + alpha_k J_b if (z_k, t_k) = (1 - alpha_k)(z_a, t_a) + alpha_k(z_b, t_b)
-# t_k holds by alpha's definition. z_k must lie on the segment from z_a to z_b, where t puts it, and a
-# sampler's states do not: even a noise-free Euler path bends where v changes with z. Self-check A breaks
-# each condition alone; it cannot show that weights in t beat weights by step on real rollouts.
+# This is the gradient of sum(v_a * G_a) + sum(v_b * G_b) with G_a and G_b held fixed, so JAGG runs one
+# forward pass with graph on the double batch [z_a; z_b], then one backward pass. Only the Jacobians are
+# approximated: each g_k still uses v_k at the current weights, which at an interior step comes from a
+# forward pass without graph (OURS: the abstract does not say; the rollout's v_k is stale once weights move).
+# When is it exact? The abstract says: when the velocity is linear in (z, t). We find a second condition
+# (OURS). If v = A z + c t + e, with A, c, e any functions of theta, then J = A'z + c't + e' (' = d/dtheta)
+# is affine in (z, t), so J_k = (1 - alpha_k) J_a + alpha_k J_b when (z_k, t_k) = (1 - alpha_k)(z_a, t_a)
+# + alpha_k(z_b, t_b). For t_k this holds by the definition of alpha_k. For z_k it asks that the state lie
+# on the straight segment from z_a to z_b, at the point its t gives. A sampler's states do not: even a
+# noise-free Euler path bends wherever v changes with z. Self-check A breaks each condition on its own.
 def interpolation_weights(t):
     """alpha_k = (t_a - t_k) / (t_a - t_b) of a window's times t [W, B]: [W, B], 0 at a, 1 at b."""
     span = t[0] - t[-1]  # [B]
@@ -222,24 +224,27 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
     (v_ab[0] * G_a.to(v_ab.dtype) + v_ab[1] * G_b.to(v_ab.dtype)).sum().backward()
     return total
 
-# Cost per window, counted per trajectory. Exact: W rows with grad (a graph kept, then a backward) in W
-# backward passes. JAGG: 2 rows with grad in one backward pass, and W - 2 rows without graph. The paper's
-# ~2x counts only these costly rows with grad: W -> 2 (OURS: our reading). Counting all the work, JAGG
-# saves less: if a backward costs two forwards (ASSUMED; nearer one with LoRA), a window costs 3W -> W + 4
-# forwards. Over self-check C's 10 steps, rows with grad fall x1.67 but forwards only x1.36.
+# Cost of one window, per trajectory. Exact computes W rows with grad (a forward pass that keeps its graph,
+# then a backward pass) in W backward passes. JAGG computes 2 rows with grad in one backward pass, plus
+# W - 2 rows without graph. We read the paper's ~2x speedup as counting rows with grad, W -> 2 (OURS).
+# Counting all the work, JAGG saves less. If a backward pass costs two forward passes (ASSUMED; nearer one
+# with LoRA), a window costs 3W forwards exactly and W + 4 with JAGG. On self-check C's 10 steps, rows with
+# grad fall from 10 to 6 (x1.67) but forwards only from 30 to 22 (x1.36).
 # Memory: the double batch keeps the graphs of 2B rows at once, where exact keeps B. Running the two end
 # steps one after the other would keep exact's peak memory and give the same gradient: forward z_a with
 # graph, form G_a (step b's weight in it is 1 - alpha_b = 0, so it needs no g_b) and back-propagate its term,
 # then do the same for z_b. This file does not, because two half-size passes are slower than one.
 
 # === 7. Routing: which windows are linear enough for JAGG ===
-# Windows tile the trained steps from the first; the last may be shorter (OURS, as is the default W = 4).
-# The abstract routes by "a cosine-similarity rule" with a knob jagg_frac. OURS: the score and the rule.
-# The score is the cosine of the interior velocities with the straight line between the end steps'. It
-# is free, since the rollout kept every v_k, but it sees v bend, not J: a hint, not JAGG's error (B).
-# The rule sends the best-scoring share jagg_frac of the 3+ step windows (2-step ones have no interior to
-# save) to JAGG. A share, not a threshold: scores sit near 1, on scales that differ by model. round() is
-# Python's, halves to even (0.5 x 3 -> 2, 0.5 x 1 -> 0); self-check C: round(0.5 x 2) = 1 window, 4-7.
+# The windows tile the trained steps from the first one, so the last window may be shorter (OURS, as is
+# the default W = 4). The abstract routes windows by "a cosine-similarity rule" with a knob jagg_frac; the
+# score and the rule below are OURS. A window's score is the cosine similarity between its interior
+# velocities and the line in t between its two end velocities. It costs nothing, since the rollout kept
+# every v_k, but it measures how much v bends, not J, so it only hints at JAGG's error (self-check B).
+# The rule sends the fraction jagg_frac of windows with the highest scores to JAGG. It is a fraction, not a
+# score threshold, because scores sit near 1 on scales that differ between models. Only windows of 3 or
+# more steps take part. A 2-step window has no interior step, so JAGG would use 2 rows with grad, as exact
+# does, and save only one backward pass (2 -> 1); this file always trains such windows exactly.
 def window_bounds(num_steps, window):
     """Split T steps into windows of W: [(start, stop), ...], stop = b + 1; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates two end steps), got {window}")
@@ -257,8 +262,8 @@ def linearity_score(v, t):
     return cos.mean().item()
 
 def route_windows(scores, lengths, jagg_frac):
-    """One bool per window (scores, lengths: one each), True for the round(jagg_frac x eligible) best;
-    sorted() is stable, so among equal scores the earlier window wins and routing is reproducible."""
+    """One bool per window (scores, lengths: one each), True for the round(jagg_frac x eligible) best
+    windows of 3 or more steps; round() takes halves to even. Among equal scores the earlier window wins."""
     _check(0.0 <= jagg_frac <= 1.0, f"jagg_frac must be in [0, 1], got {jagg_frac}")
     eligible = [w for w, n in enumerate(lengths) if n >= 3]
     chosen = set(sorted(eligible, key=lambda w: -scores[w])[: round(jagg_frac * len(eligible))])
