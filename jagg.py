@@ -1,8 +1,8 @@
 """JAGG: GRPO for flow-matching transformers that back-propagates 2 steps of each window of W, not W.
 
-This file is a reference implementation of one paper, meant to be read from top to bottom: JAGG
-(Jacobian-Aggregated Group Gradient, arXiv 2607.17572, 2026), built on Flow-GRPO's SDE sampler and loss
-(Liu et al., arXiv 2505.05470). Comments marked OURS are choices that the paper's abstract leaves open.
+A reference implementation, to read from top to bottom, of JAGG (Jacobian-Aggregated Group Gradient, arXiv
+2607.17572, 2026) on Flow-GRPO's SDE sampler and loss (Liu et al., arXiv 2505.05470). OURS marks choices
+that the paper's abstract leaves open.
 
 Notation (code name -> symbol)
     T, B       number of sampling steps; number of samples in the batch
@@ -16,7 +16,7 @@ Notation (code name -> symbol)
 Shapes: S a number of steps, *D one sample's shape, P the number of weights. A row is one sample's
 network evaluation at one step, so a call on z [S, B, *D] evaluates S * B rows.
 The network enters only as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D] (section 9).
-Run it: `python jagg.py` (the self-check at the end, a few seconds); `python -m pytest -q tests/test_jagg.py`.
+Run `python jagg.py` (its self-check, a few seconds) and `python -m pytest -q tests/test_jagg.py` (tests).
 """
 
 import math
@@ -188,12 +188,11 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # forward pass with graph on the double batch [z_a; z_b], then one backward pass. Only the Jacobians are
 # approximated: each g_k still uses v_k at the current weights, which at an interior step comes from a
 # forward pass without graph (OURS: the abstract does not say; the rollout's v_k is stale once weights move).
-# When is it exact? The abstract says: when the velocity is linear in (z, t). We find a second condition
-# (OURS). If v = A z + c t + e, with A, c, e any functions of theta, then J = A'z + c't + e' (' = d/dtheta)
-# is affine in (z, t), so J_k = (1 - alpha_k) J_a + alpha_k J_b when (z_k, t_k) = (1 - alpha_k)(z_a, t_a)
-# + alpha_k(z_b, t_b). For t_k this holds by the definition of alpha_k. For z_k it asks that the state lie
-# on the straight segment from z_a to z_b, at the point its t gives. A sampler's states do not: even a
-# noise-free Euler path bends wherever v changes with z. Self-check A breaks each condition on its own.
+# When is it exact? The abstract says: when the velocity is linear in (z, t). We find that the states must
+# also lie on a line (OURS). If v = A z + c t + e, with A, c, e any functions of theta, then J is affine in
+# (z, t), and the interpolation is exact when each z_k lies on the straight segment from z_a to z_b, at the
+# fraction alpha_k. A sampler's states do not: even a noise-free Euler path bends wherever v changes with z.
+# Self-check A breaks each condition on its own.
 def interpolation_weights(t):
     """alpha_k = (t_a - t_k) / (t_a - t_b) of a window's times t [W, B]: [W, B], 0 at a, 1 at b."""
     span = t[0] - t[-1]  # [B]
@@ -224,27 +223,22 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
     (v_ab[0] * G_a.to(v_ab.dtype) + v_ab[1] * G_b.to(v_ab.dtype)).sum().backward()
     return total
 
-# Cost of one window, per trajectory. Exact computes W rows with grad (a forward pass that keeps its graph,
-# then a backward pass) in W backward passes. JAGG computes 2 rows with grad in one backward pass, plus
-# W - 2 rows without graph. We read the paper's ~2x speedup as counting rows with grad, W -> 2 (OURS).
-# Counting all the work, JAGG saves less. If a backward pass costs two forward passes (ASSUMED; nearer one
-# with LoRA), a window costs 3W forwards exactly and W + 4 with JAGG. On self-check C's 10 steps, rows with
-# grad fall from 10 to 6 (x1.67) but forwards only from 30 to 22 (x1.36).
-# Memory: the double batch keeps the graphs of 2B rows at once, where exact keeps B. Running the two end
-# steps one after the other would keep exact's peak memory and give the same gradient: forward z_a with
-# graph, form G_a (step b's weight in it is 1 - alpha_b = 0, so it needs no g_b) and back-propagate its term,
-# then do the same for z_b. This file does not, because two half-size passes are slower than one.
+# Cost of one window, per trajectory. Exact computes W rows with grad (each a forward pass that keeps its
+# graph, then a backward pass) in W backward passes. JAGG computes 2 rows with grad in one backward pass,
+# plus W - 2 rows without graph. We read the paper's ~2x speedup as this drop from W to 2 (OURS). The total
+# work falls less: if a backward pass costs as much as two forward passes (ASSUMED), a window costs 3W
+# forward passes exactly and W + 4 with JAGG. Self-check C counts both.
+# Memory: the double batch holds the graphs of 2B rows at once, where exact holds B. Back-propagating z_a's
+# term before z_b's forward would hold only B (G_a needs no g_b); this file does not, as that is slower.
 
 # === 7. Routing: which windows are linear enough for JAGG ===
-# The windows tile the trained steps from the first one, so the last window may be shorter (OURS, as is
-# the default W = 4). The abstract routes windows by "a cosine-similarity rule" with a knob jagg_frac; the
-# score and the rule below are OURS. A window's score is the cosine similarity between its interior
-# velocities and the line in t between its two end velocities. It costs nothing, since the rollout kept
-# every v_k, but it measures how much v bends, not J, so it only hints at JAGG's error (self-check B).
-# The rule sends the fraction jagg_frac of windows with the highest scores to JAGG. It is a fraction, not a
-# score threshold, because scores sit near 1 on scales that differ between models. Only windows of 3 or
-# more steps take part. A 2-step window has no interior step, so JAGG would use 2 rows with grad, as exact
-# does, and save only one backward pass (2 -> 1); this file always trains such windows exactly.
+# The windows tile the trained steps from the first, so the last may be shorter (this tiling and W = 4 are
+# OURS). The abstract routes windows by "a cosine-similarity rule" with a knob jagg_frac. Our score is the
+# cosine similarity between a window's interior velocities and the straight line in t between its end
+# velocities. It is free, because the rollout kept every v_k, but it measures how v bends, not J. Our rule
+# sends the fraction jagg_frac of windows with the highest scores to JAGG; a fixed threshold would not carry
+# over, as scores sit near 1 on scales that differ between models. A 2-step window has no interior step:
+# JAGG would use its 2 rows with grad, as exact does, and save one backward pass, so we train it exactly.
 def window_bounds(num_steps, window):
     """Split T steps into windows of W: [(start, stop), ...], stop = b + 1; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates two end steps), got {window}")
@@ -270,9 +264,8 @@ def route_windows(scores, lengths, jagg_frac):
     return [w in chosen for w in range(len(scores))]
 
 # === 8. One training step over a batch of trajectories ===
-# The prefix paper_ marks the paper's JAGG with our routing rule (section 7) and no further options.
-# In the repository, the trainers call jagg_options.window_gradients, which is this file's window loop
-# (paper_gradients) with options added.
+# paper_ marks the paper's JAGG with our routing rule (section 7). In the repository, the trainers call
+# jagg_options.window_gradients, which is this file's window loop (paper_gradients) with options added.
 def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_velocity_fn=None):
     """Add to .grad the gradient of the batch's GRPO loss (the mean over traj's T steps and B samples;
     advantages: [B]), window by window. Returns (stats, routed), routed[w] True for JAGG."""
@@ -308,17 +301,12 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
 
 # === 9. Using your own model ===
 # Wrap your network as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], with t = sigma and
-# v = dz/dsigma = noise - data, the convention of SD3's rectified flow. Four rules keep JAGG correct.
-# - The rollout calls velocity_fn one step at a time (S = 1); JAGG calls it on several steps at once. Both
-#   must give the same v up to rounding, or the first update after a rollout sees ratios away from 1.
-# - Most networks take a flat batch, so flatten z step-major: row s * B + n is sample n at step s. Then
-#   repeat each sample's conditioning c [B, ...] as a block, c.repeat(S, ...). The tempting
-#   c.repeat_interleave(S, ...) pairs rows with the wrong prompts (self-check D shows the damage).
-# - Use no dropout: two calls on the same input must return the same v.
-# - If the model switches networks along the trajectory (Wan 2.2 has two experts, split by noise level),
-#   choose the network for each row from its t, and choose W so that no window contains the switch:
-#   JAGG must not interpolate between two networks' Jacobians.
-# With classifier-free guidance, v is the guided velocity, so every row costs two network passes.
+# v = dz/dsigma = noise - data, the convention of SD3's rectified flow. The rollout calls it one step at a
+# time; JAGG calls it on several steps at once. Both must give the same v up to rounding, or the first
+# update after a rollout sees ratios away from 1. So use no dropout, and flatten z step-major (row s * B + n
+# is sample n at step s), as self-check D does: repeat each sample's conditioning c as a block, c.repeat(S),
+# never c.repeat_interleave(S), which would pair rows with the wrong prompts. If the model has two experts
+# split by noise level (Wan 2.2), choose the expert for each row from its t; no window may span the switch.
 
 # === Run it: python jagg.py (a few seconds) prints what a learner should see; an assert checks each line
 def _self_check():  # parts A to D below, in float64; the caller's default dtype is restored after
