@@ -308,32 +308,25 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
 # never c.repeat_interleave(S), which would pair rows with the wrong prompts. If the model has two experts
 # split by noise level (Wan 2.2), choose the expert for each row from its t; no window may span the switch.
 
-# === Run it: python jagg.py (a few seconds) prints what a learner should see; an assert checks each line
-def _self_check():  # parts A to D below, in float64; the caller's default dtype is restored after
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # so that "exact" shows as ~1e-16, not fp32's ~1e-7
-    try:
-        _self_check_parts()
-    finally:
-        torch.set_default_dtype(dtype)
-def _self_check_parts():
+# === Self-check: python jagg.py prints, in a few seconds, what a learner should see; asserts check it ===
+def _self_check():  # run in float64 (set by __main__), so that "exact" shows as ~1e-16, not fp32's ~1e-7
     torch.manual_seed(0)
     nn = torch.nn
     T, W, B, D = 10, 4, 16, 3  # steps, window, samples, dims of a sample
-    calls = []  # one record per velocity_fn call: its steps, grad on or off
-    def velocity_fn_of(net):  # velocity_fn(z [S, B, D], t [S, B]) -> v [S, B, D]
+    def velocity_fn_of(net, calls=None):  # velocity_fn(z [S, B, D], t [S, B]) -> v [S, B, D]
         def velocity_fn(z, t):
-            calls.append({"steps": z.shape[0], "grad": torch.is_grad_enabled()})
+            if calls is not None:  # one record per call: its steps, and whether it builds a graph
+                calls.append({"steps": z.shape[0], "grad": torch.is_grad_enabled()})
             return net(torch.cat([z, t[..., None]], dim=-1))  # the network sees (z, t): [S, B, D + 1]
         return velocity_fn
-    def flat_grad(net, backward, *args):  # net's gradient [P] from backward(velocity_fn, *args), from 0
+    def grad_of(net, backward, *window):  # net's gradient [P] from backward(velocity_fn, z, t, step_loss)
         net.zero_grad(set_to_none=True)
-        backward(velocity_fn_of(net), *args)
+        backward(velocity_fn_of(net), *window)
         return torch.cat([p.grad.flatten() for p in net.parameters()])
-    def jagg_vs_exact(net, z, t, loss):  # net's gradients on one window: cosine, |JAGG - exact| / |exact|
-        e, j = (flat_grad(net, f, z, t, loss) for f in (backward_exact, backward_jagg_window))  # [P] each
-        return torch.cosine_similarity(e, j, dim=0).item(), ((j - e).norm() / e.norm()).item()
-    # A. Section 6's exactness condition, and each part of it failing on its own. A made-up loss.
+    def jagg_vs_exact(net, *window):  # one window's gradients: cosine, |JAGG - exact| / |exact|
+        exact, jagg = grad_of(net, backward_exact, *window), grad_of(net, backward_jagg_window, *window)
+        return torch.cosine_similarity(exact, jagg, 0).item(), ((jagg - exact).norm() / exact.norm()).item()
+    # A. Section 6's two conditions: JAGG is exact when both hold, and not when either fails.
     linear = nn.Sequential(nn.Linear(D + 1, D + 1), nn.Linear(D + 1, D))  # v affine in (z, t)
     t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B], unevenly spaced
     alpha = interpolation_weights(t)[..., None]  # [W, B, 1]
@@ -341,85 +334,87 @@ def _self_check_parts():
     straight = z_a + alpha * (z_b - z_a)  # [W, B, D], on the segment, where t puts them
     evenly = z_a + torch.linspace(0, 1, W)[:, None, None] * (z_b - z_a)  # [W, B, D], evenly by step
     bent = straight + 0.5 * alpha * (1 - alpha)  # [W, B, D], off the segment
-    net = nn.Sequential(nn.Linear(D + 1, 32), nn.Tanh(), nn.Linear(32, D))  # J not affine in (z, t)
-    def loss(i, v):
+    tanh_net = nn.Sequential(nn.Linear(D + 1, 32), nn.Tanh(), nn.Linear(32, D))  # J not affine in (z, t)
+    def made_up_loss(i, v):
         return (w[i] * v).sum() + (v**2).sum()
-    cases = [(linear, straight), (linear, evenly), (linear, bent), (net, straight)]  # (network, states)
-    errors = [jagg_vs_exact(model, z, t, loss)[1] for model, z in cases]
+    cases = [(linear, straight), (linear, evenly), (linear, bent), (tanh_net, straight)]  # (net, z)
+    errors = [jagg_vs_exact(net, z, t, made_up_loss)[1] for net, z in cases]
     assert errors[0] < 1e-12 and min(errors[1:]) > 1e-3
     print(f"A. |JAGG - exact| / |exact|, W = {W}, t = 0.9, 0.7, 0.5, 0.2: {errors[0]:.1e} with v\n"
           f"   affine in (z, t) and states on a segment where t puts them; {errors[1]:.1e} evenly by\n"
           f"   step on it; {errors[2]:.1e} when the states bend; {errors[3]:.1e} with a tanh network")
-    # B. The tanh network on its own rollouts, reward -|sample|, groups of 4. A cosine ~1 can hide errors.
+    # B. Each window's routing score beside JAGG's error, on the tanh network's own rollouts.
     cfg = LossConfig(noise_level=0.7, clip_range=0.2)
-    traj = rollout(velocity_fn_of(net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
+    traj = rollout(velocity_fn_of(tanh_net), torch.randn(B, D), sigma_schedule(T), noise_level=0.7)
     advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # [B]
     bounds = window_bounds(T, W)
     assert bounds == [(0, 4), (4, 8), (8, 10)] and window_bounds(9, W) == [(0, 4), (4, 8), (8, 9)]
     print(f"B. the tanh network on its own rollouts, T = {T}, W = {W}: windows {bounds} (start, stop)")
+    results = []  # (routing score, cosine, relative error) per window
     for start, stop in bounds:
         z, v, t = traj.z[start:stop], traj.v[start:stop], traj.t[start:stop]  # [W, B, D] twice, [W, B]
-        cos, rel = jagg_vs_exact(net, z, t, make_step_loss(traj, advantages, start, stop, cfg))
-        assert cos > 0.9 and rel > 1e-3 if stop - start > 2 else abs(cos - 1) < 1e-12 and rel < 1e-12
-        print(f"   steps {start}-{stop - 1}: routing score {linearity_score(v, t):.5f}; "
+        cos, rel = jagg_vs_exact(tanh_net, z, t, make_step_loss(traj, advantages, start, stop, cfg))
+        results.append((linearity_score(v, t), cos, rel))
+        print(f"   steps {start}-{stop - 1}: routing score {results[-1][0]:.5f}; "
               f"JAGG vs exact: cosine {cos:.5f}, |JAGG - exact| / |exact| {rel:.1e}")
-    # C. The whole batch at jagg_frac 0 (all exact), 1 and 0.5, counting calls' rows per trajectory.
+    (score_0, cos_0, rel_0), (score_1, cos_1, rel_1), (_, cos_2, rel_2) = results
+    assert min(cos_0, cos_1) > 0.9 and rel_0 > 0.2 and rel_1 > 1e-3  # 4-step windows: close, not exact
+    assert abs(cos_2 - 1) < 1e-12 and rel_2 < 1e-12  # the 2-step window has no interior step: exact
+    assert score_0 < score_1 and rel_0 > rel_1  # the lower score came with the larger error
+    print(f"   A cosine of {cos_0:.3f} came with a {rel_0:.0%} error: a high cosine can hide a sizeable\n"
+          f"   error. The routing score ranked the windows as their errors do, on this one instance.")
+    # C. Routing at jagg_frac 0 (all exact), 1 and 0.5, and its cost per trajectory, counted from the calls.
     expected = {0.0: ([False, False, False], 10, 10, 30), 1.0: ([True, True, False], 6, 4, 22),
                 0.5: ([False, True, False], 8, 7, 26)}  # windows to JAGG, rows with grad, passes, cost
     for frac, want in expected.items():
-        calls.clear()
-        stats, routed = paper_gradients(velocity_fn_of(net), traj, advantages, cfg, W, frac)
-        rows = [c["steps"] for c in calls if c["grad"]]  # each a forward with graph, then a backward
+        calls = []
+        stats, routed = paper_gradients(velocity_fn_of(tanh_net, calls), traj, advantages, cfg, W, frac)
+        passes = [c["steps"] for c in calls if c["grad"]]  # the rows with grad of each backward pass
         no_graph = sum(c["steps"] for c in calls if not c["grad"])  # JAGG's interior steps
-        cost = 3 * sum(rows) + no_graph  # in forwards: a backward counts as two (section 6)
-        assert (routed, sum(rows), len(rows), cost) == want and stats["grad_rows"] == sum(rows)
-        print(f"C. jagg_frac {frac}: windows to JAGG {routed}; {sum(rows)} rows with grad in\n"
-              f"   {len(rows)} backward passes, {no_graph} rows without graph: a cost of {cost} forwards")
-    rows_9 = paper_gradients(velocity_fn_of(net), traj.first_steps(9), advantages, cfg, W)[0]["grad_rows"]
+        cost = 3 * sum(passes) + no_graph  # in forwards: a backward counts as two (section 6)
+        assert (routed, sum(passes), len(passes), cost) == want and stats["grad_rows"] == sum(passes)
+        print(f"C. jagg_frac {frac}: windows to JAGG {routed}; {sum(passes)} rows with grad in\n"
+              f"   {len(passes)} backward passes, {no_graph} rows without graph: a cost of {cost} forwards")
+    nine_steps = traj.first_steps(9)  # Flow-GRPO trains the first 9 of T = 10 steps
+    rows_9 = paper_gradients(velocity_fn_of(tanh_net), nine_steps, advantages, cfg, W)[0]["grad_rows"]
     assert rows_9 == 5
     print(f"   Flow-GRPO's 9 trained steps, windows {window_bounds(9, W)}: 9 -> {rows_9} rows with grad.")
-    # D. A tiny GRPO run. A prompt is a target point, the reward -|sample - target|.
+    # D. A tiny GRPO run from one start, exact beside JAGG. The reward is -|sample - its prompt's target|.
     prompt_of = torch.arange(32) // 8  # [B], each sample's prompt: 4 prompts, 8 samples each
-    c = torch.randn(4, 2)[prompt_of]  # [B, 2], each sample's target point
-    def prompted(net, c, interleave=False):  # velocity_fn of net, each sample's prompt c: [B, 2]
-        def velocity_fn(z, t):  # z: [S, B, 2], t: [S, B], flattened step-major to S * B rows
-            c_rows = c.repeat_interleave(len(z), 0) if interleave else c.repeat(len(z), 1)  # [S * B, 2]
-            x = torch.cat([z.flatten(0, 1), t.reshape(-1, 1), c_rows], dim=-1)  # [S * B, 5]
-            return net(x).reshape(z.shape)  # [S, B, 2]
+    targets = torch.randn(4, 2)[prompt_of]  # [B, 2], each sample's target: the point its prompt asks for
+    def prompted(policy, c):  # policy's velocity_fn, each sample's target c: [B, 2]
+        def velocity_fn(z, t):  # z: [S, B, 2], t: [S, B], flattened step-major to S * B rows (section 9)
+            x = torch.cat([z.flatten(0, 1), t.reshape(-1, 1), c.repeat(len(z), 1)], dim=-1)  # [S * B, 5]
+            return policy(x).reshape(z.shape)  # [S, B, 2]
         return velocity_fn
-    rewards, rows, first = {"exact": [], "JAGG": []}, {"exact": 0, "JAGG": 0}, {}  # D prints them
+    rewards = {"exact": [], "JAGG": []}  # the mean reward of each epoch's rollout, per run
     for name, frac in (("exact", 0.0), ("JAGG", 1.0)):
-        torch.manual_seed(1)  # the same start for both
-        net = nn.Sequential(nn.Linear(2 + 1 + 2, 32), nn.Tanh(), nn.Linear(32, 2))  # sees (z, t, prompt)
-        optimizer = torch.optim.Adam(net.parameters(), lr=3e-2)
-        for epoch in range(10):
-            g = torch.Generator().manual_seed(epoch)  # the same noise and minibatches for both
-            traj = rollout(prompted(net, c), torch.randn(32, 2, generator=g), sigma_schedule(T), 0.7, g)
-            reward = -(traj.sample - c).norm(dim=-1)  # [B]
+        torch.manual_seed(1)  # the same initial weights for both runs
+        policy = nn.Sequential(nn.Linear(2 + 1 + 2, 32), nn.Tanh(), nn.Linear(32, 2))  # sees (z, t, target)
+        optimizer = torch.optim.Adam(policy.parameters(), lr=3e-2)
+        for epoch in range(10):  # a rollout of 32 samples, then one optimizer step on each half
+            g = torch.Generator().manual_seed(epoch)  # the same noise and minibatches for both runs
+            noise = torch.randn(32, 2, generator=g)  # [B, 2]
+            batch = rollout(prompted(policy, targets), noise, sigma_schedule(T), 0.7, g)
+            reward = -(batch.sample - targets).norm(dim=-1)  # [B]
             rewards[name].append(reward.mean().item())
-            advantages = group_advantages(reward, prompt_of).double()  # [B]
-            for n, idx in enumerate(torch.randperm(32, generator=g).chunk(2)):  # n = 0: on-policy
-                stats, _ = paper_train_step(prompted(net, c[idx]), optimizer, traj.subset(idx),
-                                            advantages[idx], cfg, W, frac)  # c sliced with the same idx
-                assert stats["approx_kl"] < 1e-20 if n == 0 else stats["approx_kl"] > 1e-8
-                rows[name] += stats["grad_rows"]  # C checked it against the calls
-                first.setdefault(name, torch.cat([p.grad.flatten() for p in net.parameters()]))  # [P]
-    print("D. a tiny GRPO run from one start, mean reward per epoch (a rollout, 2 half-batch steps):")
-    for epoch, (exact, jagg) in enumerate(zip(rewards["exact"], rewards["JAGG"])):
-        print(f"   epoch {epoch}: {exact:.3f} exact, {jagg:.3f} JAGG")
-    assert min(r[-1] for r in rewards.values()) > max(r[0] for r in rewards.values()) + 0.5  # both learn
-    cos = torch.cosine_similarity(first["exact"], first["JAGG"], dim=0).item()  # same weights and batch
-    assert 0.9 < cos < 1 - 1e-6 and rows == {"exact": 200, "JAGG": 120}
-    print(f"   Rows with grad in the run: {rows['exact']} exact, {rows['JAGG']} JAGG. The first step's\n"
-          f"   gradients, from the same weights and batch, have cosine {cos:.5f}.")
-    traj = rollout(prompted(net, c), torch.randn(32, 2), sigma_schedule(T), 0.7)  # "Your model"'s lesson
-    right = paper_gradients(prompted(net, c), traj, torch.zeros(32), cfg, W)[0]["approx_kl"]
-    wrong = paper_gradients(prompted(net, c, True), traj, torch.zeros(32), cfg, W)[0]["approx_kl"]
-    assert right < 1e-20 and wrong > 1e-3
-    print(f"   Right after a rollout, approx_kl {right:.1e} with c.repeat(S) (on-policy) and\n"
-          f"   {wrong:.1e} with c.repeat_interleave(S): the same weights, not the policy that sampled")
+            batch_advantages = group_advantages(reward, prompt_of).double()  # [B]
+            for n, idx in enumerate(torch.randperm(32, generator=g).chunk(2)):
+                stats, _ = paper_train_step(prompted(policy, targets[idx]), optimizer, batch.subset(idx),
+                                            batch_advantages[idx], cfg, W, frac)
+                if n == 0:  # the first step after a rollout is on-policy: every ratio is 1
+                    assert stats["approx_kl"] < 1e-20
+                else:  # the second uses samples drawn before the first step moved the weights
+                    assert stats["approx_kl"] > 1e-8
+    exact, jagg = rewards["exact"], rewards["JAGG"]
+    assert max(abs(e - j) for e, j in zip(exact, jagg)) < 0.05  # JAGG stays close to exact
+    assert all(r[0] < r[5] < r[9] and r[9] > r[0] + 0.5 for r in (exact, jagg))  # both learn
+    print("D. a tiny GRPO run from one start, mean reward at epochs 0, 5 and 9 of 10:")
+    for epoch in (0, 5, 9):
+        print(f"   epoch {epoch}: {exact[epoch]:.3f} exact, {jagg[epoch]:.3f} JAGG")
     print("ok")
 
 if __name__ == "__main__":
     torch.set_num_threads(1)  # tiny tensors: threads would cost more than they save
+    torch.set_default_dtype(torch.float64)  # a choice for the whole process, so it is made here
     _self_check()

@@ -1124,12 +1124,12 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
 def test_python_jagg_py_runs_its_self_check():
     """`python jagg.py` prints what a learner should see: exact on a linear velocity with states where t
     puts them, and not when they sit evenly by step, bend, or the network is a tanh; each window's routing
-    score beside its gradient cosine; routing at jagg_frac 0, 1 and 0.5 (the 2-step window never takes
-    JAGG's share) with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps) and
-    in forwards (30 -> 22); a tiny GRPO run, exact beside JAGG, whose rewards rise (the script also asserts that
-    every first step after a rollout is on-policy, approx_kl ~0, and the second not), with the rows with grad
-    each used and the cosine of their first gradients; and the step-major lesson right after a rollout:
-    c.repeat(S) on-policy, c.repeat_interleave(S) not."""
+    score beside its gradient cosine, and what to conclude (a high cosine can hide a sizeable error; the
+    score ranked the windows as their errors do); routing at jagg_frac 0, 1 and 0.5 (the 2-step window never
+    takes JAGG's share) with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps)
+    and in forwards (30 -> 22); a tiny GRPO run, exact beside JAGG, whose rewards rise and stay close at
+    epochs 0, 5 and 9 (the script also asserts that every first step after a rollout is on-policy,
+    approx_kl ~0, and the second not)."""
     import re
     import subprocess
     import sys
@@ -1148,18 +1148,18 @@ def test_python_jagg_py_runs_its_self_check():
     routed = re.findall(r"jagg_frac \S+: windows to JAGG (\[.*?\])", out)
     assert rel < 1e-12 and len(windows) == 3 and windows[2][:2] == (1.0, 1.0) and windows[2][2] < 1e-12, out
     assert all(0.5 < c < 1 - 1e-6 and e > 1e-3 for _, c, e in windows[:2]), out  # a cosine near 1, an error not small
+    cos_0, pct_0 = re.search(r"A cosine of (\S+) came with a (\d+)% error: a high cosine can hide a sizeable\s+"
+                             r"error\. The routing score ranked the windows as their errors do", out).groups()
+    assert abs(float(cos_0) - windows[0][1]) < 1e-3 and abs(int(pct_0) - 100 * windows[0][2]) <= 1, out
+    assert windows[0][0] < windows[1][0] and windows[0][2] > windows[1][2], out  # lower score, larger error
     assert passes == [(10, 10), (4, 6), (7, 8)], out
     assert routed == ["[False, False, False]", "[True, True, False]", "[False, True, False]"], out
     assert re.search(r"Flow-GRPO's\s+9 trained steps, windows \[\(0, 4\), \(4, 8\), \(8, 9\)\]: 9 -> 5 rows", out), out
     epochs = [(float(e), float(j)) for e, j in re.findall(r"epoch \d+: (\S+) exact, (\S+) JAGG", out)]
-    assert len(epochs) == 10, out
+    assert re.findall(r"epoch (\d+): \S+ exact", out) == ["0", "5", "9"], out
     assert min(epochs[-1]) > max(epochs[0]) + 0.5, out  # the reward rises, exact's and JAGG's
-    rows_exact, rows_jagg, cos = re.search(r"Rows with grad in the run: (\d+) exact, (\d+) JAGG\. The first step's\s+"
-                                           r"gradients, from the same weights and batch, have cosine (\S+)\.", out).groups()
-    assert (int(rows_exact), int(rows_jagg)) == (200, 120) and 0.9 < float(cos) < 1 - 1e-6, out
-    right, wrong = (float(x) for x in re.search(
-        r"approx_kl (\S+) with c.repeat\(S\) \(on-policy\) and\s+(\S+) with c.repeat_interleave\(S\)", out).groups())
-    assert right < 1e-20 and wrong > 1e-3 and out.strip().endswith("ok"), out
+    assert all(abs(e - j) < 0.05 for e, j in epochs), out  # JAGG's reward stays close to exact's
+    assert out.strip().endswith("ok"), out
 
 
 @pytest.mark.parametrize("beta, options", [(0.0, {}), (0.05, {"anchors": "shared", "interior": "rollout"})])
