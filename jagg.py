@@ -1,8 +1,8 @@
 """JAGG: GRPO for flow-matching transformers that back-propagates 2 steps of each window of W, not W.
 
-A reference implementation, to read from top to bottom, of JAGG (Jacobian-Aggregated Group Gradient, arXiv
-2607.17572, 2026) on Flow-GRPO's SDE sampler and loss (Liu et al., arXiv 2505.05470). OURS marks choices
-that the paper's abstract leaves open.
+A reference implementation of JAGG (Jacobian-Aggregated Group Gradient, arXiv 2607.17572, 2026), built on
+Flow-GRPO's SDE sampler and loss (Liu et al., arXiv 2505.05470), to be read from top to bottom. OURS marks
+the choices that the paper's abstract leaves open.
 
 Notation (code name -> symbol)
     T, B       number of sampling steps; number of samples in the batch
@@ -264,8 +264,8 @@ def route_windows(scores, lengths, jagg_frac):
     return [w in chosen for w in range(len(scores))]
 
 # === 8. One training step over a batch of trajectories ===
-# paper_ marks the paper's JAGG with our routing rule (section 7). In the repository, the trainers call
-# jagg_options.window_gradients, which is this file's window loop (paper_gradients) with options added.
+# The paper_ functions train with the paper's JAGG and our routing rule (section 7). In the repository,
+# the trainers call jagg_options.window_gradients, which is this file's window loop with options added.
 def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_velocity_fn=None):
     """Add to .grad the gradient of the batch's GRPO loss (the mean over traj's T steps and B samples;
     advantages: [B]), window by window. Returns (stats, routed), routed[w] True for JAGG."""
