@@ -147,8 +147,8 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range,
     return loss, stats
 
 def make_step_loss(traj, advantages, start, stop, cfg, v_ref=None, log=None):
-    """Returns step_loss(i, v): the loss of step k = start + i, given its velocity v [B, *D], divided by
-    T so that a trajectory's loss is the mean of its steps' losses, as in Flow-GRPO. Pass the reference's
+    """Returns step_loss(i, v): the loss of step k = start + i, given its velocity v [B, *D], divided by the
+    trajectory's steps (the trained ones) so that its loss is the mean of theirs, as in Flow-GRPO. Pass the reference's
     velocities v_ref [stop - start, B, *D] when cfg.beta > 0. Each call appends its stats to log."""
     _check(traj.noise_level in (None, cfg.noise_level), "score at the noise level the rollout drew with")
     def step_loss(i, v):
@@ -238,7 +238,7 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # velocities. It is free, because the rollout kept every v_k, but it measures how v bends, not J. Our rule
 # sends the fraction jagg_frac of windows with the highest scores to JAGG; a fixed threshold would not carry
 # over, as scores sit near 1 on scales that differ between models. A 2-step window has no interior step:
-# JAGG would use its 2 rows with grad, as exact does, and save one backward pass, so we train it exactly.
+# JAGG would give the same gradient from the same 2 rows with grad, saving no row, so we train it exactly.
 def window_bounds(num_steps, window):
     """Split T steps into windows of W: [(start, stop), ...], stop = b + 1; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates two end steps), got {window}")
