@@ -147,8 +147,8 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range,
     return loss, stats
 
 def make_step_loss(traj, advantages, start, stop, cfg, v_ref=None, log=None):
-    """Returns step_loss(i, v): the loss of step k = start + i, given its velocity v [B, *D], divided by the
-    trajectory's steps (the trained ones) so that its loss is the mean of theirs, as in Flow-GRPO. Pass the reference's
+    """Returns step_loss(i, v): the loss of step k = start + i, given its velocity v [B, *D], divided by
+    the trajectory's (trained) steps: its loss is their mean, as in Flow-GRPO. Pass the reference's
     velocities v_ref [stop - start, B, *D] when cfg.beta > 0. Each call appends its stats to log."""
     _check(traj.noise_level in (None, cfg.noise_level), "score at the noise level the rollout drew with")
     def step_loss(i, v):
