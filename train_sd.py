@@ -88,9 +88,8 @@ class Config:
 
     def jagg_options(self, method=None):
         """The JaggOptions of these flags; method "exact" trains every window exactly."""
-        return jagg_options.JaggOptions(self.window, 0.0 if (method or self.method) == "exact" else self.jagg_frac,
-                                        anchors=self.anchors, interior=self.interior, weights=self.weights,
-                                        max_graph_rows=self.max_graph_rows, route=self.route)
+        return jagg_options.JaggOptions(self.window, 0.0 if (method or self.method) == "exact" else self.jagg_frac, **{
+            k: getattr(self, k) for k in ("anchors", "interior", "weights", "max_graph_rows", "route")})
 
     def trained_steps(self):  # the SDE window's steps, or Flow-GRPO's first int(T * timestep_fraction)
         return self.sde_window or int(self.num_steps * self.timestep_fraction)
@@ -151,10 +150,8 @@ def fail(message):  # one line, no traceback
 def validate(cfg):
     """Every bad value ends the run here in one line naming it, before any model loads. Returns cfg with --out
     set to --resume's folder and --resolution resolved from a model folder."""
-    for f in dataclasses.fields(cfg):
-        if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name)):
-            fail(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(cfg, f.name)}")
-    for ok, name, must in cfg.ranges():
+    finite = [(math.isfinite(v), n, "a finite number") for n, v in dataclasses.asdict(cfg).items() if isinstance(v, float)]
+    for ok, name, must in finite + cfg.ranges():  # every float finite, then in its declared range
         if not ok:
             fail(f"--{name.replace('_', '-')} must be {must}, got {getattr(cfg, name)}")
     try:  # JaggOptions' ranges, declared once in jagg_options.check_options; its message starts with the field
@@ -478,7 +475,7 @@ def read_checkpoint(run, mmap=False):  # the checkpoint's dict, or one line nami
         fail(e)
 
 
-# === 6. Training: the whole loop, from rollout to optimizer step ===
+# === 6. Training: the whole loop, from rollout to optimizer step; then the run's summary ===
 
 def optimizer_steps(perm, adv, cfg, generator):
     """The epoch's optimizer steps, [[micro-batch indices, ...] per step], as many on every rank.
@@ -486,13 +483,11 @@ def optimizer_steps(perm, adv, cfg, generator):
     ranks must run alike), dropped ones put back until N divides the count. 0: one step a micro-batch."""
     if not cfg.steps_per_epoch:
         return [[m] for m in perm.split(cfg.train_batch) if len(m)]  # none when every sample broke
-    keep = perm
     if not cfg.fsdp:
-        nonzero = adv[perm] != 0
-        keep, dropped = perm[nonzero], perm[~nonzero]
+        keep, dropped = perm[adv[perm] != 0], perm[adv[perm] == 0]
         back = dropped[torch.randperm(len(dropped), generator=generator)[: -len(keep) % cfg.steps_per_epoch]]
-        keep = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
-    return [list(part.split(cfg.train_batch)) if len(part) else [] for part in keep.tensor_split(cfg.steps_per_epoch)]
+        perm = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
+    return [list(part.split(cfg.train_batch)) if len(part) else [] for part in perm.tensor_split(cfg.steps_per_epoch)]
 
 def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs on the CPU in fp32)
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -503,16 +498,14 @@ def train(cfg, stop=()):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     rank, world = jagg_options.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
-    device = pick_device()
-    use_bf16 = device.type == "cuda"  # bf16 autocast on a GPU
+    device, use_bf16 = pick_device(), torch.cuda.is_available()  # bf16 autocast on a GPU
     torch.cuda.set_device(device) if use_bf16 else None
     prompts_all, reward_fn = read_prompts(cfg), load_reward(cfg.reward, device)
     pipe, transformer = load_pipeline(cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
     size = cfg.resolution or min(512, transformer.config.sample_size * pipe.vae_scale_factor)  # a hub id's
     cfg, h = dataclasses.replace(cfg, resolution=size), size // pipe.vae_scale_factor  # h: the latents' side
-    ref_transformer = None  # the KL reference under full fine-tuning: a frozen copy in the pipeline's precision
-    if cfg.lora_rank == 0 and cfg.beta > 0:
-        ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
+    ref_transformer = (copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)  # the KL reference under
+                       if cfg.lora_rank == 0 and cfg.beta > 0 else None)  # full fine-tuning: frozen, in the pipeline's dtype
     if cfg.fsdp:  # weights, gradients and optimizer state sharded over the ranks; the reference too
         for module in [m for m in (transformer, ref_transformer) if m is not None]:
             shard_transformer(module)
@@ -551,14 +544,12 @@ def train(cfg, stop=()):
 
     def evaluate(epoch, row):
         """Fixed prompts and noise, with the EMA weights swapped in if kept: eval/reward and a picture."""
-        live = trainable(transformer) if ema is not None else {}
-        saved = {n: p.detach().clone() for n, p in live.items()}
-        with torch.no_grad():
-            for n, p in live.items():
-                p.copy_(ema[n])
-            images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn, use_bf16)
-            for n, p in live.items():
-                p.copy_(saved[n])
+        if ema is not None:  # the trained weights set aside
+            saved = {n: p.detach().clone() for n, p in trainable(transformer).items()}
+            load_weights(transformer, ema)
+        images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn, use_bf16)
+        if ema is not None:
+            load_weights(transformer, saved)
         if rank == 0:
             grid = sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16])
             atomic_write(os.path.join(cfg.out, f"samples_{epoch:04d}.png"), lambda f: grid.save(f, format="PNG"), "wb")
@@ -584,9 +575,8 @@ def train(cfg, stop=()):
     # Each epoch's generators are seeded by the epoch: a resumed run draws what an uninterrupted one
     # would. The prompts are the same on every rank, the noise differs: a prompt's group spans the ranks.
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
-        epoch_start = time.perf_counter()
         # --- rollouts: sample, decode, reward
-        prompt_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        epoch_start, prompt_gen = time.perf_counter(), torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
         noise_gen = torch.Generator(device=device).manual_seed((cfg.seed * 1_000_003 + epoch) * 1009 + rank + 1)
         prompt_ids = torch.randint(len(prompts_all), (cfg.prompts_per_epoch,), generator=prompt_gen)  # [P]
         prompt_ids = prompt_ids.repeat_interleave(cfg.group_size)  # [B]
@@ -626,15 +616,12 @@ def train(cfg, stop=()):
         # --- training: the epoch's optimizer steps, each accumulating micro-batches over the first n_train
         # steps of their trajectories. THE JAGG CALL: accumulate_gradients (every window exact for --method exact)
         transformer.train()
-        stats, routed = [], None
-        steps = optimizer_steps(perm, adv.cpu(), cfg, prompt_gen)
+        stats, routed, steps = [], None, optimizer_steps(perm, adv.cpu(), cfg, prompt_gen)
         row["train/samples"] = sum(len(idx) for micro in steps for idx in micro)
         for i, micro in enumerate(steps):
-            step = (epoch - 1) * len(steps) + i + 1
+            step, micro_stats = (epoch - 1) * len(steps) + i + 1, []
             optimizer.zero_grad(set_to_none=True)
-            micro_stats = []
-            for j, idx in enumerate(micro):
-                idx = idx.to(device)
+            for j, idx in enumerate(m.to(device) for m in micro):
                 velocity_fn, ref_fn = fns(idx, net)
                 s, routed = jagg_options.accumulate_gradients(
                     velocity_fn, traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts,
@@ -645,9 +632,8 @@ def train(cfg, stop=()):
             stats += micro_stats[:-1] + [{**micro_stats[-1], **done}] if micro_stats else []
             if ema is not None and not done["skipped"] and step % FIXED["ema_every"] == 0:
                 decay = min(step / (9 + step), FIXED["ema_decay"])  # Flow-GRPO's min((1 + s) / (10 + s), 0.9), s = step - 1
-                with torch.no_grad():
-                    for n, p in trainable(transformer).items():
-                        ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
+                for n, p in trainable(transformer).items():
+                    ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
         row.update(jagg_options.epoch_stats(stats))
         row["time/train_seconds"] = time.perf_counter() - epoch_start  # rollouts, probe, training; not evaluation
         row["routing/routed"] = routed  # the epoch's last optimizer step's, per segment
@@ -669,8 +655,7 @@ def train(cfg, stop=()):
         if stopping:
             fail(f"stopped by {stop[0] if stop else 'a signal to another rank'} after epoch {epoch}, checkpointed: go "
                  f"on with --resume {cfg.out}")
-    if dist.is_initialized():
-        dist.barrier()
+    dist.barrier() if dist.is_initialized() else None
     summary = summarize(cfg, rows) if rank == 0 else None
     if rank == 0:
         write_json(os.path.join(cfg.out, "summary.json"), summary)
@@ -678,9 +663,6 @@ def train(cfg, stop=()):
               f"({cfg.eval_samples} samples), training {summary['train_seconds']:.0f} s (backward "
               f"{summary['backward_seconds']:.0f} s), outputs in {cfg.out}/")
     return rows, summary
-
-
-# === 7. A run's summary ===
 
 def summarize(cfg, rows):
     """summary.json: the evaluation curve (the final reward: the last evaluation), times, and the probe's
@@ -702,7 +684,7 @@ def summarize(cfg, rows):
             "probe_error_to_noise_stderr_by_position": pooled.get("stderr"), "config": dataclasses.asdict(cfg)}
 
 
-# === 8. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
+# === 7. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
 
 def benchmark(cfg, repeats=5):
     """Exact vs the flags' JAGG mode, one training step each, on a random transformer of --model's shape (SD3.5-medium's
@@ -743,7 +725,7 @@ def benchmark(cfg, repeats=5):
     return result
 
 
-# === 9. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
+# === 8. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
 
 def main(argv=None):
     cfg = validate(parse(argv))
