@@ -35,9 +35,8 @@ from jagg_options import all_gather_cat, atomic_write, write_json  # the last tw
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
 
-# The ranges a flag may declare, as its error message and --help say them.
 RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2, "> 0": lambda v: v > 0,
-          "in (0, 1]": lambda v: 0 < v <= 1, "in (0, 1)": lambda v: 0 < v < 1}
+          "in (0, 1]": lambda v: 0 < v <= 1, "in (0, 1)": lambda v: 0 < v < 1}  # a flag's range, as its error says it
 
 def flag(default, help, must=None, choices=None):
     return dataclasses.field(default=default, metadata={"help": help, "must": must, "choices": choices})
@@ -231,9 +230,8 @@ def load_pipeline(cfg, device, dtype):
         fail(f"could not load --model {cfg.model!r} ({type(e).__name__}: {str(e)[:300]}); pass a folder saved with "
              "save_pretrained, or a hub id on a machine with network")
     pipe.set_progress_bar_config(disable=True)
-    for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
-        if module is not None:
-            module.to(device).requires_grad_(False)
+    for module in filter(None, (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer)):
+        module.to(device).requires_grad_(False)
     if cfg.lora_rank:
         add_lora(pipe.transformer, cfg.lora_rank)
     else:  # full fine-tuning; a frozen copy is the KL reference
@@ -390,20 +388,16 @@ def sampling_sigmas(cfg, scheduler):
 @torch.no_grad()
 def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_start=None):
     """Roll out the prompts in chunks of --train-batch (with window_start, an SDE window of --sde-window steps
-    from there, the ODE elsewhere): (traj [T, B, ...], cond, uncond, images)."""
+    from there, the ODE elsewhere; without, the SDE throughout): (traj [T, B, ...], cond, uncond, images)."""
     C, h = transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
+    start, size = (0, len(sigmas) - 1) if window_start is None else (window_start, cfg.sde_window)  # 0, T: jagg.rollout's
     trajs, conds, unconds, images = [], [], [], []
     for s in range(0, len(prompts), cfg.train_batch):
         chunk = prompts[s : s + cfg.train_batch]
         cond, uncond = encode(pipe, chunk, sigmas.device)
         noise = torch.randn(len(chunk), C, h, h, generator=generator, device=sigmas.device)  # [b, C, h, w]
         velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)
-        if window_start is None:
-            traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level, generator=generator)
-            final = traj.sample
-        else:
-            traj, final = jagg_options.window_rollout(velocity_fn, noise, sigmas, cfg.noise_level, window_start,
-                                                      cfg.sde_window, generator=generator)
+        traj, final = jagg_options.window_rollout(velocity_fn, noise, sigmas, cfg.noise_level, start, size, generator)
         trajs.append(traj), conds.append(cond), unconds.append(uncond)
         images += decode(pipe, final)
     cond, uncond = (tuple(torch.cat([c[i] for c in cs]) for i in range(2)) for cs in (conds, unconds))  # [B, L, E], [B, P]
@@ -493,8 +487,7 @@ def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs 
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
 def train(cfg, stop=()):
-    """One run (--method exact or jagg); stop: the signals received, which end it after the epoch, checkpointed.
-    Returns (metrics rows, summary)."""
+    """One run; stop: the signals received, which end it after their epoch, checkpointed. Returns (rows, summary)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     rank, world = jagg_options.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
@@ -600,8 +593,7 @@ def train(cfg, stop=()):
         if not cfg.fsdp and (cfg.steps_per_epoch or world == 1):  # broken samples do not train (under FSDP or
             perm = perm[ok.reshape(world, -1)[rank].cpu()[perm]]  # DDP's step a micro-batch, their steps skip)
 
-        # --- the probe, on one micro-batch before training on it: JAGG's gradient against exact per
-        # segment (averaged over the ranks, so that every rank routes alike)
+        # --- the probe, before training on its micro-batch: JAGG's gradient vs exact per segment; ranks route by their mean
         if cfg.probe_every and epoch % cfg.probe_every == 0:
             start, idx = time.perf_counter(), perm[: cfg.train_batch].to(device)
             probe = jagg_options.probe_segments(lambda i: fns(idx[i], transformer), params,
@@ -686,7 +678,7 @@ def summarize(cfg, rows):
 
 # === 7. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
 
-def benchmark(cfg, repeats=5):
+def benchmark(cfg):
     """Exact vs the flags' JAGG mode, one training step each, on a random transformer of --model's shape (SD3.5-medium's
     on a GPU, a small one on a CPU: the timing does not depend on the weights); medians of interleaved repeats."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
@@ -709,7 +701,7 @@ def benchmark(cfg, repeats=5):
     rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)  # [B]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     times = jagg_options.time_gradients(velocity_fn, list(transformer.parameters()), traj, adv, loss_cfg,
-                                        cfg.jagg_options("jagg"), velocity_fn if cfg.beta else None, repeats)
+                                        cfg.jagg_options("jagg"), velocity_fn if cfg.beta else None)
     (ex_bwd, ex_s), (jg_bwd, jg_s) = ((times[m]["backward_s"], times[m]["step_s"]) for m in ("exact", "jagg"))
     result = {"model": cfg.model if local else "SD3.5-medium" if gpu else "SD3 reduced for a CPU", "batch": B,
               "device": torch.cuda.get_device_name(device) if gpu else "cpu", "window": cfg.window,
