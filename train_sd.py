@@ -20,10 +20,8 @@ import io
 import json
 import math
 import os
-import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw, ImageFont
@@ -262,8 +260,7 @@ def encode(pipe, prompts, device):
     """(cond, uncond) text embeddings, each (prompt_embeds [B, L, E], pooled [B, P]); uncond: the empty prompt."""
     t5_len = min(256, pipe.tokenizer_3.model_max_length) if pipe.tokenizer_3 is not None else 256  # SD3's 256 tokens
     pe, npe, pooled, npooled = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-                                                  do_classifier_free_guidance=True, negative_prompt=[""] * len(prompts),
-                                                  max_sequence_length=t5_len)
+                                                  negative_prompt=[""] * len(prompts), max_sequence_length=t5_len)
     return (pe.float(), pooled.float()), (npe.float(), npooled.float())
 
 @torch.no_grad()
@@ -331,7 +328,7 @@ def jpeg_kb(image):
     return buf.tell() / 1000
 
 def darkness(image):  # 1 - the mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all
-    return 1 - int(np.asarray(image.convert("L"), dtype=np.int64).sum()) / (255 * image.width * image.height)
+    return 1 - sum(image.convert("L").tobytes()) / (255 * image.width * image.height)
 
 # The built-in rewards: adding one is one line here. Any other is --reward module:function with the same
 # signature (e.g. lab.mini_sd3:geneval_reward); its attribute eval_metrics(images, prompts) -> {name: float},
@@ -597,8 +594,7 @@ def train(cfg, stop=()):
         if cfg.probe_every and epoch % cfg.probe_every == 0:
             start, idx = time.perf_counter(), perm[: cfg.train_batch].to(device)
             probe = jagg_options.probe_segments(lambda i: fns(idx[i], transformer), params,
-                                                traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts,
-                                                step_batch)
+                                                traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts, step_batch)
             for key in ("cosine", "error_to_noise", "error", "noise"):  # the error's two parts pool over probes
                 mean = all_gather_cat(torch.tensor([probe[key]], dtype=torch.float64, device=device)).mean(0)
                 row["probe/grad_cosine" if key == "cosine" else f"probe/{key}"] = mean.tolist()
@@ -739,6 +735,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
     if dist.is_initialized():  # close the group on every rank: one leaving with gloo's threads alive can abort
         dist.destroy_process_group()
