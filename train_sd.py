@@ -32,7 +32,6 @@ import jagg_options
 from jagg_options import all_gather_cat, atomic_write, write_json  # the last two: whole files, JSON without NaN
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
-
 RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2, "> 0": lambda v: v > 0,
           "in (0, 1]": lambda v: 0 < v <= 1, "in (0, 1)": lambda v: 0 < v < 1}  # a flag's range, as its error says it
 
@@ -215,7 +214,6 @@ def claim_out(cfg):
 
 
 # === 2. THE MODEL: load, encode, decode, velocity_fn. The only SD3 code: a new family edits this block ===
-
 def load_pipeline(cfg, device, dtype):
     """(pipe, transformer): the pipeline frozen on device; trainable a LoRA, or every weight in fp32 (--lora-rank 0)."""
     from diffusers import StableDiffusion3Pipeline
@@ -321,7 +319,6 @@ SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32,
 
 
 # === 3. Rewards: reward_fn(images: a list of PIL images, prompts: a list of str) -> B numbers ===
-
 def jpeg_kb(image):
     buf = io.BytesIO()
     image.save(buf, format="JPEG", quality=95)
@@ -373,7 +370,6 @@ def rewards_of(reward_fn, images, prompts):
 
 
 # === 4. Rollouts and evaluations ===
-
 def sampling_sigmas(cfg, scheduler):
     """A rollout's T + 1 sigmas from 1 to 0: the pipeline scheduler's (Flow-GRPO's), or jagg.sigma_schedule's."""
     if cfg.sigma_schedule == "linear":
@@ -420,7 +416,6 @@ def sample_grid(images, prompts, rewards, cell=96):
 
 
 # === 5. Files: atomic writes, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
-
 def trainable(transformer):
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
 
@@ -467,7 +462,6 @@ def read_checkpoint(run, mmap=False):  # the checkpoint's dict, or one line nami
 
 
 # === 6. Training: the whole loop, from rollout to optimizer step; then the run's summary ===
-
 def optimizer_steps(perm, adv, cfg, generator):
     """The epoch's optimizer steps, [[micro-batch indices, ...] per step], as many on every rank.
     --steps-per-epoch N: Flow-GRPO's N equal steps, zero-advantage samples dropped (not under FSDP, whose
@@ -673,7 +667,6 @@ def summarize(cfg, rows):
 
 
 # === 7. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
-
 def benchmark(cfg):
     """Exact vs the flags' JAGG mode, one training step each, on a random transformer of --model's shape (SD3.5-medium's
     on a GPU, a small one on a CPU: the timing does not depend on the weights); medians of interleaved repeats."""
@@ -714,7 +707,6 @@ def benchmark(cfg):
 
 
 # === 8. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
-
 def main(argv=None):
     cfg = validate(parse(argv))
     lock = claim_out(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
