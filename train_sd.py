@@ -95,34 +95,6 @@ class Config:
         return [(RANGES[f.metadata["must"]](getattr(self, f.name)), f.name, f.metadata["must"])
                 for f in dataclasses.fields(self) if f.metadata["must"]]
 
-    def checks(self):
-        """(ok, message) of the checks that need more than one flag, or the file system."""
-        T, end, world = self.trained_steps(), self.sde_range_end or self.num_steps - 1, int(os.environ.get("WORLD_SIZE", 1))
-        local = self.model.startswith((".", "/", "~")) or os.path.exists(self.model) or self.model.count("/") != 1
-        return [
-            (self.resolution % 16 == 0 <= self.resolution, f"--resolution must be 0 or a multiple of 16 (the VAE's 8x "
-                                                           f"times the 2x2 patches), got {self.resolution}"),
-            (0 <= self.sde_range_end <= self.num_steps, f"--sde-range-end must be in [0, --num-steps {self.num_steps}], "
-                                                        f"got {self.sde_range_end}"),
-            (T >= 1, f"--timestep-fraction {self.timestep_fraction} trains none of the {self.num_steps} steps: raise it"),
-            (self.window <= max(T, 2), f"--window {self.window} is longer than the {T} trained steps: use --window <= {T}"),
-            (self.sde_window <= end, f"--sde-window {self.sde_window} does not fit in steps 0 to {end - 1}: use a "
-                                     "smaller window or a larger --sde-range-end"),
-            (self.route != "probe" or self.probe_every, "--route probe needs the probe: give --probe-every N >= 1"),
-            (not self.probe_every or self.train_batch >= 2, "the probe halves a micro-batch: use --train-batch >= 2"),
-            (self.group_size >= 2 or world > 1, f"--group-size must be >= 2 on one process (advantages compare a "
-                                                f"group's samples), got {self.group_size}"),
-            (not self.fsdp or "WORLD_SIZE" in os.environ, "--fsdp shards over torchrun's ranks: torchrun "
-                                                         "--nproc_per_node N train_sd.py --fsdp ..."),
-            (not (self.fsdp and self.benchmark), "--benchmark times one process: leave out --fsdp"),
-            (not (self.resume and self.overwrite), "--resume continues a run, --overwrite deletes it: give one"),
-            (not self.resume or os.path.isfile(checkpoint_path(self.resume)),
-             f"--resume {self.resume!r} holds no checkpoint ({checkpoint_path(self.resume)}): give a run's folder"),
-            (not self.resume or self.out in (Config.out, self.resume),
-             f"--resume writes where the run is: drop --out {self.out!r} or give --out {self.resume!r}"),
-            (not local or os.path.isfile(os.path.join(os.path.expanduser(self.model), "model_index.json")),
-             f"--model {self.model!r} is not a folder with a diffusers pipeline (model_index.json)")]
-
 # Flow-GRPO's settings that nothing here varies: fixed, and saved in config.json beside the flags.
 FIXED = dict(adv_clip=5.0, weight_decay=1e-4, max_grad_norm=1.0, ema_decay=0.9, ema_every=8, probe_decay=0.5)
 RESUMABLE = ("epochs", "eval_every", "out", "resume", "overwrite", "benchmark")  # what --resume may change
@@ -154,7 +126,32 @@ def validate(cfg):
         jagg_options.check_options(cfg.jagg_options("jagg"))
     except ValueError as e:
         fail("--" + str(e).replace("_", "-", str(e).split()[0].count("_")))
-    for ok, message in cfg.checks():
+    T, end, world = cfg.trained_steps(), cfg.sde_range_end or cfg.num_steps - 1, int(os.environ.get("WORLD_SIZE", 1))
+    local = cfg.model.startswith((".", "/", "~")) or os.path.exists(cfg.model) or cfg.model.count("/") != 1
+    checks = [  # those that need more than one flag, or the file system
+        (cfg.resolution % 16 == 0 <= cfg.resolution, f"--resolution must be 0 or a multiple of 16 (the VAE's 8x times "
+                                                     f"the 2x2 patches), got {cfg.resolution}"),
+        (0 <= cfg.sde_range_end <= cfg.num_steps, f"--sde-range-end must be in [0, --num-steps {cfg.num_steps}], got "
+                                                  f"{cfg.sde_range_end}"),
+        (T >= 1, f"--timestep-fraction {cfg.timestep_fraction} trains none of the {cfg.num_steps} steps: raise it"),
+        (cfg.window <= max(T, 2), f"--window {cfg.window} is longer than the {T} trained steps: use --window <= {T}"),
+        (cfg.sde_window <= end, f"--sde-window {cfg.sde_window} does not fit in steps 0 to {end - 1}: use a smaller "
+                                "window or a larger --sde-range-end"),
+        (cfg.route != "probe" or cfg.probe_every, "--route probe needs the probe: give --probe-every N >= 1"),
+        (not cfg.probe_every or cfg.train_batch >= 2, "the probe halves a micro-batch: use --train-batch >= 2"),
+        (cfg.group_size >= 2 or world > 1, f"--group-size must be >= 2 on one process (advantages compare a group's "
+                                           f"samples), got {cfg.group_size}"),
+        (not cfg.fsdp or "WORLD_SIZE" in os.environ, "--fsdp shards over torchrun's ranks: torchrun --nproc_per_node N "
+                                                     "train_sd.py --fsdp ..."),
+        (not (cfg.fsdp and cfg.benchmark), "--benchmark times one process: leave out --fsdp"),
+        (not (cfg.resume and cfg.overwrite), "--resume continues a run, --overwrite deletes it: give one"),
+        (not cfg.resume or os.path.isfile(checkpoint_path(cfg.resume)),
+         f"--resume {cfg.resume!r} holds no checkpoint ({checkpoint_path(cfg.resume)}): give a run's folder"),
+        (not cfg.resume or cfg.out in (Config.out, cfg.resume),
+         f"--resume writes where the run is: drop --out {cfg.out!r} or give --out {cfg.resume!r}"),
+        (not local or os.path.isfile(os.path.join(os.path.expanduser(cfg.model), "model_index.json")),
+         f"--model {cfg.model!r} is not a folder with a diffusers pipeline (model_index.json)")]
+    for ok, message in checks:
         if not ok:
             fail(message)
     cfg = dataclasses.replace(cfg, out=cfg.resume or cfg.out, resolution=cfg.benchmark and cfg.resolution or model_resolution(cfg))
