@@ -209,7 +209,6 @@ def claim_out(cfg):
     except ValueError as e:
         fail(e)
 
-
 # === 2. THE MODEL: load, encode, decode, velocity_fn. The only SD3 code: a new family edits this block ===
 def load_pipeline(cfg, device, dtype):
     """(pipe, transformer): the pipeline frozen on device; trainable a LoRA, or every weight in fp32 (--lora-rank 0)."""
@@ -314,7 +313,6 @@ SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32,
                dual_attention_layers=(), qk_norm=None)
 # ================================ end of the model block ================================
 
-
 # === 3. Rewards: reward_fn(images: a list of PIL images, prompts: a list of str) -> B numbers ===
 def jpeg_kb(image):
     buf = io.BytesIO()
@@ -365,7 +363,6 @@ def rewards_of(reward_fn, images, prompts):
         rewards[torch.tensor(ok)] = torch.as_tensor(scored, dtype=torch.float32).reshape(-1)
     return rewards
 
-
 # === 4. Rollouts and evaluations ===
 def sampling_sigmas(cfg, scheduler):
     """A rollout's T + 1 sigmas from 1 to 0: the pipeline scheduler's (Flow-GRPO's), or jagg.sigma_schedule's."""
@@ -411,7 +408,6 @@ def sample_grid(images, prompts, rewards, cell=96):
         ImageDraw.Draw(grid).text((x + 3, y + cell + 2), f"{p[:16]}\n{r:.3f}", fill="black", font=small)
     return grid
 
-
 # === 5. Files: atomic writes, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
 def trainable(transformer):
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
@@ -456,7 +452,6 @@ def read_checkpoint(run, mmap=False):  # the checkpoint's dict, or one line nami
         return jagg_options.read_checkpoint(checkpoint_path(run), CHECKPOINT_KEYS, "train_sd.py", mmap)
     except ValueError as e:
         fail(e)
-
 
 # === 6. Training: the whole loop, from rollout to optimizer step; then the run's summary ===
 def optimizer_steps(perm, adv, cfg, generator):
@@ -662,7 +657,6 @@ def summarize(cfg, rows):
             "probe_error_to_noise_by_position": pooled.get("error_to_noise"),
             "probe_error_to_noise_stderr_by_position": pooled.get("stderr"), "config": dataclasses.asdict(cfg)}
 
-
 # === 7. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
 def benchmark(cfg):
     """Exact vs the flags' JAGG mode, one training step each, on a random transformer of --model's shape (SD3.5-medium's
@@ -701,7 +695,6 @@ def benchmark(cfg):
           f"{jg_bwd:.3f} s), the step {result['step_speedup']:.2f}x, an epoch {result['epoch_speedup']:.2f}x")
     write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
     return result
-
 
 # === 8. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
 def main(argv=None):
