@@ -116,8 +116,7 @@ def fail(message):  # one line, no traceback
     raise SystemExit(f"error: {message}")
 
 def validate(cfg):
-    """Every bad value ends the run here in one line naming it, before any model loads. Returns cfg with --out
-    set to --resume's folder and --resolution resolved from a model folder."""
+    """Every bad value ends the run here in one line naming it, before any model loads. Returns cfg resolved."""
     finite = [(math.isfinite(v), n, "a finite number") for n, v in dataclasses.asdict(cfg).items() if isinstance(v, float)]
     for ok, name, must in finite + cfg.ranges():  # every float finite, then in its declared range
         if not ok:
@@ -199,12 +198,11 @@ def read_prompts(cfg):  # --prompts' lines, or the built-in list
                                                    "is not UTF-8 text: give a text file, one prompt a line"))
     return prompts or fail(f"--prompts file {cfg.prompts!r} has no prompts (one a line)")
 
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "*.safetensors", "samples_*.png")
-
 def claim_out(cfg):
     """Rank 0 locks --out until the run ends (jagg_options.claim_folder): refused if in use or holding a run."""
+    run_files = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "*.safetensors", "samples_*.png")
     try:
-        return jagg_options.claim_folder(cfg.out, () if cfg.benchmark else RUN_FILES, cfg.resume, cfg.overwrite,
+        return jagg_options.claim_folder(cfg.out, () if cfg.benchmark else run_files, cfg.resume, cfg.overwrite,
                                          f"--resume {cfg.out}")
     except ValueError as e:
         fail(e)
@@ -322,9 +320,8 @@ def jpeg_kb(image):
 def darkness(image):  # 1 - the mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all
     return 1 - sum(image.convert("L").tobytes()) / (255 * image.width * image.height)
 
-# The built-in rewards: adding one is one line here. Any other is --reward module:function with the same
-# signature (e.g. lab.mini_sd3:geneval_reward); its attribute eval_metrics(images, prompts) -> {name: float},
-# if any, is logged as eval/<name>. --reward FOLDER scores with PickScore (the CLIP model in FOLDER).
+# The built-in rewards: adding one is one line here. Any other is --reward module:function with the same signature
+# (lab.mini_sd3:geneval_reward, say); its eval_metrics(images, prompts) -> {name: float}, if any, is logged as eval/<name>.
 REWARDS = {"jpeg_compressibility": lambda images, prompts: [-jpeg_kb(im) for im in images],  # DDPO's
            "jpeg_incompressibility": lambda images, prompts: [jpeg_kb(im) for im in images],
            "darkness": lambda images, prompts: [darkness(im) for im in images]}
@@ -379,8 +376,7 @@ def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_
     C, h = transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
     start, size = (0, len(sigmas) - 1) if window_start is None else (window_start, cfg.sde_window)  # 0, T: jagg.rollout's
     trajs, conds, unconds, images = [], [], [], []
-    for s in range(0, len(prompts), cfg.train_batch):
-        chunk = prompts[s : s + cfg.train_batch]
+    for chunk in (prompts[s : s + cfg.train_batch] for s in range(0, len(prompts), cfg.train_batch)):
         cond, uncond = encode(pipe, chunk, sigmas.device)
         noise = torch.randn(len(chunk), C, h, h, generator=generator, device=sigmas.device)  # [b, C, h, w]
         velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)
@@ -431,8 +427,6 @@ def as_param(w, p):  # a whole tensor laid out as the parameter p: on its device
 def checkpoint_path(run):
     return os.path.join(run, "checkpoint.pt")
 
-CHECKPOINT_KEYS = ("epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer")
-
 def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
     """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically, then the weights.
     Tensors and plain data only, so that it is read with weights_only; the optimizer state keyed by name."""
@@ -447,9 +441,10 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe
         atomic_write(checkpoint_path(out), lambda f: torch.save(state, f), "wb")
         atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(state["ema"] or state["weights"])), "wb")
 
-def read_checkpoint(run, mmap=False):  # the checkpoint's dict, or one line naming it
+def read_checkpoint(run, mmap=False):  # save_checkpoint's dict, or one line naming it
+    keys = ("epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer")
     try:
-        return jagg_options.read_checkpoint(checkpoint_path(run), CHECKPOINT_KEYS, "train_sd.py", mmap)
+        return jagg_options.read_checkpoint(checkpoint_path(run), keys, "train_sd.py", mmap)
     except ValueError as e:
         fail(e)
 
@@ -575,7 +570,6 @@ def train(cfg, stop=()):
         perm = torch.randperm(len(prompts), generator=prompt_gen)
         if not cfg.fsdp and (cfg.steps_per_epoch or world == 1):  # broken samples do not train (under FSDP or
             perm = perm[ok.reshape(world, -1)[rank].cpu()[perm]]  # DDP's step a micro-batch, their steps skip)
-
         # --- the probe, before training on its micro-batch: JAGG's gradient vs exact per segment; ranks route by their mean
         if cfg.probe_every and epoch % cfg.probe_every == 0:
             start, idx = time.perf_counter(), perm[: cfg.train_batch].to(device)
@@ -586,7 +580,6 @@ def train(cfg, stop=()):
                 row["probe/grad_cosine" if key == "cosine" else f"probe/{key}"] = mean.tolist()
             probe_avg = jagg_options.probe_average(probe_avg, row["probe/grad_cosine"], FIXED["probe_decay"])
             row["time/probe_seconds"] = time.perf_counter() - start
-
         # --- training: the epoch's optimizer steps, each accumulating micro-batches over the first n_train
         # steps of their trajectories. THE JAGG CALL: accumulate_gradients (every window exact for --method exact)
         transformer.train()
@@ -639,8 +632,7 @@ def train(cfg, stop=()):
     return rows, summary
 
 def summarize(cfg, rows):
-    """summary.json: the evaluation curve (the final reward: the last evaluation), times, and the probe's
-    figures per segment position pooled over the run's probes (jagg_options.pool_probes)."""
+    """summary.json: the evaluation curve, times, and the probe's figures per segment position over the run."""
     evals, trained = [(r["epoch"], r["eval/reward"]) for r in rows if "eval/reward" in r], [r for r in rows if r["epoch"]]
     routes = cfg.method == "jagg" and cfg.route == "probe"  # the probe's time counts as training only where it routes
     epoch_seconds = [r["time/train_seconds"] - (0.0 if routes else r.get("time/probe_seconds", 0.0)) for r in trained]
@@ -714,7 +706,6 @@ def main(argv=None):
         fail(f"no optimizer step was taken in {cfg.epochs} epochs ({summary and summary['skipped_steps']} skipped as "
              f"non-finite, {summary and summary['nonfinite_samples']} broken samples): the weights are the initial ones")
     return rows
-
 
 if __name__ == "__main__":
     main()
