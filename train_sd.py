@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw, ImageFont
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import jagg
@@ -232,13 +233,12 @@ def load_pipeline(cfg, device, dtype):
 
 def add_lora(transformer, rank):
     """Flow-GRPO's LoRA (alpha = 2 x rank) on the attention projections of both streams, in fp32; only it trains."""
+    from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
     transformer.requires_grad_(False)
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=[
         "to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"]))
-    for p in transformer.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()  # the frozen base may stay in bf16
+    cast_training_params(transformer)  # the LoRA in fp32; the frozen base may stay in bf16
 
 def shard_transformer(transformer):
     """FSDP2: each block one shard group, then the root, resharded after every forward."""
@@ -313,8 +313,7 @@ SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32,
 
 # === 3. Rewards: reward_fn(images: a list of PIL images, prompts: a list of str) -> B numbers ===
 def jpeg_kb(image):
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=95)
+    image.save(buf := io.BytesIO(), format="JPEG", quality=95)
     return buf.tell() / 1000
 
 def darkness(image):  # 1 - the mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all
@@ -371,15 +370,15 @@ def sampling_sigmas(cfg, scheduler):
 
 @torch.no_grad()
 def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_start=None):
-    """Roll out the prompts in chunks of --train-batch (with window_start, an SDE window of --sde-window steps
-    from there, the ODE elsewhere; without, the SDE throughout): (traj [T, B, ...], cond, uncond, images)."""
+    """Roll out the prompts in chunks of --train-batch in eval mode (with window_start, an SDE window of --sde-window
+    steps from there, the ODE elsewhere; without, the SDE throughout): (traj [T, B, ...], cond, uncond, images)."""
     C, h = transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
     start, size = (0, len(sigmas) - 1) if window_start is None else (window_start, cfg.sde_window)  # 0, T: jagg.rollout's
     trajs, conds, unconds, images = [], [], [], []
     for chunk in (prompts[s : s + cfg.train_batch] for s in range(0, len(prompts), cfg.train_batch)):
         cond, uncond = encode(pipe, chunk, sigmas.device)
         noise = torch.randn(len(chunk), C, h, h, generator=generator, device=sigmas.device)  # [b, C, h, w]
-        velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)
+        velocity_fn = make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16)
         traj, final = jagg_options.window_rollout(velocity_fn, noise, sigmas, cfg.noise_level, start, size, generator)
         trajs.append(traj), conds.append(cond), unconds.append(uncond)
         images += decode(pipe, final)
@@ -392,7 +391,7 @@ def evaluation_prompts(cfg, prompts_all):
 def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16, noise_seed=None):
     """(images, rewards [N]) of the prompts, each with its own noise, fixed by --seed (or by noise_seed)."""
     g = torch.Generator(device=sigmas.device).manual_seed(cfg.seed + 12345 if noise_seed is None else noise_seed)
-    images = sample(pipe, transformer.eval(), prompts, cfg, sigmas, g, use_bf16)[3]
+    images = sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16)[3]
     return images, rewards_of(reward_fn, images, prompts)
 
 def sample_grid(images, prompts, rewards, cell=96):
@@ -431,7 +430,6 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe
     """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically, then the weights.
     Tensors and plain data only, so that it is read with weights_only; the optimizer state keyed by name."""
     from safetensors.torch import save
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     whole = lambda tensors: {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().contiguous()  # noqa: E731
                              for n, t in tensors.items()}
     state = dict(epoch=epoch, config=config, rows=rows, probe_average=probe_average, weights=whole(trainable(transformer)),
@@ -466,7 +464,6 @@ def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs 
 
 def train(cfg, stop=()):
     """One run; stop: the signals received, which end it after their epoch, checkpointed. Returns (rows, summary)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     rank, world = jagg_options.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
     device, use_bf16 = pick_device(), torch.cuda.is_available()  # bf16 autocast on a GPU
@@ -554,8 +551,7 @@ def train(cfg, stop=()):
         prompts = [prompts_all[i] for i in prompt_ids.tolist()]
         window_start = None if not cfg.sde_window else jagg_options.window_start(  # the same on every rank
             "random", epoch, cfg.sde_window, 0, cfg.sde_range_end or cfg.num_steps - 1, seed=cfg.seed)
-        traj, cond, uncond, images = sample(pipe, transformer.eval(), prompts, cfg, sigmas, noise_gen, use_bf16,
-                                            window_start)
+        traj, cond, uncond, images = sample(pipe, transformer, prompts, cfg, sigmas, noise_gen, use_bf16, window_start)
         rewards = rewards_of(reward_fn, images, prompts).to(device)  # [B]; NaN: a broken sample
         # --- advantages over groups gathered from every rank, a broken sample dropped from its group; this rank's slice
         all_rewards, all_ids = all_gather_cat(rewards), all_gather_cat(prompt_ids.to(device))
