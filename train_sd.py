@@ -526,11 +526,6 @@ def train(cfg, stop=()):
             if hasattr(reward_fn, "eval_metrics"):  # a custom reward's own evaluation figures
                 row.update({f"eval/{k}": v for k, v in reward_fn.eval_metrics(images, eval_prompts).items()})
 
-    def no_sync(j, n):  # accumulation: DDP's around each micro-batch (jagg_options all-reduces once a step), FSDP's
-        if world > 1 and not cfg.fsdp:  # around all but a step's last
-            return net.no_sync
-        return (lambda: jagg_options.fsdp_no_sync(transformer)) if cfg.fsdp and j < n - 1 else contextlib.nullcontext
-
     def fns(idx, model):
         """(velocity_fn, the reference's or None) of the samples idx, with their own conditioning."""
         c, u = tuple(x[idx] for x in cond), tuple(x[idx] for x in uncond)
@@ -587,8 +582,8 @@ def train(cfg, stop=()):
             for j, idx in enumerate(m.to(device) for m in micro):
                 velocity_fn, ref_fn = fns(idx, net)
                 s, routed = jagg_options.accumulate_gradients(
-                    velocity_fn, traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts,
-                    ref_velocity_fn=ref_fn, no_sync=no_sync(j, len(micro)), probe_cosines=probe_avg)
+                    velocity_fn, traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts, ref_velocity_fn=ref_fn,
+                    no_sync=jagg_options.no_sync_for(net, last=j == len(micro) - 1), probe_cosines=probe_avg)
                 micro_stats.append(s)
             done = jagg_options.optimizer_step(params, optimizer, [s["loss"] for s in micro_stats], step=step,
                                                micro_batches=len(micro), max_grad_norm=FIXED["max_grad_norm"])
