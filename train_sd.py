@@ -273,9 +273,8 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond
     runs without graph as Flow-GRPO's current trainer (the gradient through s * v_c alone); uncond_grad:
     with graph, as its first release (the exact derivative s J_c - (s - 1) J_u)."""
     def velocity_fn(z, t):
-        S, B = t.shape
-        x = z.reshape(S * B, *z.shape[2:])  # [S*B, C, H, W]
-        timestep = (t.reshape(S * B) * 1000).to(x.dtype)  # SD3's timesteps are sigma * 1000
+        S, x = t.shape[0], z.flatten(0, 1)  # x: [S*B, C, H, W], step-major
+        timestep = (t.flatten() * 1000).to(x.dtype)  # SD3's timesteps are sigma * 1000
         with torch.autocast(x.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext():
             v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond[0].repeat(S, 1, 1),
                             pooled_projections=cond[1].repeat(S, 1), return_dict=False)[0]  # [S*B, C, H, W]
@@ -482,13 +481,12 @@ def train(cfg, stop=()):
         transformer, device_ids=[device.index] if use_bf16 else None)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=FIXED["weight_decay"])
     ema = {n: p.detach().clone() for n, p in trainable(transformer).items()} if cfg.ema else None
-    start_epoch, rows, probe_avg = 0, [], None
+    ckpt = read_checkpoint(cfg.resume) if cfg.resume else {"epoch": 0, "rows": [], "probe_average": None}
     if cfg.resume:  # where the run stopped: weights, optimizer state, EMA, metrics rows, probe average
-        ckpt = read_checkpoint(cfg.resume)
         load_weights(transformer, ckpt["weights"])
         set_optimizer_state_dict(transformer, optimizer, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
         ema = ema and {n: as_param(ckpt["ema"][n], p) for n, p in trainable(transformer).items()}
-        start_epoch, rows, probe_avg = ckpt["epoch"], ckpt["rows"], ckpt["probe_average"]
+    start_epoch, rows, probe_avg = ckpt["epoch"], ckpt["rows"], ckpt["probe_average"]
     config = {**dataclasses.asdict(cfg), "fixed": FIXED}
     if rank == 0:
         write_json(os.path.join(cfg.out, "config.json"), config)
@@ -510,8 +508,7 @@ def train(cfg, stop=()):
         else cfg.train_batch * world
     evaluates = rank == 0 or cfg.fsdp  # under FSDP every rank runs the evaluation's forwards; rank 0 keeps it
 
-    def evaluate(epoch, row):
-        """Fixed prompts and noise, with the EMA weights swapped in if kept: eval/reward and a picture."""
+    def evaluate(epoch, row):  # fixed prompts and noise, with the EMA weights swapped in if kept: eval/reward, a picture
         if ema is not None:  # the trained weights set aside
             saved = {n: p.detach().clone() for n, p in trainable(transformer).items()}
             load_weights(transformer, ema)
@@ -526,8 +523,7 @@ def train(cfg, stop=()):
             if hasattr(reward_fn, "eval_metrics"):  # a custom reward's own evaluation figures
                 row.update({f"eval/{k}": v for k, v in reward_fn.eval_metrics(images, eval_prompts).items()})
 
-    def fns(idx, model):
-        """(velocity_fn, the reference's or None) of the samples idx, with their own conditioning."""
+    def fns(idx, model):  # (velocity_fn, the reference's or None) of the samples idx, with their own conditioning
         c, u = tuple(x[idx] for x in cond), tuple(x[idx] for x in uncond)
         ref_fn = make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg.guidance_scale, use_bf16)
         return make_velocity_fn(model, c, u, cfg.guidance_scale, use_bf16), ref_fn if cfg.beta > 0 else None
