@@ -402,7 +402,7 @@ def sample_grid(images, prompts, rewards, cell=96):
         ImageDraw.Draw(grid).text((x + 3, y + cell + 2), f"{p[:16]}\n{r:.3f}", fill="black", font=small)
     return grid
 
-# === 5. Files: atomic writes, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
+# === 5. Files: the trained weights, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
 def trainable(transformer):
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
 
