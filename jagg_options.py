@@ -970,6 +970,18 @@ def fsdp_no_sync(module):
         module.set_requires_gradient_sync(True)
 
 
+def no_sync_for(model, last):
+    """The no_sync to give accumulate_gradients for a micro-batch of an optimizer step (last: the step's
+    last), by what wraps model: DDP's model.no_sync for every one (optimizer_step all-reduces once a
+    step, see above), fsdp_no_sync for all but the last under FSDP2 (whose backward then reduce-scatters
+    the step's sum), nullcontext for a model on one process."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync
+    if hasattr(model, "set_requires_gradient_sync") and not last:  # a module fully_shard wrapped
+        return lambda: fsdp_no_sync(model)
+    return contextlib.nullcontext
+
+
 def accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, *, ref_velocity_fn=None,
                          no_sync=contextlib.nullcontext, probe_cosines=None):
     """Add one batch's gradient (window_gradients') to the parameters' .grad, inside no_sync and

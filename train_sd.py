@@ -20,13 +20,12 @@ import io
 import json
 import math
 import os
-import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw, ImageFont
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import jagg
@@ -34,10 +33,8 @@ import jagg_options
 from jagg_options import all_gather_cat, atomic_write, write_json  # the last two: whole files, JSON without NaN
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
-
-# The ranges a flag may declare, as its error message and --help say them.
 RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2, "> 0": lambda v: v > 0,
-          "in (0, 1]": lambda v: 0 < v <= 1, "in (0, 1)": lambda v: 0 < v < 1}
+          "in (0, 1]": lambda v: 0 < v <= 1, "in (0, 1)": lambda v: 0 < v < 1}  # a flag's range, as its error says it
 
 def flag(default, help, must=None, choices=None):
     return dataclasses.field(default=default, metadata={"help": help, "must": must, "choices": choices})
@@ -88,9 +85,8 @@ class Config:
 
     def jagg_options(self, method=None):
         """The JaggOptions of these flags; method "exact" trains every window exactly."""
-        return jagg_options.JaggOptions(self.window, 0.0 if (method or self.method) == "exact" else self.jagg_frac,
-                                        anchors=self.anchors, interior=self.interior, weights=self.weights,
-                                        max_graph_rows=self.max_graph_rows, route=self.route)
+        return jagg_options.JaggOptions(self.window, 0.0 if (method or self.method) == "exact" else self.jagg_frac, **{
+            k: getattr(self, k) for k in ("anchors", "interior", "weights", "max_graph_rows", "route")})
 
     def trained_steps(self):  # the SDE window's steps, or Flow-GRPO's first int(T * timestep_fraction)
         return self.sde_window or int(self.num_steps * self.timestep_fraction)
@@ -99,34 +95,6 @@ class Config:
         """(ok, flag, what it must be) of each flag declared with a range (the JAGG flags': jagg_options')."""
         return [(RANGES[f.metadata["must"]](getattr(self, f.name)), f.name, f.metadata["must"])
                 for f in dataclasses.fields(self) if f.metadata["must"]]
-
-    def checks(self):
-        """(ok, message) of the checks that need more than one flag, or the file system."""
-        T, end, world = self.trained_steps(), self.sde_range_end or self.num_steps - 1, int(os.environ.get("WORLD_SIZE", 1))
-        local = self.model.startswith((".", "/", "~")) or os.path.exists(self.model) or self.model.count("/") != 1
-        return [
-            (self.resolution % 16 == 0 <= self.resolution, f"--resolution must be 0 or a multiple of 16 (the VAE's 8x "
-                                                           f"times the 2x2 patches), got {self.resolution}"),
-            (0 <= self.sde_range_end <= self.num_steps, f"--sde-range-end must be in [0, --num-steps {self.num_steps}], "
-                                                        f"got {self.sde_range_end}"),
-            (T >= 1, f"--timestep-fraction {self.timestep_fraction} trains none of the {self.num_steps} steps: raise it"),
-            (self.window <= max(T, 2), f"--window {self.window} is longer than the {T} trained steps: use --window <= {T}"),
-            (self.sde_window <= end, f"--sde-window {self.sde_window} does not fit in steps 0 to {end - 1}: use a "
-                                     "smaller window or a larger --sde-range-end"),
-            (self.route != "probe" or self.probe_every, "--route probe needs the probe: give --probe-every N >= 1"),
-            (not self.probe_every or self.train_batch >= 2, "the probe halves a micro-batch: use --train-batch >= 2"),
-            (self.group_size >= 2 or world > 1, f"--group-size must be >= 2 on one process (advantages compare a "
-                                                f"group's samples), got {self.group_size}"),
-            (not self.fsdp or "WORLD_SIZE" in os.environ, "--fsdp shards over torchrun's ranks: torchrun "
-                                                         "--nproc_per_node N train_sd.py --fsdp ..."),
-            (not (self.fsdp and self.benchmark), "--benchmark times one process: leave out --fsdp"),
-            (not (self.resume and self.overwrite), "--resume continues a run, --overwrite deletes it: give one"),
-            (not self.resume or os.path.isfile(checkpoint_path(self.resume)),
-             f"--resume {self.resume!r} holds no checkpoint ({checkpoint_path(self.resume)}): give a run's folder"),
-            (not self.resume or self.out in (Config.out, self.resume),
-             f"--resume writes where the run is: drop --out {self.out!r} or give --out {self.resume!r}"),
-            (not local or os.path.isfile(os.path.join(os.path.expanduser(self.model), "model_index.json")),
-             f"--model {self.model!r} is not a folder with a diffusers pipeline (model_index.json)")]
 
 # Flow-GRPO's settings that nothing here varies: fixed, and saved in config.json beside the flags.
 FIXED = dict(adv_clip=5.0, weight_decay=1e-4, max_grad_norm=1.0, ema_decay=0.9, ema_every=8, probe_decay=0.5)
@@ -149,19 +117,41 @@ def fail(message):  # one line, no traceback
     raise SystemExit(f"error: {message}")
 
 def validate(cfg):
-    """Every bad value ends the run here in one line naming it, before any model loads. Returns cfg with --out
-    set to --resume's folder and --resolution resolved from a model folder."""
-    for f in dataclasses.fields(cfg):
-        if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name)):
-            fail(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(cfg, f.name)}")
-    for ok, name, must in cfg.ranges():
+    """Every bad value ends the run here in one line naming it, before any model loads. Returns cfg resolved."""
+    finite = [(math.isfinite(v), n, "a finite number") for n, v in dataclasses.asdict(cfg).items() if isinstance(v, float)]
+    for ok, name, must in finite + cfg.ranges():  # every float finite, then in its declared range
         if not ok:
             fail(f"--{name.replace('_', '-')} must be {must}, got {getattr(cfg, name)}")
     try:  # JaggOptions' ranges, declared once in jagg_options.check_options; its message starts with the field
         jagg_options.check_options(cfg.jagg_options("jagg"))
     except ValueError as e:
         fail("--" + str(e).replace("_", "-", str(e).split()[0].count("_")))
-    for ok, message in cfg.checks():
+    T, end, world = cfg.trained_steps(), cfg.sde_range_end or cfg.num_steps - 1, int(os.environ.get("WORLD_SIZE", 1))
+    local = cfg.model.startswith((".", "/", "~")) or os.path.exists(cfg.model) or cfg.model.count("/") != 1
+    checks = [  # those that need more than one flag, or the file system
+        (cfg.resolution % 16 == 0 <= cfg.resolution, f"--resolution must be 0 or a multiple of 16 (the VAE's 8x times "
+                                                     f"the 2x2 patches), got {cfg.resolution}"),
+        (0 <= cfg.sde_range_end <= cfg.num_steps, f"--sde-range-end must be in [0, --num-steps {cfg.num_steps}], got "
+                                                  f"{cfg.sde_range_end}"),
+        (T >= 1, f"--timestep-fraction {cfg.timestep_fraction} trains none of the {cfg.num_steps} steps: raise it"),
+        (cfg.window <= max(T, 2), f"--window {cfg.window} is longer than the {T} trained steps: use --window <= {T}"),
+        (cfg.sde_window <= end, f"--sde-window {cfg.sde_window} does not fit in steps 0 to {end - 1}: use a smaller "
+                                "window or a larger --sde-range-end"),
+        (cfg.route != "probe" or cfg.probe_every, "--route probe needs the probe: give --probe-every N >= 1"),
+        (not cfg.probe_every or cfg.train_batch >= 2, "the probe halves a micro-batch: use --train-batch >= 2"),
+        (cfg.group_size >= 2 or world > 1, f"--group-size must be >= 2 on one process (advantages compare a group's "
+                                           f"samples), got {cfg.group_size}"),
+        (not cfg.fsdp or "WORLD_SIZE" in os.environ, "--fsdp shards over torchrun's ranks: torchrun --nproc_per_node N "
+                                                     "train_sd.py --fsdp ..."),
+        (not (cfg.fsdp and cfg.benchmark), "--benchmark times one process: leave out --fsdp"),
+        (not (cfg.resume and cfg.overwrite), "--resume continues a run, --overwrite deletes it: give one"),
+        (not cfg.resume or os.path.isfile(checkpoint_path(cfg.resume)),
+         f"--resume {cfg.resume!r} holds no checkpoint ({checkpoint_path(cfg.resume)}): give a run's folder"),
+        (not cfg.resume or cfg.out in (Config.out, cfg.resume),
+         f"--resume writes where the run is: drop --out {cfg.out!r} or give --out {cfg.resume!r}"),
+        (not local or os.path.isfile(os.path.join(os.path.expanduser(cfg.model), "model_index.json")),
+         f"--model {cfg.model!r} is not a folder with a diffusers pipeline (model_index.json)")]
+    for ok, message in checks:
         if not ok:
             fail(message)
     cfg = dataclasses.replace(cfg, out=cfg.resume or cfg.out, resolution=cfg.benchmark and cfg.resolution or model_resolution(cfg))
@@ -209,19 +199,16 @@ def read_prompts(cfg):  # --prompts' lines, or the built-in list
                                                    "is not UTF-8 text: give a text file, one prompt a line"))
     return prompts or fail(f"--prompts file {cfg.prompts!r} has no prompts (one a line)")
 
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "*.safetensors", "samples_*.png")
-
 def claim_out(cfg):
     """Rank 0 locks --out until the run ends (jagg_options.claim_folder): refused if in use or holding a run."""
+    run_files = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "*.safetensors", "samples_*.png")
     try:
-        return jagg_options.claim_folder(cfg.out, () if cfg.benchmark else RUN_FILES, cfg.resume, cfg.overwrite,
+        return jagg_options.claim_folder(cfg.out, () if cfg.benchmark else run_files, cfg.resume, cfg.overwrite,
                                          f"--resume {cfg.out}")
     except ValueError as e:
         fail(e)
 
-
 # === 2. THE MODEL: load, encode, decode, velocity_fn. The only SD3 code: a new family edits this block ===
-
 def load_pipeline(cfg, device, dtype):
     """(pipe, transformer): the pipeline frozen on device; trainable a LoRA, or every weight in fp32 (--lora-rank 0)."""
     from diffusers import StableDiffusion3Pipeline
@@ -234,9 +221,8 @@ def load_pipeline(cfg, device, dtype):
         fail(f"could not load --model {cfg.model!r} ({type(e).__name__}: {str(e)[:300]}); pass a folder saved with "
              "save_pretrained, or a hub id on a machine with network")
     pipe.set_progress_bar_config(disable=True)
-    for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
-        if module is not None:
-            module.to(device).requires_grad_(False)
+    for module in filter(None, (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer)):
+        module.to(device).requires_grad_(False)
     if cfg.lora_rank:
         add_lora(pipe.transformer, cfg.lora_rank)
     else:  # full fine-tuning; a frozen copy is the KL reference
@@ -247,13 +233,12 @@ def load_pipeline(cfg, device, dtype):
 
 def add_lora(transformer, rank):
     """Flow-GRPO's LoRA (alpha = 2 x rank) on the attention projections of both streams, in fp32; only it trains."""
+    from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
     transformer.requires_grad_(False)
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=[
         "to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"]))
-    for p in transformer.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()  # the frozen base may stay in bf16
+    cast_training_params(transformer)  # the LoRA in fp32; the frozen base may stay in bf16
 
 def shard_transformer(transformer):
     """FSDP2: each block one shard group, then the root, resharded after every forward."""
@@ -267,8 +252,7 @@ def encode(pipe, prompts, device):
     """(cond, uncond) text embeddings, each (prompt_embeds [B, L, E], pooled [B, P]); uncond: the empty prompt."""
     t5_len = min(256, pipe.tokenizer_3.model_max_length) if pipe.tokenizer_3 is not None else 256  # SD3's 256 tokens
     pe, npe, pooled, npooled = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-                                                  do_classifier_free_guidance=True, negative_prompt=[""] * len(prompts),
-                                                  max_sequence_length=t5_len)
+                                                  negative_prompt=[""] * len(prompts), max_sequence_length=t5_len)
     return (pe.float(), pooled.float()), (npe.float(), npooled.float())
 
 @torch.no_grad()
@@ -289,9 +273,8 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond
     runs without graph as Flow-GRPO's current trainer (the gradient through s * v_c alone); uncond_grad:
     with graph, as its first release (the exact derivative s J_c - (s - 1) J_u)."""
     def velocity_fn(z, t):
-        S, B = t.shape
-        x = z.reshape(S * B, *z.shape[2:])  # [S*B, C, H, W]
-        timestep = (t.reshape(S * B) * 1000).to(x.dtype)  # SD3's timesteps are sigma * 1000
+        S, x = t.shape[0], z.flatten(0, 1)  # x: [S*B, C, H, W], step-major
+        timestep = (t.flatten() * 1000).to(x.dtype)  # SD3's timesteps are sigma * 1000
         with torch.autocast(x.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext():
             v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond[0].repeat(S, 1, 1),
                             pooled_projections=cond[1].repeat(S, 1), return_dict=False)[0]  # [S*B, C, H, W]
@@ -327,20 +310,16 @@ SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32,
                dual_attention_layers=(), qk_norm=None)
 # ================================ end of the model block ================================
 
-
 # === 3. Rewards: reward_fn(images: a list of PIL images, prompts: a list of str) -> B numbers ===
-
 def jpeg_kb(image):
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=95)
+    image.save(buf := io.BytesIO(), format="JPEG", quality=95)
     return buf.tell() / 1000
 
 def darkness(image):  # 1 - the mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all
-    return 1 - int(np.asarray(image.convert("L"), dtype=np.int64).sum()) / (255 * image.width * image.height)
+    return 1 - sum(image.convert("L").tobytes()) / (255 * image.width * image.height)
 
-# The built-in rewards: adding one is one line here. Any other is --reward module:function with the same
-# signature (e.g. lab.mini_sd3:geneval_reward); its attribute eval_metrics(images, prompts) -> {name: float},
-# if any, is logged as eval/<name>. --reward FOLDER scores with PickScore (the CLIP model in FOLDER).
+# The built-in rewards: adding one is one line here. Any other is --reward module:function with the same signature
+# (lab.mini_sd3:geneval_reward, say); its eval_metrics(images, prompts) -> {name: float}, if any, is logged as eval/<name>.
 REWARDS = {"jpeg_compressibility": lambda images, prompts: [-jpeg_kb(im) for im in images],  # DDPO's
            "jpeg_incompressibility": lambda images, prompts: [jpeg_kb(im) for im in images],
            "darkness": lambda images, prompts: [darkness(im) for im in images]}
@@ -379,9 +358,7 @@ def rewards_of(reward_fn, images, prompts):
         rewards[torch.tensor(ok)] = torch.as_tensor(scored, dtype=torch.float32).reshape(-1)
     return rewards
 
-
 # === 4. Rollouts and evaluations ===
-
 def sampling_sigmas(cfg, scheduler):
     """A rollout's T + 1 sigmas from 1 to 0: the pipeline scheduler's (Flow-GRPO's), or jagg.sigma_schedule's."""
     if cfg.sigma_schedule == "linear":
@@ -392,21 +369,16 @@ def sampling_sigmas(cfg, scheduler):
 
 @torch.no_grad()
 def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_start=None):
-    """Roll out the prompts in chunks of --train-batch (with window_start, an SDE window of --sde-window steps
-    from there, the ODE elsewhere): (traj [T, B, ...], cond, uncond, images)."""
+    """Roll out the prompts in chunks of --train-batch in eval mode (with window_start, an SDE window of --sde-window
+    steps from there, the ODE elsewhere; without, the SDE throughout): (traj [T, B, ...], cond, uncond, images)."""
     C, h = transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
+    start, size = (0, len(sigmas) - 1) if window_start is None else (window_start, cfg.sde_window)  # 0, T: jagg.rollout's
     trajs, conds, unconds, images = [], [], [], []
-    for s in range(0, len(prompts), cfg.train_batch):
-        chunk = prompts[s : s + cfg.train_batch]
+    for chunk in (prompts[s : s + cfg.train_batch] for s in range(0, len(prompts), cfg.train_batch)):
         cond, uncond = encode(pipe, chunk, sigmas.device)
         noise = torch.randn(len(chunk), C, h, h, generator=generator, device=sigmas.device)  # [b, C, h, w]
-        velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)
-        if window_start is None:
-            traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level, generator=generator)
-            final = traj.sample
-        else:
-            traj, final = jagg_options.window_rollout(velocity_fn, noise, sigmas, cfg.noise_level, window_start,
-                                                      cfg.sde_window, generator=generator)
+        velocity_fn = make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16)
+        traj, final = jagg_options.window_rollout(velocity_fn, noise, sigmas, cfg.noise_level, start, size, generator)
         trajs.append(traj), conds.append(cond), unconds.append(uncond)
         images += decode(pipe, final)
     cond, uncond = (tuple(torch.cat([c[i] for c in cs]) for i in range(2)) for cs in (conds, unconds))  # [B, L, E], [B, P]
@@ -418,7 +390,7 @@ def evaluation_prompts(cfg, prompts_all):
 def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16, noise_seed=None):
     """(images, rewards [N]) of the prompts, each with its own noise, fixed by --seed (or by noise_seed)."""
     g = torch.Generator(device=sigmas.device).manual_seed(cfg.seed + 12345 if noise_seed is None else noise_seed)
-    images = sample(pipe, transformer.eval(), prompts, cfg, sigmas, g, use_bf16)[3]
+    images = sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16)[3]
     return images, rewards_of(reward_fn, images, prompts)
 
 def sample_grid(images, prompts, rewards, cell=96):
@@ -430,9 +402,7 @@ def sample_grid(images, prompts, rewards, cell=96):
         ImageDraw.Draw(grid).text((x + 3, y + cell + 2), f"{p[:16]}\n{r:.3f}", fill="black", font=small)
     return grid
 
-
-# === 5. Files: atomic writes, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
-
+# === 5. Files: the trained weights, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
 def trainable(transformer):
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
 
@@ -455,13 +425,10 @@ def as_param(w, p):  # a whole tensor laid out as the parameter p: on its device
 def checkpoint_path(run):
     return os.path.join(run, "checkpoint.pt")
 
-CHECKPOINT_KEYS = ("epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer")
-
 def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
     """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically, then the weights.
     Tensors and plain data only, so that it is read with weights_only; the optimizer state keyed by name."""
     from safetensors.torch import save
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     whole = lambda tensors: {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().contiguous()  # noqa: E731
                              for n, t in tensors.items()}
     state = dict(epoch=epoch, config=config, rows=rows, probe_average=probe_average, weights=whole(trainable(transformer)),
@@ -471,48 +438,41 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe
         atomic_write(checkpoint_path(out), lambda f: torch.save(state, f), "wb")
         atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(state["ema"] or state["weights"])), "wb")
 
-def read_checkpoint(run, mmap=False):  # the checkpoint's dict, or one line naming it
+def read_checkpoint(run, mmap=False):  # save_checkpoint's dict, or one line naming it
+    keys = ("epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer")
     try:
-        return jagg_options.read_checkpoint(checkpoint_path(run), CHECKPOINT_KEYS, "train_sd.py", mmap)
+        return jagg_options.read_checkpoint(checkpoint_path(run), keys, "train_sd.py", mmap)
     except ValueError as e:
         fail(e)
 
-
-# === 6. Training: the whole loop, from rollout to optimizer step ===
-
+# === 6. Training: the whole loop, from rollout to optimizer step; then the run's summary ===
 def optimizer_steps(perm, adv, cfg, generator):
     """The epoch's optimizer steps, [[micro-batch indices, ...] per step], as many on every rank.
     --steps-per-epoch N: Flow-GRPO's N equal steps, zero-advantage samples dropped (not under FSDP, whose
     ranks must run alike), dropped ones put back until N divides the count. 0: one step a micro-batch."""
     if not cfg.steps_per_epoch:
         return [[m] for m in perm.split(cfg.train_batch) if len(m)]  # none when every sample broke
-    keep = perm
     if not cfg.fsdp:
-        nonzero = adv[perm] != 0
-        keep, dropped = perm[nonzero], perm[~nonzero]
+        keep, dropped = perm[adv[perm] != 0], perm[adv[perm] == 0]
         back = dropped[torch.randperm(len(dropped), generator=generator)[: -len(keep) % cfg.steps_per_epoch]]
-        keep = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
-    return [list(part.split(cfg.train_batch)) if len(part) else [] for part in keep.tensor_split(cfg.steps_per_epoch)]
+        perm = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
+    return [list(part.split(cfg.train_batch)) if len(part) else [] for part in perm.tensor_split(cfg.steps_per_epoch)]
 
 def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs on the CPU in fp32)
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
 def train(cfg, stop=()):
-    """One run (--method exact or jagg); stop: the signals received, which end it after the epoch, checkpointed.
-    Returns (metrics rows, summary)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    """One run; stop: the signals received, which end it after their epoch, checkpointed. Returns (rows, summary)."""
     rank, world = jagg_options.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
-    device = pick_device()
-    use_bf16 = device.type == "cuda"  # bf16 autocast on a GPU
+    device, use_bf16 = pick_device(), torch.cuda.is_available()  # bf16 autocast on a GPU
     torch.cuda.set_device(device) if use_bf16 else None
     prompts_all, reward_fn = read_prompts(cfg), load_reward(cfg.reward, device)
     pipe, transformer = load_pipeline(cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
     size = cfg.resolution or min(512, transformer.config.sample_size * pipe.vae_scale_factor)  # a hub id's
     cfg, h = dataclasses.replace(cfg, resolution=size), size // pipe.vae_scale_factor  # h: the latents' side
-    ref_transformer = None  # the KL reference under full fine-tuning: a frozen copy in the pipeline's precision
-    if cfg.lora_rank == 0 and cfg.beta > 0:
-        ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
+    ref_transformer = (copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)  # the KL reference under
+                       if cfg.lora_rank == 0 and cfg.beta > 0 else None)  # full fine-tuning: frozen, in the pipeline's dtype
     if cfg.fsdp:  # weights, gradients and optimizer state sharded over the ranks; the reference too
         for module in [m for m in (transformer, ref_transformer) if m is not None]:
             shard_transformer(module)
@@ -521,13 +481,12 @@ def train(cfg, stop=()):
         transformer, device_ids=[device.index] if use_bf16 else None)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=FIXED["weight_decay"])
     ema = {n: p.detach().clone() for n, p in trainable(transformer).items()} if cfg.ema else None
-    start_epoch, rows, probe_avg = 0, [], None
+    ckpt = read_checkpoint(cfg.resume) if cfg.resume else {"epoch": 0, "rows": [], "probe_average": None}
     if cfg.resume:  # where the run stopped: weights, optimizer state, EMA, metrics rows, probe average
-        ckpt = read_checkpoint(cfg.resume)
         load_weights(transformer, ckpt["weights"])
         set_optimizer_state_dict(transformer, optimizer, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
         ema = ema and {n: as_param(ckpt["ema"][n], p) for n, p in trainable(transformer).items()}
-        start_epoch, rows, probe_avg = ckpt["epoch"], ckpt["rows"], ckpt["probe_average"]
+    start_epoch, rows, probe_avg = ckpt["epoch"], ckpt["rows"], ckpt["probe_average"]
     config = {**dataclasses.asdict(cfg), "fixed": FIXED}
     if rank == 0:
         write_json(os.path.join(cfg.out, "config.json"), config)
@@ -549,16 +508,13 @@ def train(cfg, stop=()):
         else cfg.train_batch * world
     evaluates = rank == 0 or cfg.fsdp  # under FSDP every rank runs the evaluation's forwards; rank 0 keeps it
 
-    def evaluate(epoch, row):
-        """Fixed prompts and noise, with the EMA weights swapped in if kept: eval/reward and a picture."""
-        live = trainable(transformer) if ema is not None else {}
-        saved = {n: p.detach().clone() for n, p in live.items()}
-        with torch.no_grad():
-            for n, p in live.items():
-                p.copy_(ema[n])
-            images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn, use_bf16)
-            for n, p in live.items():
-                p.copy_(saved[n])
+    def evaluate(epoch, row):  # fixed prompts and noise, with the EMA weights swapped in if kept: eval/reward, a picture
+        if ema is not None:  # the trained weights set aside
+            saved = {n: p.detach().clone() for n, p in trainable(transformer).items()}
+            load_weights(transformer, ema)
+        images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn, use_bf16)
+        if ema is not None:
+            load_weights(transformer, saved)
         if rank == 0:
             grid = sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16])
             atomic_write(os.path.join(cfg.out, f"samples_{epoch:04d}.png"), lambda f: grid.save(f, format="PNG"), "wb")
@@ -567,13 +523,7 @@ def train(cfg, stop=()):
             if hasattr(reward_fn, "eval_metrics"):  # a custom reward's own evaluation figures
                 row.update({f"eval/{k}": v for k, v in reward_fn.eval_metrics(images, eval_prompts).items()})
 
-    def no_sync(j, n):  # accumulation: DDP's around each micro-batch (jagg_options all-reduces once a step), FSDP's
-        if world > 1 and not cfg.fsdp:  # around all but a step's last
-            return net.no_sync
-        return (lambda: jagg_options.fsdp_no_sync(transformer)) if cfg.fsdp and j < n - 1 else contextlib.nullcontext
-
-    def fns(idx, model):
-        """(velocity_fn, the reference's or None) of the samples idx, with their own conditioning."""
+    def fns(idx, model):  # (velocity_fn, the reference's or None) of the samples idx, with their own conditioning
         c, u = tuple(x[idx] for x in cond), tuple(x[idx] for x in uncond)
         ref_fn = make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg.guidance_scale, use_bf16)
         return make_velocity_fn(model, c, u, cfg.guidance_scale, use_bf16), ref_fn if cfg.beta > 0 else None
@@ -584,17 +534,15 @@ def train(cfg, stop=()):
     # Each epoch's generators are seeded by the epoch: a resumed run draws what an uninterrupted one
     # would. The prompts are the same on every rank, the noise differs: a prompt's group spans the ranks.
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
-        epoch_start = time.perf_counter()
         # --- rollouts: sample, decode, reward
-        prompt_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        epoch_start, prompt_gen = time.perf_counter(), torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
         noise_gen = torch.Generator(device=device).manual_seed((cfg.seed * 1_000_003 + epoch) * 1009 + rank + 1)
         prompt_ids = torch.randint(len(prompts_all), (cfg.prompts_per_epoch,), generator=prompt_gen)  # [P]
         prompt_ids = prompt_ids.repeat_interleave(cfg.group_size)  # [B]
         prompts = [prompts_all[i] for i in prompt_ids.tolist()]
         window_start = None if not cfg.sde_window else jagg_options.window_start(  # the same on every rank
             "random", epoch, cfg.sde_window, 0, cfg.sde_range_end or cfg.num_steps - 1, seed=cfg.seed)
-        traj, cond, uncond, images = sample(pipe, transformer.eval(), prompts, cfg, sigmas, noise_gen, use_bf16,
-                                            window_start)
+        traj, cond, uncond, images = sample(pipe, transformer, prompts, cfg, sigmas, noise_gen, use_bf16, window_start)
         rewards = rewards_of(reward_fn, images, prompts).to(device)  # [B]; NaN: a broken sample
         # --- advantages over groups gathered from every rank, a broken sample dropped from its group; this rank's slice
         all_rewards, all_ids = all_gather_cat(rewards), all_gather_cat(prompt_ids.to(device))
@@ -609,45 +557,37 @@ def train(cfg, stop=()):
         perm = torch.randperm(len(prompts), generator=prompt_gen)
         if not cfg.fsdp and (cfg.steps_per_epoch or world == 1):  # broken samples do not train (under FSDP or
             perm = perm[ok.reshape(world, -1)[rank].cpu()[perm]]  # DDP's step a micro-batch, their steps skip)
-
-        # --- the probe, on one micro-batch before training on it: JAGG's gradient against exact per
-        # segment (averaged over the ranks, so that every rank routes alike)
+        # --- the probe, before training on its micro-batch: JAGG's gradient vs exact per segment; ranks route by their mean
         if cfg.probe_every and epoch % cfg.probe_every == 0:
             start, idx = time.perf_counter(), perm[: cfg.train_batch].to(device)
             probe = jagg_options.probe_segments(lambda i: fns(idx[i], transformer), params,
-                                                traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts,
-                                                step_batch)
+                                                traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts, step_batch)
             for key in ("cosine", "error_to_noise", "error", "noise"):  # the error's two parts pool over probes
                 mean = all_gather_cat(torch.tensor([probe[key]], dtype=torch.float64, device=device)).mean(0)
                 row["probe/grad_cosine" if key == "cosine" else f"probe/{key}"] = mean.tolist()
             probe_avg = jagg_options.probe_average(probe_avg, row["probe/grad_cosine"], FIXED["probe_decay"])
             row["time/probe_seconds"] = time.perf_counter() - start
-
         # --- training: the epoch's optimizer steps, each accumulating micro-batches over the first n_train
         # steps of their trajectories. THE JAGG CALL: accumulate_gradients (every window exact for --method exact)
         transformer.train()
-        stats, routed = [], None
-        steps = optimizer_steps(perm, adv.cpu(), cfg, prompt_gen)
+        stats, routed, steps = [], None, optimizer_steps(perm, adv.cpu(), cfg, prompt_gen)
         row["train/samples"] = sum(len(idx) for micro in steps for idx in micro)
         for i, micro in enumerate(steps):
-            step = (epoch - 1) * len(steps) + i + 1
+            step, micro_stats = (epoch - 1) * len(steps) + i + 1, []
             optimizer.zero_grad(set_to_none=True)
-            micro_stats = []
-            for j, idx in enumerate(micro):
-                idx = idx.to(device)
+            for j, idx in enumerate(m.to(device) for m in micro):
                 velocity_fn, ref_fn = fns(idx, net)
                 s, routed = jagg_options.accumulate_gradients(
-                    velocity_fn, traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts,
-                    ref_velocity_fn=ref_fn, no_sync=no_sync(j, len(micro)), probe_cosines=probe_avg)
+                    velocity_fn, traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts, ref_velocity_fn=ref_fn,
+                    no_sync=jagg_options.no_sync_for(net, last=j == len(micro) - 1), probe_cosines=probe_avg)
                 micro_stats.append(s)
             done = jagg_options.optimizer_step(params, optimizer, [s["loss"] for s in micro_stats], step=step,
                                                micro_batches=len(micro), max_grad_norm=FIXED["max_grad_norm"])
             stats += micro_stats[:-1] + [{**micro_stats[-1], **done}] if micro_stats else []
             if ema is not None and not done["skipped"] and step % FIXED["ema_every"] == 0:
                 decay = min(step / (9 + step), FIXED["ema_decay"])  # Flow-GRPO's min((1 + s) / (10 + s), 0.9), s = step - 1
-                with torch.no_grad():
-                    for n, p in trainable(transformer).items():
-                        ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
+                for n, p in trainable(transformer).items():
+                    ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
         row.update(jagg_options.epoch_stats(stats))
         row["time/train_seconds"] = time.perf_counter() - epoch_start  # rollouts, probe, training; not evaluation
         row["routing/routed"] = routed  # the epoch's last optimizer step's, per segment
@@ -669,8 +609,7 @@ def train(cfg, stop=()):
         if stopping:
             fail(f"stopped by {stop[0] if stop else 'a signal to another rank'} after epoch {epoch}, checkpointed: go "
                  f"on with --resume {cfg.out}")
-    if dist.is_initialized():
-        dist.barrier()
+    dist.barrier() if dist.is_initialized() else None
     summary = summarize(cfg, rows) if rank == 0 else None
     if rank == 0:
         write_json(os.path.join(cfg.out, "summary.json"), summary)
@@ -679,12 +618,8 @@ def train(cfg, stop=()):
               f"{summary['backward_seconds']:.0f} s), outputs in {cfg.out}/")
     return rows, summary
 
-
-# === 7. A run's summary ===
-
 def summarize(cfg, rows):
-    """summary.json: the evaluation curve (the final reward: the last evaluation), times, and the probe's
-    figures per segment position pooled over the run's probes (jagg_options.pool_probes)."""
+    """summary.json: the evaluation curve, times, and the probe's figures per segment position over the run."""
     evals, trained = [(r["epoch"], r["eval/reward"]) for r in rows if "eval/reward" in r], [r for r in rows if r["epoch"]]
     routes = cfg.method == "jagg" and cfg.route == "probe"  # the probe's time counts as training only where it routes
     epoch_seconds = [r["time/train_seconds"] - (0.0 if routes else r.get("time/probe_seconds", 0.0)) for r in trained]
@@ -701,10 +636,8 @@ def summarize(cfg, rows):
             "probe_error_to_noise_by_position": pooled.get("error_to_noise"),
             "probe_error_to_noise_stderr_by_position": pooled.get("stderr"), "config": dataclasses.asdict(cfg)}
 
-
-# === 8. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
-
-def benchmark(cfg, repeats=5):
+# === 7. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
+def benchmark(cfg):
     """Exact vs the flags' JAGG mode, one training step each, on a random transformer of --model's shape (SD3.5-medium's
     on a GPU, a small one on a CPU: the timing does not depend on the weights); medians of interleaved repeats."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
@@ -727,7 +660,7 @@ def benchmark(cfg, repeats=5):
     rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)  # [B]
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     times = jagg_options.time_gradients(velocity_fn, list(transformer.parameters()), traj, adv, loss_cfg,
-                                        cfg.jagg_options("jagg"), velocity_fn if cfg.beta else None, repeats)
+                                        cfg.jagg_options("jagg"), velocity_fn if cfg.beta else None)
     (ex_bwd, ex_s), (jg_bwd, jg_s) = ((times[m]["backward_s"], times[m]["step_s"]) for m in ("exact", "jagg"))
     result = {"model": cfg.model if local else "SD3.5-medium" if gpu else "SD3 reduced for a CPU", "batch": B,
               "device": torch.cuda.get_device_name(device) if gpu else "cpu", "window": cfg.window,
@@ -742,9 +675,7 @@ def benchmark(cfg, repeats=5):
     write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
     return result
 
-
-# === 9. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
-
+# === 8. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
 def main(argv=None):
     cfg = validate(parse(argv))
     lock = claim_out(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
@@ -763,8 +694,7 @@ def main(argv=None):
              f"non-finite, {summary and summary['nonfinite_samples']} broken samples): the weights are the initial ones")
     return rows
 
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
     if dist.is_initialized():  # close the group on every rank: one leaving with gloo's threads alive can abort
         dist.destroy_process_group()

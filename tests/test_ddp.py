@@ -99,7 +99,8 @@ def worker(rank, world, init_file, out, nan_rank):
             traj, adv = rank_data(rank, nan=nan and rank == nan_rank)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the skipped step's warning
-                skipped = train(net, ref, traj, adv, mode, no_sync=net.no_sync, steps=2 if not nan else 1)
+                skipped = train(net, ref, traj, adv, mode, no_sync=jagg_options.no_sync_for(net, last=True),
+                                steps=2 if not nan else 1)  # DDP's no_sync: jagg_options all-reduces
             results[f"{i}_{nan}"] = flat(model)
             results[f"{i}_{nan}_skipped"] = torch.tensor(skipped)
     torch.save(results, os.path.join(out, f"rank{rank}.tmp"))

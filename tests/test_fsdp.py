@@ -43,9 +43,9 @@ def sharded(model):
     return fully_shard(model)
 
 
-def train(model, ref, batches, mode, shard=None, steps=2):
-    """steps optimizer steps, each accumulating the micro-batches `batches` [(traj, adv), ...];
-    shard: the FSDP module (its switch keeps all but the last micro-batch unreduced)."""
+def train(model, ref, batches, mode, steps=2):
+    """steps optimizer steps, each accumulating the micro-batches `batches` [(traj, adv), ...]; a sharded
+    model's switch keeps all but the last micro-batch unreduced (jagg_options.no_sync_for)."""
     anchors, interior, rows, frac, beta, max_drift, route = mode
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -56,12 +56,10 @@ def train(model, ref, batches, mode, shard=None, steps=2):
         opt.zero_grad(set_to_none=True)
         losses = []
         for n, (traj, adv) in enumerate(batches):
-            last = n == len(batches) - 1
-            no_sync = (lambda: jagg_options.fsdp_no_sync(shard)) if shard is not None and not last else None
             stats, _ = jagg_options.accumulate_gradients(
                 velocity_fn_of(model), traj, adv, cfg, opts, ref_velocity_fn=velocity_fn_of(ref) if beta else None,
                 probe_cosines=PROBE[anchors] if route == "probe" else None,
-                **({"no_sync": no_sync} if no_sync else {}))
+                no_sync=jagg_options.no_sync_for(model, last=n == len(batches) - 1))
             losses.append(stats["loss"])
         out = jagg_options.optimizer_step(list(model.parameters()), opt, losses, micro_batches=len(batches),
                                           max_grad_norm=1e9, step=step)
@@ -90,7 +88,7 @@ def worker(rank, world, init_file, out, nan_rank):
             batches = split(traj, adv) if case == "accumulated" else [(traj, adv)]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the skipped step's warning
-                skipped = train(model, ref, batches, mode, shard=model, steps=1 if case == "nan" else 2)
+                skipped = train(model, ref, batches, mode, steps=1 if case == "nan" else 2)
             results[f"{i}_{case}"] = full(model)
             results[f"{i}_{case}_skipped"] = torch.tensor(skipped)
     torch.save(results, os.path.join(out, f"rank{rank}.tmp"))
