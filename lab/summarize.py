@@ -17,7 +17,9 @@ import json
 import math
 import os
 
-MODES = ["exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"]  # bench.TRAINING_MODES' order (a test checks)
+from bench import TRAINING_MODES
+
+MODES = list(TRAINING_MODES)  # the benchmarks' modes, in their order: exact, then each JAGG mode (JaggOptions.mode_name)
 
 
 def load(path):

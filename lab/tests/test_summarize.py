@@ -27,12 +27,6 @@ def test_t95_is_students_t_and_tends_to_the_normal():
     assert summarize.t95(10**6) == pytest.approx(1.96, abs=5e-4)
 
 
-def test_the_mode_order_is_the_benchmarks_own():
-    import bench
-
-    assert summarize.MODES == list(bench.TRAINING_MODES)
-
-
 def test_ratio_interval_is_exact_when_jagg_is_a_fixed_share_of_exact():
     gains = [(0.1, 0.09), (0.3, 0.27), (0.2, 0.18)]
     ratio, half, sd = summarize.ratio_interval(gains)
