@@ -16,13 +16,7 @@ SWITCH = 0.7  # sigma; steps 0-5 (sigma >= 0.75) run expert 1, steps 6-9 (sigma 
 CFG = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    """Exactness shows as ~1e-16, not fp32's ~1e-7."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest's: exactness shows as ~1e-16, not fp32's ~1e-7
 
 
 class Affine(torch.nn.Module):

@@ -14,15 +14,7 @@ from torch.func import functional_call, jacrev
 import jagg
 import jagg_options
 
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    """Exactness checks compare to ~1e-10, not to fp32 rounding."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest's: exactness shows as ~1e-16, not fp32's ~1e-7
 
 
 # ------------------------------------------------------------------ small models
