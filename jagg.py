@@ -1,12 +1,11 @@
 """JAGG: GRPO for flow-matching transformers that back-propagates 2 steps of each window of W, not W.
 
 A reference implementation of JAGG (Jacobian-Aggregated Group Gradient, arXiv 2607.17572, 2026), built on
-Flow-GRPO's SDE sampler and loss (Liu et al., arXiv 2505.05470), to be read from top to bottom.
-
-The abstract gives the idea: interpolate the network's Jacobians over a window of W steps between its two
-end steps, weighted by t, so that one backward pass serves the window; a cosine-similarity rule with a knob
-jagg_frac picks the windows. The authors' early code (github.com/SchumiDing/eff_grpo) has the same algebra,
-with weights by step index and two backward passes. Where the abstract is silent we chose, and say OURS.
+Flow-GRPO's SDE sampler and loss (Liu et al., arXiv 2505.05470), to be read from top to bottom. The abstract
+gives the idea: interpolate the network's Jacobians over a window of W steps between its two end steps,
+weighted by t, so that one backward pass serves the window; a cosine-similarity rule with a knob jagg_frac
+picks the windows. The authors' early code (github.com/SchumiDing/eff_grpo) has the same algebra, with weights
+by step index and two backward passes. Where the abstract is silent we chose, and say OURS.
 
 Notation (code name -> symbol)
     T, B       number of sampling steps; number of samples in the batch
@@ -17,12 +16,12 @@ Notation (code name -> symbol)
     J_k        dv_k / dtheta, how v_k changes with the weights; costs a backward pass through the network
     alpha_k    (t_a - t_k) / (t_a - t_b): 0 at the first step a, 1 at the last step b
     G_a, G_b   sum_k (1 - alpha_k) g_k and sum_k alpha_k g_k: a window's loss signal, gathered at a and b
-Shapes: S a number of steps, *D one sample's shape, P the number of weights. A row is one sample's
-network evaluation at one step, so a call on z [S, B, *D] evaluates S * B rows.
+Shapes: S a number of steps, *D one sample's shape, P the number of weights. A row: one sample at one step.
 The network enters only as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D] (section 9).
 Run `python jagg.py` (its self-check, a few seconds) and `python -m pytest -q tests/test_jagg.py` (tests).
 """
 
+import copy
 import math
 from dataclasses import dataclass, replace
 import torch
@@ -37,7 +36,8 @@ def _check_window(z, t):  # one window: z [W, B, *D] and t [W, B]
 # The flow ODE has no log-probability. An SDE with the same marginals makes each step a Gaussian
 # policy, z_{k+1} ~ N(mu_k, std_t^2 |dt|), and GRPO needs the ratio of such densities.
 def sigma_schedule(num_steps, shift=3.0):
-    """sigma_0 = 1 > ... > sigma_T = 0 [T+1], in fp32: an even grid, bent toward noise by SD3's shift."""
+    """sigma_0 = 1 > ... > sigma_T = 0 [T+1], in fp32: an even grid, bent toward noise by SD3's shift. (diffusers'
+    SD3 scheduler ends its grid at ~0.009 before the 0, so there the last step, untrained in Flow-GRPO, is tiny.)"""
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
     return (shift * s / (1 + (shift - 1) * s)).float()  # [T+1]
 
@@ -129,7 +129,7 @@ def group_advantages(rewards, group_ids, eps=1e-4, global_std=False, clip=5.0):
 class LossConfig:  # the knobs of the per-step loss and of the SDE
     noise_level: float  # the SDE's noise level (Flow-GRPO: 0.7)
     clip_range: float  # the ratio's clip (Flow-GRPO: 1e-4; the self-check's 0.2 lets clipping show)
-    beta: float = 0.0  # weight of the KL to a reference model; 0 needs no reference (the self-check's)
+    beta: float = 0.0  # weight of the KL to a reference model; 0 needs no reference
 
 def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, mean_ref=None, std_t=None, beta=0.0):
     """The clipped GRPO surrogate of one step, plus beta * KL to the reference. log_prob, log_prob_old,
@@ -165,10 +165,9 @@ def make_step_loss(traj, advantages, start, stop, cfg, v_ref=None, log=None):
     return step_loss
 
 # === 5. Exact per-step backward: the baseline (what Flow-GRPO does) ===
-# Both backward functions take a window z [W, B, *D], t [W, B] and step_loss(i, v) -> scalar. Like
-# loss.backward(), they add to .grad. They return the summed loss.
 def backward_exact(velocity_fn, z, t, step_loss):
-    """The exact gradient of W steps: per step, one forward with graph and one backward pass."""
+    """The exact gradient of a window z [W, B, *D], t [W, B] whose step i's loss is step_loss(i, v): per step,
+    one forward with graph and one backward pass. Like loss.backward(), it adds to .grad; returns the loss."""
     _check_window(z, t)
     total = 0.0
     for i in range(z.shape[0]):
@@ -184,16 +183,17 @@ def backward_exact(velocity_fn, z, t, step_loss):
 # velocities changing nearly linearly along a trajectory. JAGG assumes that the Jacobians do too:
 #     J_k ~= (1 - alpha_k) J_a + alpha_k J_b,    alpha_k = (t_a - t_k) / (t_a - t_b).
 # Putting this into the sum and collecting the terms in J_a and in J_b gives
-#     grad ~= G_a^T J_a + G_b^T J_b,    G_a = sum_k (1 - alpha_k) g_k,    G_b = sum_k alpha_k g_k.
-# This is the gradient of sum(v_a * G_a) + sum(v_b * G_b) with G_a and G_b held fixed, so JAGG runs one
-# forward pass with graph on the double batch [z_a; z_b], then one backward pass. Only the Jacobians are
-# approximated: each g_k still uses v_k at the current weights, which at an interior step comes from a
-# forward pass without graph (OURS: the abstract does not say; the rollout's v_k is stale once weights move).
+#     grad ~= G_a^T J_a + G_b^T J_b,    G_a = sum_k (1 - alpha_k) g_k,    G_b = sum_k alpha_k g_k,
+# the gradient of sum(v_a * G_a) + sum(v_b * G_b) with G_a and G_b held fixed: one forward pass with graph on
+# the double batch [z_a; z_b], then one backward pass. Each g_k still needs v_k at the current weights: at an
+# interior step, a forward pass without graph (OURS). Right after a rollout, before the weights move, the
+# rollout's traj.v is that v_k and could save those forwards; this file keeps one path.
 # When is it exact? The abstract says: when the velocity is linear in (z, t). We find two conditions (OURS):
-# (1) J is affine in (z, t), as when v = A z + c t + e, with A, c and e any functions of theta; (2) each state
-# lies on the segment from z_a to z_b where t puts it, z_k = (1 - alpha_k) z_a + alpha_k z_b. As t_k is the same
-# mix of t_a and t_b, an affine J then gives J_k = (1 - alpha_k) J_a + alpha_k J_b. A sampler's states are off
-# the segment: even a noise-free Euler path bends wherever v changes with z. Self-check A breaks each condition.
+# (1) J is affine in (z, t), as when v = A z + c t + e with A, c and e any functions of theta; (2) each state
+# lies on the segment from z_a to z_b where t puts it, z_k = (1 - alpha_k) z_a + alpha_k z_b. As t_k is the
+# same mix of t_a and t_b, an affine J then gives J_k = (1 - alpha_k) J_a + alpha_k J_b. Self-check A breaks
+# each condition alone. A sampler's states are off the segment (a noise-free Euler path bends wherever v
+# changes with z); there, weights by step index as in the authors' code do about as well (on B's windows).
 def interpolation_weights(t):
     """alpha_k = (t_a - t_k) / (t_a - t_b) of a window's times t [W, B]: [W, B], 0 at a, 1 at b."""
     span = t[0] - t[-1]  # [B]
@@ -224,21 +224,19 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
     (v_ab[0] * G_a.to(v_ab.dtype) + v_ab[1] * G_b.to(v_ab.dtype)).sum().backward()
     return total
 
-# Cost of one window. Exact back-propagates W rows with grad, in W backward passes. JAGG back-propagates 2
-# rows in one backward pass, and runs the other W - 2 rows forward without graph. We read the paper's "~2x"
-# as this drop from W to 2 (OURS). Total compute falls less: if a backward pass costs as much as two forward
-# passes (ASSUMED), a window costs 3W forward passes exactly and W + 4 with JAGG. Self-check C counts both.
-# Memory: JAGG's forward keeps the graphs of 2B rows alive at once, where exact keeps B.
+# Cost of one window: exact back-propagates W rows with grad in W backward passes; JAGG back-propagates 2 rows
+# in one pass and runs the other W - 2 forward without graph. We read the paper's "~2x" as this drop from W to
+# 2 (OURS). If a backward pass costs two forward passes (ASSUMED), that is 3W forward passes' worth against
+# W + 4; self-check C counts both. Memory: JAGG's forward keeps the graphs of 2B rows at once, exact's B.
 
 # === 7. Routing: which windows are linear enough for JAGG ===
 # The abstract routes windows by "a cosine-similarity rule" with a knob jagg_frac; the score and the rule are
 # OURS. The score is the mean cosine similarity between a window's interior velocities and the straight line
-# in t between its end velocities. It is free, as the rollout kept every v_k, but it measures how v bends, not
-# J: self-check B finds that it tells the high-noise windows (larger errors) from the low-noise ones, and says
-# little about two windows at the same steps. The rule sends the jagg_frac share of windows with the highest
-# scores to JAGG; a threshold would not carry over, as scores sit near 1 on scales that differ between models.
-# The windows tile the trained steps from the first, so the last may be shorter (W = 4 is OURS). A 2-step
-# window has no interior step: JAGG would back-propagate the same 2 rows as exact, so we train it exactly.
+# in t between its end velocities: free, as the rollout kept every v_k, but it measures how v bends, not J.
+# Self-check B finds that it tells the high-noise windows (larger errors) from the low-noise ones and says
+# little within the same steps. The rule sends the jagg_frac share of windows with the highest scores to JAGG
+# (scores sit near 1 on scales that differ between models, so a threshold would not carry over). Windows tile
+# the trained steps from the first (W = 4, OURS); a 2-step window has nothing to save, so it is trained exactly.
 def window_bounds(num_steps, window):
     """Split T steps into windows of W: [(start, stop), ...], stop = b + 1; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates two end steps), got {window}")
@@ -302,7 +300,7 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
 # Wrap your network as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], with t = sigma and v = dz/dsigma
 # = noise - data (SD3's rectified flow). The rollout calls it one step at a time, JAGG on several steps at
 # once; both must give the same v up to rounding, or the first update after a rollout sees ratios away from 1.
-# So use no dropout, and flatten z step-major (row s * B + n is sample n at step s), as self-check D does:
+# So use no dropout, and flatten z step-major (row s * B + n is sample n at step s), as the self-check does:
 # repeat the conditioning c as a block, c.repeat(S), never c.repeat_interleave(S). With two experts split by
 # noise level (Wan 2.2), pick each row's expert from its t, and let no window span the switch. With
 # classifier-free guidance, return the guided v_u + s (v_c - v_u) that the sampler steps with.
@@ -312,19 +310,19 @@ def _self_check():  # run in float64 (set by __main__), so that "exact" shows as
     torch.manual_seed(0)
     nn = torch.nn
     T, W, B, D = 10, 4, 16, 3  # steps, window, samples, dims of a sample
-    def velocity_fn_of(net, calls=None):  # velocity_fn(z [S, B, D], t [S, B]) -> v [S, B, D]
-        def velocity_fn(z, t):
+    def velocity_fn_of(net, calls=None, c=None):  # net sees (z, t) and, if given, each sample's condition c [B, C]
+        def velocity_fn(z, t):  # z: [S, B, d], t: [S, B], flattened step-major to S * B rows (section 9)
             if calls is not None:  # one record per call: its steps, and whether it builds a graph
                 calls.append({"steps": z.shape[0], "grad": torch.is_grad_enabled()})
-            return net(torch.cat([z, t[..., None]], dim=-1))  # the network sees (z, t): [S, B, D + 1]
+            x = [z.flatten(0, 1), t.reshape(-1, 1)] + ([] if c is None else [c.repeat(len(z), 1)])  # [S * B, ...]
+            return net(torch.cat(x, dim=-1)).reshape(z.shape)  # [S, B, d]
         return velocity_fn
-    def grad_of(net, backward, *window):  # net's gradient [P] from backward(velocity_fn, z, t, step_loss)
+    def grad_of(net, backward, *args):  # the gradient [P] that backward(*args) leaves in net's .grad
         net.zero_grad(set_to_none=True)
-        backward(velocity_fn_of(net), *window)
+        backward(*args)
         return torch.cat([p.grad.flatten() for p in net.parameters()])
-    def rel_error(net, *window):  # |JAGG - exact| / |exact| of one window's gradients
-        exact, jagg = grad_of(net, backward_exact, *window), grad_of(net, backward_jagg_window, *window)
-        return ((jagg - exact).norm() / exact.norm()).item()
+    def error(estimate, exact):  # |estimate - exact| / |exact|
+        return ((estimate - exact).norm() / exact.norm()).item()
     # A. Section 6's two conditions: JAGG is exact when both hold, and not when either fails.
     linear = nn.Sequential(nn.Linear(D + 1, D + 1), nn.Linear(D + 1, D))  # v affine in (z, t)
     t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B], unevenly spaced
@@ -336,82 +334,84 @@ def _self_check():  # run in float64 (set by __main__), so that "exact" shows as
     tanh_net = nn.Sequential(nn.Linear(D + 1, 32), nn.Tanh(), nn.Linear(32, D))  # J not affine in (z, t)
     def made_up_loss(i, v):
         return (w[i] * v).sum() + (v**2).sum()
-    cases = [(linear, straight), (linear, evenly), (linear, bent), (tanh_net, straight)]  # (net, z)
-    errors = [rel_error(net, z, t, made_up_loss) for net, z in cases]
+    errors = []
+    for net, z in [(linear, straight), (linear, evenly), (linear, bent), (tanh_net, straight)]:
+        window = (velocity_fn_of(net), z, t, made_up_loss)
+        errors.append(error(grad_of(net, backward_jagg_window, *window), grad_of(net, backward_exact, *window)))
     assert errors[0] < 1e-12 and min(errors[1:]) > 1e-3
     print(f"A. |JAGG - exact| / |exact|: {errors[0]:.1e} with v affine in (z, t) and the states on the segment\n"
           f"   at alpha_k; {errors[1]:.1e} spaced by step; {errors[2]:.1e} off it; {errors[3]:.1e} for a tanh net")
-    # B. Is the approximation worth it? A cheap unbiased alternative back-propagates 2 random steps of a window,
-    # scaled by W/2 (JAGG's rows with grad, none of its forwards); its error: the RMS over all pairs of steps.
+    # B. Is it worth it? On the 4-step windows of 16 rollouts, JAGG's error beside that of 2 random steps scaled
+    # by W/2 (the RMS over all pairs): unbiased, so its error averages down over windows; JAGG's bias stays.
     cfg = LossConfig(noise_level=0.7, clip_range=0.2)
-    windows = []  # per window: (steps 0-3 or 4-7, routing score, JAGG's error, the alternative's error)
-    for seed in range(16):
-        g = torch.Generator().manual_seed(seed)
-        traj = rollout(velocity_fn_of(tanh_net), torch.randn(B, D, generator=g), sigma_schedule(T), 0.7, g)
-        advantages = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # [B]
+    windows, fn = [], velocity_fn_of(tanh_net)  # one dict per window
+    for _ in range(16):
+        traj = rollout(fn, torch.randn(B, D), sigma_schedule(T), 0.7)
+        adv = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # [B]
         for start, stop in window_bounds(T, W)[:2]:  # steps 0-3 and 4-7
             z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, D], [W, B]
-            per_step = torch.stack([grad_of(tanh_net, backward_exact, z[i : i + 1], t[i : i + 1], make_step_loss(
-                traj, advantages, start + i, start + i + 1, cfg)) for i in range(W)])  # [W, P], step by step
-            exact = per_step.sum(0)  # [P]
-            pairs = [W / 2 * (per_step[i] + per_step[j]) - exact for i in range(W) for j in range(i)]  # errors
-            rms = torch.stack([e.norm() ** 2 for e in pairs]).mean().sqrt()
-            jagg = rel_error(tanh_net, z, t, make_step_loss(traj, advantages, start, stop, cfg))
-            windows.append((f"{start}-{stop - 1}", linearity_score(traj.v[start:stop], t), jagg,
-                            (rms / exact.norm()).item()))
-    def median(where, column):  # the median of a column over the windows at steps `where`
-        return torch.tensor([w[column] for w in windows if w[0] == where]).median().item()
-    def agreement(same_steps):  # the share of pairs of windows in which the higher score had the smaller error
-        pairs = [(x, y) for n, x in enumerate(windows) for y in windows[:n] if x[0] == y[0] or not same_steps]
-        return sum((x[1] - y[1]) * (x[2] - y[2]) < 0 for x, y in pairs) / len(pairs)
-    closer = sum(jagg < alternative for _, _, jagg, alternative in windows)
-    assert closer >= 0.9 * len(windows) and min(median(s, 2) for s in ("0-3", "4-7")) > 0.05
-    assert agreement(False) > 0.6 and agreement(True) < agreement(False)
-    print(f"B. |estimate - exact| / |exact|, median over 16 rollouts: JAGG {median('0-3', 2):.2f} at steps 0-3, "
-          f"{median('4-7', 2):.2f} at 4-7;\n   2 random steps x W/2: {median('0-3', 3):.2f} and "
-          f"{median('4-7', 3):.2f}. JAGG is the closer in {closer} of the {len(windows)} windows.\n   The higher "
-          f"routing score had the smaller JAGG error in {agreement(False):.0%} of the pairs of windows, "
-          f"{agreement(True):.0%} at the same steps.")
-    # C. Routing the last rollout's windows, and the cost per sample, counted from velocity_fn's calls: all T
-    # steps at three values of jagg_frac, then Flow-GRPO's 9 trained steps (windows 0-3, 4-7 and 8).
-    print("C. steps | jagg_frac | to JAGG               | rows with grad | backward passes | rows without graph")
-    cost = {}  # in forward passes, a backward pass counting as two (section 6)
+            per_step = [grad_of(tanh_net, backward_exact, fn, z[i : i + 1], t[i : i + 1], make_step_loss(
+                traj, adv, start + i, start + i + 1, cfg)) for i in range(W)]  # each step's gradient [P]
+            exact = sum(per_step)  # [P]
+            draws = [W / 2 * (per_step[i] + per_step[j]) for i in range(W) for j in range(i)]  # the 6 pairs
+            jagg = grad_of(tanh_net, backward_jagg_window, fn, z, t, make_step_loss(traj, adv, start, stop, cfg))
+            alt = math.sqrt(sum(error(d, exact) ** 2 for d in draws) / len(draws))  # the RMS over the pairs
+            windows.append({"steps": f"{start}-{stop - 1}", "score": linearity_score(traj.v[start:stop], t),
+                            "jagg": error(jagg, exact), "alt": alt})
+    def median(key, steps):  # the median of key over the windows at these steps
+        return torch.tensor([w[key] for w in windows if w["steps"] == steps]).median().item()
+    def agreement(pairs):  # the share of pairs of windows in which the higher score had the smaller JAGG error
+        return sum((x["score"] > y["score"]) == (x["jagg"] < y["jagg"]) for x, y in pairs) / len(pairs)
+    pairs = [(x, y) for n, x in enumerate(windows) for y in windows[:n]]
+    same_steps = [(x, y) for x, y in pairs if x["steps"] == y["steps"]]
+    closer, every, same = sum(w["jagg"] < w["alt"] for w in windows), agreement(pairs), agreement(same_steps)
+    assert closer >= 0.9 * len(windows) and median("jagg", "4-7") < median("jagg", "0-3")
+    assert median("score", "4-7") > median("score", "0-3") and same < every
+    print("B. medians over 16 rollouts | routing score | JAGG's error | error of 2 random steps x W/2")
+    for steps in ("0-3", "4-7"):
+        print(f"   steps {steps:19}| {median('score', steps):13.3f} | {median('jagg', steps):12.2f} | "
+              f"{median('alt', steps):.2f}")
+    print(f"   JAGG is closer in {closer} of {len(windows)} windows. The higher score had the smaller JAGG error\n"
+          f"   in {every:.0%} of all pairs of windows, and in {same:.0%} of the pairs at the same steps.")
+    # C. Routing the last rollout (its T = 10 steps; Flow-GRPO trains the first 9), with the cost per sample counted
+    # from velocity_fn's calls: "cost" is in forward passes, a backward pass counting as two (section 6).
+    print("C. steps | jagg_frac | to JAGG               | rows with grad | backward passes | no-graph rows | cost")
     for steps, frac, want in [(10, 0.0, ([False] * 3, 10, 10, 0)), (10, 1.0, ([True, True, False], 6, 4, 4)),
                               (10, 0.5, ([False, True, False], 8, 7, 2)), (9, 1.0, ([True, True, False], 5, 3, 4))]:
         calls = []
-        trained = traj.first_steps(steps)  # Flow-GRPO trains the first 9 of T = 10 steps
-        stats, routed = paper_gradients(velocity_fn_of(tanh_net, calls), trained, advantages, cfg, W, frac)
+        stats, routed = paper_gradients(velocity_fn_of(tanh_net, calls), traj.first_steps(steps), adv, cfg, W, frac)
         grad_rows = sum(c["steps"] for c in calls if c["grad"])  # each call with grad is one backward pass
         passes, no_graph = sum(c["grad"] for c in calls), sum(c["steps"] for c in calls if not c["grad"])
         assert (routed, grad_rows, passes, no_graph) == want and stats["grad_rows"] == grad_rows
-        print(f"   {steps:5} | {frac:9} | {str(routed):21} | {grad_rows:14} | {passes:15} | {no_graph:18}")
-        cost[steps, frac] = 3 * grad_rows + no_graph
-    print(f"   In forward passes, a backward pass counting as two: {cost[10, 0.0]} exact, {cost[10, 1.0]} JAGG.")
-    # D. A tiny GRPO run from one start, exact beside JAGG. The reward is -|sample - its prompt's target|.
+        print(f"   {steps:5} | {frac:9} | {str(routed):21} | {grad_rows:14} | {passes:15} | {no_graph:13} | "
+              f"{3 * grad_rows + no_graph:4}")
+    # D. A tiny GRPO run with JAGG, as Flow-GRPO trains: per rollout of 32 samples, two optimizer steps, the second
+    # off-policy, clip range 0.2, KL to the frozen initial policy; the exact gradient computed beside JAGG's.
     prompt_of = torch.arange(32) // 8  # [B], each sample's prompt: 4 prompts, 8 samples each
-    targets = torch.randn(4, 2)[prompt_of]  # [B, 2], each sample's target: the point its prompt asks for
-    def prompted(policy):  # the policy sees (z, t, target), one row per sample and step
-        def velocity_fn(z, t):  # z: [S, B, 2], t: [S, B], flattened step-major to S * B rows (section 9)
-            x = torch.cat([z.flatten(0, 1), t.reshape(-1, 1), targets.repeat(len(z), 1)], dim=-1)  # [S * B, 5]
-            return policy(x).reshape(z.shape)  # [S, B, 2]
-        return velocity_fn
-    exact, jagg = [], []  # the mean reward of each epoch's rollout, per run
-    for rewards, frac in ((exact, 0.0), (jagg, 1.0)):
-        torch.manual_seed(1)  # the same initial weights for both runs
-        policy = nn.Sequential(nn.Linear(2 + 1 + 2, 32), nn.Tanh(), nn.Linear(32, 2))
-        optimizer = torch.optim.Adam(policy.parameters(), lr=3e-2)
-        for epoch in range(10):  # a rollout of 32 samples, then one optimizer step on them
-            g = torch.Generator().manual_seed(epoch)  # the same noise for both runs
-            batch = rollout(prompted(policy), torch.randn(32, 2, generator=g), sigma_schedule(T), 0.7, g)
-            reward = -(batch.sample - targets).norm(dim=-1)  # [B]
-            rewards.append(reward.mean().item())
-            advantages = group_advantages(reward, prompt_of).double()  # [B]
-            stats, _ = paper_train_step(prompted(policy), optimizer, batch, advantages, cfg, W, frac)
-            assert stats["approx_kl"] < 1e-20  # every ratio is 1: the one-step and several-step calls agree
-    assert max(abs(e - j) for e, j in zip(exact, jagg)) < 0.05  # JAGG stays close to exact
-    assert all(r[0] < r[5] < r[9] and r[9] > r[0] + 0.5 for r in (exact, jagg))  # both learn
-    print(f"D. a tiny GRPO run from one start, mean reward at epochs 0, 5 and 9 of 10: exact {exact[0]:.3f}, "
-          f"{exact[5]:.3f}, {exact[9]:.3f};\n   JAGG {jagg[0]:.3f}, {jagg[5]:.3f}, {jagg[9]:.3f}")
+    targets = torch.randn(4, 2)[prompt_of]  # [B, 2], each sample's target
+    policy = nn.Sequential(nn.Linear(2 + 1 + 2, 32), nn.Tanh(), nn.Linear(32, 2))  # sees (z, t, target)
+    reference = copy.deepcopy(policy)  # the KL's reference, never trained: the optimizer holds only the policy
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-2)
+    cfg = LossConfig(noise_level=0.7, clip_range=0.2, beta=0.04)
+    fn, ref = velocity_fn_of(policy, c=targets), velocity_fn_of(reference, c=targets)
+    rewards, steps = [], ([], [])  # the mean reward per epoch; per first and second step: (JAGG's error, stats)
+    for epoch in range(10):
+        batch = rollout(fn, torch.randn(32, 2), sigma_schedule(T), 0.7)
+        reward = -(batch.sample - targets).norm(dim=-1)  # [B]
+        rewards.append(reward.mean().item())
+        advantages = group_advantages(reward, prompt_of).double()  # [B]
+        for n in range(2):  # two optimizer steps on the batch: the first on-policy, the second not
+            exact = grad_of(policy, paper_gradients, fn, batch, advantages, cfg, W, 0.0, ref)
+            jagg = grad_of(policy, paper_gradients, fn, batch, advantages, cfg, W, 1.0, ref)
+            stats, _ = paper_train_step(fn, optimizer, batch, advantages, cfg, W, 1.0, ref)
+            steps[n].append((error(jagg, exact), stats))
+    on, off = (torch.tensor([e for e, _ in steps[n]]).median().item() for n in (0, 1))
+    clipfrac, kl = (sum(s[key] for _, s in steps[1]) / len(steps[1]) for key in ("clipfrac", "kl"))
+    assert all(s["approx_kl"] < 1e-20 for _, s in steps[0])  # on-policy, every ratio is 1: step-major (section 9)
+    assert rewards[9] > rewards[0] + 1 and max(on, off) < 0.2 and clipfrac > 0 and kl > 0
+    print(f"D. a tiny GRPO run with JAGG: mean reward {rewards[0]:.2f} -> {rewards[9]:.2f}; |JAGG - exact| / "
+          f"|exact|:\n"
+          f"   median {on:.3f} on-policy, {off:.3f} off-policy (clipped {clipfrac:.0%}, KL {kl:.3f})")
     print("ok")
 
 if __name__ == "__main__":
