@@ -36,8 +36,8 @@ def _check_window(z, t):  # one window: z [W, B, *D] and t [W, B]
 # The flow ODE has no log-probability. An SDE with the same marginals makes each step a Gaussian
 # policy, z_{k+1} ~ N(mu_k, std_t^2 |dt|), and GRPO needs the ratio of such densities.
 def sigma_schedule(num_steps, shift=3.0):
-    """sigma_0 = 1 > ... > sigma_T = 0 [T+1], in fp32: an even grid, bent toward noise by SD3's shift. (diffusers'
-    SD3 scheduler ends its grid at ~0.009 before the 0, so there the last step, untrained in Flow-GRPO, is tiny.)"""
+    """sigma_0 = 1 > ... > sigma_T = 0 [T+1], in fp32: an even grid bent toward noise by SD3's shift. Its last step,
+    0.25 -> 0 at T = 10, adds noise of std ~0.2 to the sample; diffusers' SD3 grid ends 0.009 -> 0 (Flow-GRPO's)."""
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
     return (shift * s / (1 + (shift - 1) * s)).float()  # [T+1]
 
@@ -63,7 +63,7 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     # log N(x; mu, std^2) = -(x - mu)^2 / (2 std^2) - log std - log sqrt(2 pi), per element
     log_prob = -(prev_sample.detach() - mean) ** 2 / (2 * std**2) - torch.log(std)  # [B, *D]
     # Flow-GRPO takes the MEAN over the sample's dimensions *D, not the sum, so a log-ratio is the full
-    # Gaussian's divided by the number of elements; this is why its clip range is as small as 1e-4.
+    # Gaussian's divided by the number of elements, presumably why its clip range is as small as 1e-4.
     log_prob = (log_prob - 0.5 * math.log(2 * math.pi)).mean(dim=tuple(range(1, z.ndim)))  # [B]
     return prev_sample.to(dtype), log_prob, mean, std_t
 
@@ -87,7 +87,7 @@ class Trajectory:
     noise_level: float | None = None  # the SDE's noise level that drew it: the loss must score at it
     TENSORS = ("z", "z_next", "t", "t_next", "log_prob", "v")  # the fields above that are tensors
     @property
-    def sample(self):  # the final clean samples [B, *D]: what the reward sees
+    def sample(self):  # z_T, the clean samples [B, *D] the reward sees (first_steps drops it: take it before)
         return self.z_next[-1]
     def first_steps(self, n):  # the first n steps, the ones Flow-GRPO trains (9 of T = 10)
         _check(1 <= n <= len(self.z), f"a trajectory of {len(self.z)} steps has no first {n} steps")
@@ -186,13 +186,13 @@ def backward_exact(velocity_fn, z, t, step_loss):
 #     grad ~= G_a^T J_a + G_b^T J_b,    G_a = sum_k (1 - alpha_k) g_k,    G_b = sum_k alpha_k g_k,
 # the gradient of sum(v_a * G_a) + sum(v_b * G_b) with G_a and G_b held fixed: one forward pass with graph on
 # the double batch [z_a; z_b], then one backward pass. Each g_k still needs v_k at the current weights: at an
-# interior step, a forward pass without graph (OURS; right after a rollout, traj.v holds them, at no cost).
+# interior step, a forward pass without graph (OURS; right after a rollout traj.v holds it, unused here).
 # When is it exact? The abstract says: when the velocity is linear in (z, t). We find two conditions (OURS):
 # (1) J is affine in (z, t), as when v = A z + c t + e with A, c and e any functions of theta; (2) each state
 # lies on the segment from z_a to z_b where t puts it, z_k = (1 - alpha_k) z_a + alpha_k z_b. As t_k is the
 # same mix of t_a and t_b, an affine J then gives J_k = (1 - alpha_k) J_a + alpha_k J_b. Self-check A breaks
-# each condition alone. A sampler's states are off the segment (a noise-free Euler path bends wherever v
-# changes with z); there, weights by step index as in the authors' code do about as well (on B's windows).
+# each condition alone. A sampler's states are far off the segment, mostly by the SDE's noise (and a noise-free
+# path bends wherever v changes with z); there, step-index weights, as in the authors' code, do as well (B).
 def interpolation_weights(t):
     """alpha_k = (t_a - t_k) / (t_a - t_b) of a window's times t [W, B]: [W, B], 0 at a, 1 at b."""
     span = t[0] - t[-1]  # [B]
@@ -228,8 +228,8 @@ def backward_jagg_window(velocity_fn, z, t, step_loss, alpha=None):
 # Cost of one window: exact back-propagates W rows with grad in W backward passes; JAGG back-propagates 2 rows
 # in one pass and runs the other W - 2 forward without graph. We read the paper's "~2x" as this drop from W to
 # 2 (OURS). If a backward pass costs two forward passes (ASSUMED), that is 3W forward passes' worth against
-# W + 4: 12 against 8 at W = 4, and 6 where traj.v stands in for the interior forwards. Memory: JAGG's forward
-# keeps the graphs of 2B rows at once, exact's B (back-propagating z_a's term first would keep B, in two passes).
+# W + 4: 12 against 8 at W = 4 (6 if traj.v stood in for the interior forwards, as this file does not). Memory:
+# JAGG's forward keeps the graphs of 2B rows at once, exact's B (z_a's term back-propagated first would keep B).
 
 # === 7. Routing: which windows are linear enough for JAGG ===
 # The abstract routes windows by "a cosine-similarity rule" with a knob jagg_frac; the score and the rule are
@@ -237,8 +237,9 @@ def backward_jagg_window(velocity_fn, z, t, step_loss, alpha=None):
 # in t between its end velocities: free, as the rollout kept every v_k, but it measures how v bends, not J.
 # Self-check B finds that it tells the high-noise windows (larger errors) from the low-noise ones and says
 # little within the same steps. The rule sends the jagg_frac share of windows with the highest scores to JAGG
-# (scores sit near 1 on scales that differ between models, so a threshold would not carry over). Windows tile
-# the trained steps from the first (W = 4, OURS); a 2-step window has nothing to save, so it is trained exactly.
+# (scores sit near 1 on scales that differ between models, so a threshold would not carry over). As the score
+# mostly ranks windows by noise level, a fixed rule, JAGG on the low-noise windows, is the baseline to beat. The
+# windows tile the trained steps from the first (W = 4, OURS); a 2-step window has nothing to save: trained exactly.
 def window_bounds(num_steps, window):
     """Split T steps into windows of W: [(start, stop), ...], stop = b + 1; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates two end steps), got {window}")
@@ -265,7 +266,8 @@ def route_windows(scores, lengths, jagg_frac):
 
 # === 8. One training step over a batch of trajectories ===
 # paper_: the paper's JAGG with our routing (section 7). The repository's trainers call
-# jagg_options.window_gradients: this loop with options, by default calling backward_jagg_window and backward_exact.
+# jagg_options.window_gradients: this loop with options (windows that share end steps, traj.v for the interiors,
+# ...), by default calling backward_jagg_window and backward_exact.
 def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_velocity_fn=None):
     """Add to .grad the gradient of the batch's GRPO loss (the mean over traj's T steps and B samples;
     advantages: [B]), window by window. Returns (stats, routed), routed[w] True for JAGG."""
@@ -299,17 +301,16 @@ def paper_train_step(velocity_fn, optimizer, traj, advantages, cfg, window=4, ja
     return stats, routed
 
 # === 9. Using your own model ===
-# Wrap your network as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], with t = sigma and v = dz/dsigma
-# = noise - data (SD3's rectified flow). The rollout calls it one step at a time, JAGG on several steps at
-# once; both must give the same v up to rounding, or the first update after a rollout sees ratios away from 1.
-# So use no dropout, and flatten z step-major (row s * B + n is sample n at step s), as the self-check does:
-# repeat the conditioning c as a block, c.repeat(S), never c.repeat_interleave(S). With classifier-free
+# Wrap your network as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], with t = sigma and v = dz/dsigma =
+# noise - data (SD3's rectified flow). The rollout calls it one step at a time, JAGG on several steps at once;
+# both must give the same v up to rounding, or the first update after a rollout sees ratios away from 1. So use no
+# dropout, and flatten z step-major (row s * B + n is sample n at step s), as the self-check does: repeat each
+# condition c [B, ...] as a block, c.repeat(S, 1, ...), never c.repeat_interleave(S, 0). With classifier-free
 # guidance, return the guided v_u + s (v_c - v_u) that the sampler steps with; SD3's transformer takes t * 1000.
 
 # === Self-check: python jagg.py prints, in a few seconds, what a learner should see; asserts check it ===
 def _self_check():  # run in float64 (set by __main__), so that "exact" shows as ~1e-16, not fp32's ~1e-7
     torch.manual_seed(0)
-    nn = torch.nn
     T, W, B, D = 10, 4, 16, 3  # steps, window, samples, dims of a sample
     def velocity_fn_of(net, calls=None, c=None):  # net sees (z, t) and, if given, each sample's condition c [B, C]
         def velocity_fn(z, t):  # z: [S, B, d], t: [S, B], flattened step-major to S * B rows (section 9)
@@ -325,46 +326,46 @@ def _self_check():  # run in float64 (set by __main__), so that "exact" shows as
     def error(estimate, exact):  # |estimate - exact| / |exact|
         return ((estimate - exact).norm() / exact.norm()).item()
     # A. Section 6's two conditions: JAGG is exact when both hold, and not when either fails.
-    linear = nn.Sequential(nn.Linear(D + 1, D + 1), nn.Linear(D + 1, D))  # v affine in (z, t)
-    t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B], unevenly spaced
-    alpha = interpolation_weights(t)[..., None]  # [W, B, 1]
-    z_a, z_b, w = torch.randn(B, D), torch.randn(B, D), torch.randn(W, B, D)  # [B, D], [B, D], [W, B, D]
+    linear = torch.nn.Sequential(torch.nn.Linear(D + 1, D + 1), torch.nn.Linear(D + 1, D))  # v affine in (z, t)
+    times = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(W, B)  # [W, B], unevenly spaced
+    alpha = interpolation_weights(times)[..., None]  # [W, B, 1]
+    z_a, z_b, coef = torch.randn(B, D), torch.randn(B, D), torch.randn(W, B, D)  # [B, D], [B, D], [W, B, D]
     straight = z_a + alpha * (z_b - z_a)  # [W, B, D], on the segment, where t puts them
     evenly = z_a + torch.linspace(0, 1, W)[:, None, None] * (z_b - z_a)  # [W, B, D], evenly by step
     bent = straight + 0.5 * alpha * (1 - alpha)  # [W, B, D], off the segment
-    tanh_net = nn.Sequential(nn.Linear(D + 1, 32), nn.Tanh(), nn.Linear(32, D))  # J not affine in (z, t)
+    tanh_net = torch.nn.Sequential(torch.nn.Linear(D + 1, 32), torch.nn.Tanh(), torch.nn.Linear(32, D))
     errors = []
     for net, z in [(linear, straight), (linear, evenly), (linear, bent), (tanh_net, straight)]:
-        window = (velocity_fn_of(net), z, t, lambda i, v: (w[i] * v).sum() + (v**2).sum())  # a made-up loss
-        errors.append(error(grad_of(net, backward_jagg_window, *window), grad_of(net, backward_exact, *window)))
+        args = (velocity_fn_of(net), z, times, lambda i, v: (coef[i] * v).sum() + (v**2).sum())  # a made-up loss
+        errors.append(error(grad_of(net, backward_jagg_window, *args), grad_of(net, backward_exact, *args)))
     assert errors[0] < 1e-12 and min(errors[1:]) > 1e-3
     print(f"A. |JAGG - exact| / |exact|: {errors[0]:.1e} with v affine in (z, t) and the states on the segment\n"
           f"   at alpha_k; {errors[1]:.1e} spaced by step; {errors[2]:.1e} off it; {errors[3]:.1e} for a tanh net")
-    # B. Is it worth it? On the 4-step windows of 16 rollouts, JAGG's gradient error (with t-weights, and with
-    # step-index weights) beside a cheaper unbiased estimate's: 2 random steps scaled by W/2 (cost 6 against JAGG's
-    # 8, section 6), RMS over its 6 draws. Each row sums the 16 windows at the same steps, as a batch would.
+    # B. Is it worth it? On the 4-step windows of 16 rollouts, JAGG's gradient error (t-weights and step-index
+    # weights) beside a cheaper unbiased estimate's, 2 random steps x W/2 (RMS over its 6 draws; cost 6 against 8).
+    # Its error is noise, falling as 1/sqrt(rollouts); JAGG's is a bias. Rows sum a position's 16 windows.
     cfg, windows = LossConfig(noise_level=0.7, clip_range=0.2), []  # windows: one dict each
-    fn, by_index = velocity_fn_of(tanh_net), torch.linspace(0, 1, W)[:, None].expand(W, B)  # by_index: alpha [W, B]
+    fn, alpha_index = velocity_fn_of(tanh_net), torch.linspace(0, 1, W)[:, None].expand(W, B)  # [W, B], by step
     for _ in range(16):
         traj = rollout(fn, torch.randn(B, D), sigma_schedule(T), 0.7)
         adv = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # [B]
         for start, stop in window_bounds(T, W)[:2]:  # steps 0-3 and 4-7
-            z, t, loss = traj.z[start:stop], traj.t[start:stop], make_step_loss(traj, adv, start, stop, cfg)
+            z, t, step_loss = traj.z[start:stop], traj.t[start:stop], make_step_loss(traj, adv, start, stop, cfg)
             per_step = [grad_of(tanh_net, backward_exact, fn, z[i : i + 1], t[i : i + 1], make_step_loss(
                 traj, adv, start + i, start + i + 1, cfg)) for i in range(W)]  # each step's gradient [P]
             exact, draws = sum(per_step), [W / 2 * (per_step[i] + per_step[j]) for i in range(W) for j in range(i)]
             windows.append({"steps": f"{start}-{stop - 1}", "score": linearity_score(traj.v[start:stop], t),
-                            "exact": exact, "t": grad_of(tanh_net, backward_jagg_window, fn, z, t, loss),
-                            "index": grad_of(tanh_net, backward_jagg_window, fn, z, t, loss, by_index),
+                            "exact": exact, "t": grad_of(tanh_net, backward_jagg_window, fn, z, t, step_loss),
+                            "index": grad_of(tanh_net, backward_jagg_window, fn, z, t, step_loss, alpha_index),
                             "alt": sum((d - exact).norm() ** 2 for d in draws) / len(draws)})  # mean square
     print("B. |estimate - exact| / |exact| of the gradient summed over the 16 rollouts, and the score's median:\n"
           "   steps | score | JAGG, t-weights | JAGG, index weights | 2 random steps x W/2")
     rows = []  # per steps: (score, JAGG's error by t, by index, the alternative's RMS error)
     for steps in ("0-3", "4-7"):
         ws = [w for w in windows if w["steps"] == steps]
-        exact, by_t, by_index, alt = (sum(w[key] for w in ws) for key in ("exact", "t", "index", "alt"))  # summed
+        exact, jagg_t, jagg_index, alt = (sum(w[key] for w in ws) for key in ("exact", "t", "index", "alt"))  # sums
         score = torch.tensor([w["score"] for w in ws]).median().item()
-        rows.append((score, error(by_t, exact), error(by_index, exact), (alt.sqrt() / exact.norm()).item()))
+        rows.append((score, error(jagg_t, exact), error(jagg_index, exact), (alt.sqrt() / exact.norm()).item()))
         print("   {:>5} | {:.3f} | {:15.2f} | {:19.2f} | {:20.2f}".format(steps, *rows[-1]))
     (score_0, t_0, index_0, alt_0), (score_1, t_1, index_1, alt_1) = rows
     same_steps = [(x, y) for n, x in enumerate(windows) for y in windows[:n] if x["steps"] == y["steps"]]
@@ -374,7 +375,7 @@ def _self_check():  # run in float64 (set by __main__), so that "exact" shows as
     assert 0.3 < agree < 0.75  # near a coin's 0.5
     print(f"   The score ranks steps 4-7 above 0-3, as their errors do; between two windows at the same steps,\n"
           f"   the higher score had the smaller JAGG error in {agree:.0%} of the pairs.")
-    # C. Routing the last rollout; the cost per sample, counted from velocity_fn's calls (a backward = 2 forwards).
+    # C. Routing B's last rollout; the cost per sample, counted from velocity_fn's calls (a backward = 2 forwards).
     print("C. steps | jagg_frac | to JAGG               | rows with grad | backward passes | no-graph rows | cost")
     first_wins = linearity_score(traj.v[:4], traj.t[:4]) > linearity_score(traj.v[4:8], traj.t[4:8])
     for steps, frac, want in [(10, 0.0, ([False] * 3, 10, 10, 0)), (10, 1.0, ([True, True, False], 6, 4, 4)),
@@ -386,12 +387,11 @@ def _self_check():  # run in float64 (set by __main__), so that "exact" shows as
         assert (routed, grad_rows, passes, no_graph) == want and stats["grad_rows"] == grad_rows
         print(f"   {steps:5} | {frac:9} | {str(routed):21} | {grad_rows:14} | {passes:15} | {no_graph:13} | "
               f"{3 * grad_rows + no_graph:4}")
-    # D. A tiny GRPO run with JAGG, as Flow-GRPO trains: per rollout of 32 samples, 9 of 10 steps trained, one
-    # optimizer step per half (the second off-policy), clip range 0.2, KL to the initial policy. Each step also
-    # compares JAGG's gradient with the exact one: on a toy this easy, reward curves could not tell them apart.
+    # D. GRPO with JAGG as Flow-GRPO trains (an optimizer step per half, the second off-policy; KL; clip 0.2), each
+    # step's gradient compared with exact's: on a toy this easy, exact's reward curve would look the same.
     prompt_of = torch.arange(32) // 8  # [B], each sample's prompt: 4 prompts, 8 samples each
     targets = torch.randn(4, 2)[prompt_of]  # [B, 2], each sample's target; the reward is -|sample - target|
-    policy = nn.Sequential(nn.Linear(2 + 1 + 2, 32), nn.Tanh(), nn.Linear(32, 2))  # sees (z, t, target)
+    policy = torch.nn.Sequential(torch.nn.Linear(2 + 1 + 2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
     reference = copy.deepcopy(policy)  # the KL's reference, never trained: the optimizer holds only the policy
     optimizer, cfg = torch.optim.Adam(policy.parameters(), lr=3e-2), LossConfig(0.7, clip_range=0.2, beta=0.04)
     rewards, halves = [], ([], [])  # the mean reward per epoch; per half: (JAGG's error, stats)
@@ -402,9 +402,9 @@ def _self_check():  # run in float64 (set by __main__), so that "exact" shows as
         advantages = group_advantages(reward, prompt_of).double()  # [B]
         for n, idx in enumerate(torch.randperm(32).chunk(2)):
             fn, ref = velocity_fn_of(policy, c=targets[idx]), velocity_fn_of(reference, c=targets[idx])
-            half = (batch.first_steps(9).subset(idx), advantages[idx], cfg, W)
-            exact, jagg = (grad_of(policy, paper_gradients, fn, *half, frac, ref) for frac in (0.0, 1.0))
-            stats, _ = paper_train_step(fn, optimizer, *half, 1.0, ref)
+            half, adv_half = batch.first_steps(9).subset(idx), advantages[idx]  # Flow-GRPO trains 9 of 10 steps
+            exact, jagg = (grad_of(policy, paper_gradients, fn, half, adv_half, cfg, W, f, ref) for f in (0.0, 1.0))
+            stats, _ = paper_train_step(fn, optimizer, half, adv_half, cfg, W, 1.0, ref)
             halves[n].append((error(jagg, exact), stats))
     on, off = (torch.tensor([e for e, _ in halves[n]]).median().item() for n in (0, 1))
     clipfrac, kl = (sum(s[key] for _, s in halves[1]) / len(halves[1]) for key in ("clipfrac", "kl"))
