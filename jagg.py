@@ -343,7 +343,7 @@ def _self_check():  # run in float64 (set by __main__), so that "exact" shows as
           f"   at alpha_k; {errors[1]:.1e} spaced by step; {errors[2]:.1e} off it; {errors[3]:.1e} for a tanh net")
     # B. Is it worth it? JAGG's gradient error (by t, and by step index) beside a cheaper unbiased estimate's:
     # 2 random steps x W/2 (RMS over its 6 draws; cost 6, not 8). Its error is noise, halved by 4x the rollouts;
-    # JAGG's, mostly a bias, shrinks far less. Each row sums one position's windows over 16 rollouts, as a batch.
+    # JAGG's, in part a bias, shrinks more slowly. Each row sums a position's windows over 16 rollouts, as a batch.
     cfg, windows = LossConfig(noise_level=0.7, clip_range=0.2), []  # windows: one dict each
     fn, alpha_index = velocity_fn_of(tanh_net), torch.linspace(0, 1, W)[:, None].expand(W, B)  # [W, B], by step
     for _ in range(16):
