@@ -251,7 +251,7 @@ def train(cfg, method, base, initial_reward, folder, rank, world, stop=()):
          "routed_frac_by_position": [sum(f) / len(rows) for f in zip(*(r["routing/routed"] for r in rows))],
          "param_checksums": all_ranks(sum(p.detach().double().sum().item() for p in model.parameters()))}
     if rank == 0:
-        save(os.path.join(folder, "summary.json"), jagg_options.json_text({**s, "config": asdict(cfg)}, indent=2))
+        jagg_options.write_json(os.path.join(folder, "summary.json"), {**s, "config": asdict(cfg)})
         print(f"[{method}] reward {initial_reward:.3f} -> {final_reward:.3f} ({s['reward_gain']:+.3f}), backward "
               f"{s['backward_seconds']:.1f} s, training {s['train_seconds']:.1f} s"
               + (f", {s['skipped_steps']} optimizer steps skipped (non-finite)" if s["skipped_steps"] else ""))
@@ -269,7 +269,7 @@ def main(argv=None):
         raise SystemExit(f"error: {e}") from None
     rank, world = jagg_options.init_distributed(backend="gloo")  # under torchrun: a rank per process; CPU tensors
     if rank == 0:  # the flags saved beside the results, before any work
-        save(os.path.join(cfg.out, "config.json"), json.dumps(asdict(cfg), indent=2))
+        jagg_options.write_json(os.path.join(cfg.out, "config.json"), asdict(cfg))
         print("config: " + json.dumps(asdict(cfg)))
     base, _ = base_model(cfg, rank)
     initial_reward, base_samples = evaluate(base, cfg)
@@ -286,8 +286,8 @@ def main(argv=None):
         ex, jg = summaries["exact"], summaries["jagg"]
         ratios = {"reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] else None, **{
             f"{k}_speedup": ex[f"{k}_seconds"] / jg[f"{k}_seconds"] for k in ("backward", "train")}}
-        save(os.path.join(cfg.out, "summary.json"), json.dumps({"method": "compare", "mode": jg["mode"], **ratios,
-                                                                "exact": ex, "jagg": jg, "config": asdict(cfg)}, indent=2))
+        jagg_options.write_json(os.path.join(cfg.out, "summary.json"), {"method": "compare", "mode": jg["mode"], **ratios,
+                                                                       "exact": ex, "jagg": jg, "config": asdict(cfg)})
         print(f"JAGG ({jg['mode']}) kept {100 * (ratios['reward_gain_ratio'] or 0):.0f} % of exact GRPO's reward gain; "
               f"{ex['grad_rows'] / jg['grad_rows']:.2f}x fewer rows with grad, backward {ratios['backward_speedup']:.1f}x "
               f"faster, training {ratios['train_speedup']:.1f}x (rollouts included)")

@@ -14,7 +14,6 @@ lab/summarize.py reads) and benchmark.png (where a training step's time goes).
 import argparse
 import copy
 import dataclasses
-import json
 import os
 import sys
 
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
+import jagg_options  # noqa: E402
 import train_toy  # noqa: E402
 from bench import bench_modes, benchmark_trajectory, benchmark_window, report_benchmark, report_trajectory  # noqa: E402
 from charts import save_png, training_step_bars  # noqa: E402
@@ -82,8 +82,8 @@ def main(argv=None):
     if any(not ok for ok, _ in problems):
         raise SystemExit("error: " + next(message for ok, message in problems if not ok))
     results, cfg = benchmark(args)
-    train_toy.save(os.path.join(args.out, "benchmark.json"), json.dumps(
-        {"config": {**vars(args), "train_toy": dataclasses.asdict(cfg)}, "results": results}, indent=2))
+    jagg_options.write_json(os.path.join(args.out, "benchmark.json"),
+                            {"config": {**vars(args), "train_toy": dataclasses.asdict(cfg)}, "results": results})
     save_png(os.path.join(args.out, "benchmark.png"), training_step_bars(
         results, 1000, "ms", f"toy DiT: one GRPO training step (T = {cfg.num_steps}, B = {args.batch}), where the time goes"))
     print(f"\nwrote {args.out}/benchmark.json and benchmark.png")
