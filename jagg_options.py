@@ -102,7 +102,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import jagg
-from jagg import _check, _check_window
+from jagg import _check
+
+
+def _check_window(z, t):  # one window: z [W, B, *D] and t [W, B]
+    _check(z.ndim >= 2 and t.shape == z.shape[:2], "a window needs z: [W, B, *D] and t: [W, B]")
+
 
 ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
 INTERIOR_MODES = ("forward", "rollout")  # the paper's no-graph forwards; OURS: rollout velocities
@@ -1036,10 +1041,10 @@ def epoch_stats(stats):
 def train_step(velocity_fn, optimizer, traj, advantages, cfg, opts, *, ref_velocity_fn=None, params=None,
                max_grad_norm=1.0, no_sync=contextlib.nullcontext, probe_cosines=None, step=None):
     """One optimizer step of GRPO on a batch of trajectories (traj: T steps of B samples;
-    advantages: [B]; cfg: jagg.LossConfig; opts: JaggOptions), in jagg.paper_train_step's argument
-    order: accumulate_gradients, then optimizer_step (pass DDP's model.no_sync as no_sync; under
-    FSDP, nothing). params: those clipped and averaged over ranks; None: the optimizer's. Returns
-    (stats, routed)."""
+    advantages: [B]; cfg: jagg.LossConfig; opts: JaggOptions): jagg.paper_gradients with the
+    options (accumulate_gradients), then the clip and the optimizer step (optimizer_step). Pass
+    DDP's model.no_sync as no_sync; under FSDP, nothing. params: those clipped and averaged over
+    ranks; None: the optimizer's. Returns (stats, routed)."""
     if params is None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
     optimizer.zero_grad(set_to_none=True)
