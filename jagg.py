@@ -1,13 +1,13 @@
 """JAGG: GRPO for flow-matching transformers that back-propagates 2 steps of each window of W, not W.
 
 A reference implementation of JAGG (Jacobian-Aggregated Group Gradient, arXiv 2607.17572, 2026), built on
-Flow-GRPO's SDE sampler and loss (Liu et al., arXiv 2505.05470), to be read from top to bottom. The abstract
-gives the idea: interpolate the network's Jacobians over a window of W steps between its two end steps,
-weighted by t, so that one backward pass serves the window; a cosine-similarity rule with a knob jagg_frac
-picks the windows. Over Flow-GRPO's 9 trained steps at W = 4 that back-propagates 5 rows per sample, not 9: 1.4x
-less training compute (sampling aside) if a backward costs two forwards, as interior steps still run forward (C).
-The authors' early code (github.com/SchumiDing/eff_grpo) has the same algebra, with weights by step index and
-two backward passes. Where the abstract is silent we chose, and say OURS.
+Flow-GRPO's SDE sampler and loss (Liu et al., arXiv 2505.05470), to be read from top to bottom. The paper's
+abstract gives the idea. Over a window of W sampling steps, interpolate the network's Jacobians in t between the
+window's two end steps, so that one backward pass serves the whole window. A cosine-similarity rule with a knob,
+jagg_frac, picks the windows that take JAGG. Where the abstract is silent we chose, and say OURS. The authors'
+early code (github.com/SchumiDing/eff_grpo) has the same algebra, with weights by step index.
+The saving: over Flow-GRPO's 9 trained steps at W = 4, 5 rows per sample go through a backward pass, not 9. If a
+backward costs two forwards, a training step costs 1.4x less, or 1.3x with the KL's reference (section 6).
 
 Notation (code name -> symbol)
     T, B       number of sampling steps; number of samples in the batch
@@ -20,7 +20,8 @@ Notation (code name -> symbol)
     G_a, G_b   sum_k (1 - alpha_k) g_k and sum_k alpha_k g_k: a window's loss signal, gathered at a and b
 Shapes: S a number of steps, *D one sample's shape, P the number of weights. A row: one sample at one step.
 The network enters only as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D] (section 9).
-Run `python jagg.py` (its self-check, a few seconds) and `python -m pytest -q tests/test_jagg.py` (tests).
+Run `python jagg.py` for its self-check (seconds). The repository's tests check every function against autograd
+and explicit Jacobians: `python -m pytest -q tests/test_jagg.py`.
 """
 
 import copy
@@ -68,13 +69,6 @@ def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=N
     return prev_sample.to(dtype), log_prob, mean, std_t
 
 # === 2. Rollout: sample trajectories and keep what training needs ===
-def checked(velocity_fn):  # refuses a v not of z's shape: it would broadcast and train wrongly
-    def velocity(z, t):
-        v = velocity_fn(z, t)
-        _check(v.shape == z.shape, f"velocity_fn(z {z.shape}) returned {v.shape}: end it with .reshape(z.shape)")
-        return v
-    return velocity
-
 @dataclass
 class Trajectory:
     """A batch of sampled trajectories: everything GRPO needs, no graph attached."""
@@ -98,13 +92,13 @@ class Trajectory:
 @torch.no_grad()
 def rollout(velocity_fn, noise, sigmas, noise_level, generator=None):
     """B trajectories of T = len(sigmas) - 1 SDE steps from the noise z_0 [B, *D], one step at a time."""
-    velocity_fn = checked(velocity_fn)
     T, B = len(sigmas) - 1, noise.shape[0]
     t = sigmas[:-1, None].expand(T, B).to(noise.device).contiguous()  # [T, B]
     t_next = sigmas[1:, None].expand(T, B).to(noise.device).contiguous()  # [T, B]
     zs, log_probs, vs = [noise], [], []  # v is kept: routing scores windows by it (section 7)
     for k in range(T):
         vs.append(velocity_fn(zs[k][None], t[k : k + 1])[0])  # one step, S = 1: [B, *D]
+        _check(vs[k].shape == noise.shape, f"velocity_fn gave {vs[k].shape[1:]}, not z's shape: it would broadcast")
         z_next, log_prob, _, _ = sde_step(vs[k], zs[k], t[k], t_next[k], noise_level, generator=generator)
         zs.append(z_next)
         log_probs.append(log_prob)
@@ -221,19 +215,20 @@ def backward_jagg_window(velocity_fn, z, t, step_loss, alpha=None):
     (v_ab[0] * G_a.to(v_ab.dtype) + v_ab[1] * G_b.to(v_ab.dtype)).sum().backward()
     return total
 
-# Cost of one window: exact back-propagates W rows in W backward passes; JAGG 2 rows in one pass, and runs the
-# other W - 2 forward without graph. We read the paper's "~2x" as this drop from W to 2 (OURS). If a backward
-# costs two forwards (ASSUMED), that is 3W forwards' worth against W + 4: 12 against 8 at W = 4 (6 if traj.v stood
-# in for the interior forwards). Memory: JAGG's forward keeps the graphs of 2B rows at once, exact's B.
+# Cost of one window. Exact: W rows with graph, W backward passes. JAGG: 2 rows with graph, 1 backward pass, and
+# W - 2 rows without graph. We read the paper's "~2x" as this drop from W to 2 (OURS). If a backward costs two
+# forwards (ASSUMED), that is 3W forwards' worth against W + 4: 12 against 8 at W = 4. The KL's reference adds W
+# rows without graph to both. Memory: JAGG keeps the graphs of 2B rows at once, exact those of B.
 
-# === 7. Routing: which windows are linear enough for JAGG ===
+# === 7. Routing: which windows take JAGG ===
 # The abstract routes windows by "a cosine-similarity rule" with a knob jagg_frac; the score and the rule are OURS.
-# The score is the mean cosine between a window's interior velocities and the straight line in t between its end
-# velocities: free, as the rollout kept every v_k, but it measures how v bends, not J. Self-check B finds that it
-# tells the high-noise windows (larger errors) from the low-noise ones, and little within the same steps: a fixed
-# rule, JAGG on the low-noise windows, is the baseline it has to beat. The rule sends the jagg_frac share of windows
-# with the highest scores to JAGG (scores sit near 1 on scales that differ between models: a threshold would not
-# carry over). Windows tile the trained steps from the first (W = 4, OURS); a 2-step one is trained exactly.
+# The score: the mean cosine between a window's interior velocities and the straight line in t between its end
+# velocities. It is free, as the rollout kept every v_k, but it sees how v bends, not J. The rule: the jagg_frac
+# share of windows with the highest scores take JAGG. Scores sit near 1 on scales that differ between models, so a
+# threshold would not carry over. The default, jagg_frac = 1, sends every window of 3 or more steps to JAGG and
+# never reads the score. Below 1, the score has a fixed rule to beat, JAGG on the low-noise windows: self-check B
+# finds that it tells noisy windows from clean ones, and little within the same steps. Windows tile the trained
+# steps from the first (W = 4, OURS); a window of 2 steps has nothing to save and is trained exactly.
 def window_bounds(num_steps, window):
     """Split T steps into windows of W: [(start, stop), ...], stop = b + 1; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG interpolates two end steps), got {window}")
@@ -259,13 +254,12 @@ def route_windows(scores, lengths, jagg_frac):
     return [w in chosen for w in range(len(scores))]
 
 # === 8. One training step's gradient over a batch of trajectories ===
-# paper_: the paper's JAGG with our routing (section 7). The trainers call jagg_options.window_gradients: this loop
-# with options, by default calling backward_jagg_window and backward_exact. Self-check D adds the optimizer step.
+# paper_gradients: the paper's JAGG with our routing; self-check D wraps it in the optimizer step. The trainers
+# run this loop with options (jagg_options.py), by default calling backward_jagg_window and backward_exact.
 def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_velocity_fn=None):
     """Add to .grad the gradient of the batch's GRPO loss (the mean over traj's T steps and B samples;
     advantages: [B]), window by window. Returns (stats, routed), routed[w] True for JAGG."""
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn for the KL")
-    velocity_fn = checked(velocity_fn)
     bounds = window_bounds(traj.z.shape[0], window)  # [(start, stop), ...]
     lengths = [stop - start for start, stop in bounds]
     scores = [linearity_score(traj.v[start:stop], traj.t[start:stop]) for start, stop in bounds]
@@ -274,7 +268,7 @@ def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0,
     for (start, stop), use_jagg in zip(bounds, routed):
         z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, *D], [W, B]
         with torch.no_grad():  # the KL reference's velocities [W, B, *D]
-            v_ref = checked(ref_velocity_fn)(z, t) if cfg.beta > 0 else None
+            v_ref = ref_velocity_fn(z, t) if cfg.beta > 0 else None
         step_loss = make_step_loss(traj, advantages, start, stop, cfg, v_ref, log)
         backward = backward_jagg_window if use_jagg else backward_exact
         loss += backward(velocity_fn, z, t, step_loss)
@@ -291,6 +285,8 @@ def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0,
 # dropout, and flatten z step-major (row s * B + n is sample n at step s), as the self-check does: repeat each
 # condition c [B, ...] as a block, c.repeat(S, 1, ...), never c.repeat_interleave(S, 0). With classifier-free
 # guidance, return the guided v_u + s (v_c - v_u) that the sampler steps with; SD3's transformer takes t * 1000.
+# Both backward functions add to .grad, as loss.backward() does, window by window: accumulate minibatches as you
+# would, and under DDP skip the gradient sync (model.no_sync()) on all but a step's last backward pass.
 
 # === Self-check: python jagg.py prints, in a few seconds, what a learner should see; asserts check it ===
 def _velocity_fn(net, c=None, calls=None):  # net on (z, t) and each sample's condition c [B, C], as in section 9
@@ -335,17 +331,21 @@ def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=16):
         traj = rollout(fn, torch.randn(B, D), sigma_schedule(T), cfg.noise_level)
         adv = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # [B], 4 groups
         for start, stop in window_bounds(T, W)[:2]:  # steps 0-3, then 4-7
-            z, t, step_loss = traj.z[start:stop], traj.t[start:stop], make_step_loss(traj, adv, start, stop, cfg)
+            z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, D], [W, B]
+            step_loss = make_step_loss(traj, adv, start, stop, cfg)
             per_step = []  # each step's exact gradient [P]
             for k in range(start, stop):
                 loss_k = make_step_loss(traj, adv, k, k + 1, cfg)
                 per_step.append(_grad(net, backward_exact, fn, traj.z[k : k + 1], traj.t[k : k + 1], loss_k))
-            exact, jagg = sum(per_step), _grad(net, backward_jagg_window, fn, z, t, step_loss)  # [P] each
-            pairs = list(itertools.combinations(per_step, 2))  # the alternative's 6 equally likely draws
+            exact = sum(per_step)  # [P]
+            jagg = _grad(net, backward_jagg_window, fn, z, t, step_loss)  # [P], the paper's t-weights
+            jagg_index = _grad(net, backward_jagg_window, fn, z, t, step_loss, by_index)  # [P]
+            # The alternative draws 2 of the W steps; its mean square error over the 6 equally likely pairs:
+            pairs = list(itertools.combinations(per_step, 2))
+            alt_sq = sum((W / 2 * (p + q) - exact).norm() ** 2 for p, q in pairs) / len(pairs)
             windows.append({"steps": f"{start}-{stop - 1}", "score": linearity_score(traj.v[start:stop], t),
-                            "exact": exact, "jagg": jagg, "error": _error(jagg, exact),
-                            "index": _grad(net, backward_jagg_window, fn, z, t, step_loss, by_index),
-                            "alt_sq": sum((W / 2 * (p + q) - exact).norm() ** 2 for p, q in pairs) / len(pairs)})
+                            "exact": exact, "jagg": jagg, "index": jagg_index, "alt_sq": alt_sq,
+                            "error": _error(jagg, exact)})
     print(f"B. |estimate - exact| / |exact| of the gradient summed over {rollouts} rollouts; the median score:\n"
           "   steps | score | JAGG, t-weights | JAGG, index weights | 2 random steps x W/2")
     rows = []
@@ -383,7 +383,7 @@ def _check_cost(net, cfg, traj, adv, W=4):
 
 def _train(jagg_frac, epochs=10, T=10, W=4, seed=1):
     """D. The loop as Flow-GRPO runs it: 32 samples for 4 prompts, rewarded, then an optimizer step on each half
-    (the second off-policy) over 9 of the 10 steps, clip and KL included. One seed: the README has 20."""
+    (the second off-policy) over 9 of the 10 steps, clip and KL included. One seed: it shows both learn, no more."""
     torch.manual_seed(seed)
     prompt_of = torch.arange(32) // 8  # [B], each sample's prompt: 4 prompts, 8 samples each
     targets = torch.randn(4, 2)[prompt_of]  # [B, 2]: each prompt asks for a point; the reward is -distance

@@ -105,6 +105,14 @@ import jagg
 from jagg import _check
 
 
+def checked(velocity_fn):  # refuses a v not of z's shape: it would broadcast and train wrongly
+    def velocity(z, t):
+        v = velocity_fn(z, t)
+        _check(v.shape == z.shape, f"velocity_fn(z {z.shape}) returned {v.shape}: end it with .reshape(z.shape)")
+        return v
+    return velocity
+
+
 def _check_window(z, t):  # one window: z [W, B, *D] and t [W, B]
     _check(z.ndim >= 2 and t.shape == z.shape[:2], "a window needs z: [W, B, *D] and t: [W, B]")
 
@@ -164,14 +172,14 @@ def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
     S = min(3, len(sigmas) - 1)  # steps spread over the schedule: its first, middle and last: [S]
     t = sigmas[torch.linspace(0, len(sigmas) - 2, S).round().long()].to(z.device)[:, None].expand(S, z.shape[0])  # [S, B]
     zs = torch.stack([z * (1 - 0.1 * s) for s in range(S)])  # [S, B, *D]: a different state at each step
-    v = jagg.checked(velocity_fn)(zs, t)  # [S, B, *D]
+    v = checked(velocity_fn)(zs, t)  # [S, B, *D]
     _check(v.dtype.is_floating_point and bool(torch.isfinite(v).all()), "velocity_fn returned non-finite values")
     low = v.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(z.device.type)
     rtol = (2e-2 if low else 1e-4) if rtol is None else rtol
-    again = (jagg.checked(velocity_fn)(zs, t).float() - v.float()).norm().item() / v.float().norm().item()
+    again = (checked(velocity_fn)(zs, t).float() - v.float()).norm().item() / v.float().norm().item()
     _check(again <= rtol, f"two equal calls of velocity_fn differ by {again:.1e} of |v|: put the model in eval mode "
                           f"(no dropout) for rollouts and training alike, or the first ratio is not 1")
-    one = torch.stack([jagg.checked(velocity_fn)(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
+    one = torch.stack([checked(velocity_fn)(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
     error = (v.float() - one.float()).norm().item() / v.float().norm().item()
     _check(error <= rtol, f"velocity_fn on {S} steps at once differs from {S} one-step calls by {error:.1e} of |v| "
                           f"(rtol {rtol:.0e}): it is step-major (entry s * B + i is sample i at step s), so repeat "
@@ -627,7 +635,7 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
     check_options(opts, len(bounds), probe_cosines, num_steps=T)
     check_batch(traj, advantages, cfg)
     _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
-    velocity_fn = jagg.checked(velocity_fn)
+    velocity_fn = checked(velocity_fn)
     scores = _agreed([jagg.linearity_score(traj.v[start:stop], traj.t[start:stop]) for start, stop in bounds], "mean",
                      traj.z.device)  # every rank's samples, so that all route alike
     by_probe = opts.route == "probe" and probe_cosines is not None
@@ -703,7 +711,7 @@ def _segment_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_vel
     [P] of dtype, or None for a segment of one step (always exact), one segment at a time (a
     generator); leaves the parameters' .grad None."""
     check_options(opts)
-    velocity_fn = jagg.checked(velocity_fn)
+    velocity_fn = checked(velocity_fn)
     for start, stop in segment_bounds(traj.z.shape[0], opts.window, opts.anchors, opts.boundaries):
         if stop - start < 2:
             yield None
@@ -880,7 +888,7 @@ def window_rollout(velocity_fn, noise, sigmas, noise_level, start, size, generat
     T = len(sigmas) - 1
     _check(0 <= start and size >= 1 and start + size <= T, f"an SDE window of {size} steps from step {start} does not "
                                                            f"fit in a trajectory of {T} steps")
-    velocity_fn, z = jagg.checked(velocity_fn), noise
+    velocity_fn, z = checked(velocity_fn), noise
 
     def ode(z, k):  # Euler, the SDE step's mean at noise level 0: z + v dt, in fp32 at least like jagg.sde_step
         v = velocity_fn(z[None], sigmas[k].expand(1, z.shape[0]).to(z.device))[0]  # [B, *D]
