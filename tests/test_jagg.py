@@ -1118,12 +1118,11 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
 def test_python_jagg_py_runs_its_self_check():
     """`python jagg.py` prints what a learner should see: exact on a linear velocity with states where t
     puts them, and not when they sit evenly by step, bend, or the network is a tanh; on real rollouts, the
-    gradient error of JAGG (t-weights, and step-index weights about the same) below that of 2 random steps
-    x W/2, larger at the high-noise steps, where the routing score is lower, and a score that tells little
-    within the same steps; routing at jagg_frac 0, 1 and 0.5 (the 2-step window never takes JAGG's share)
+    gradient error of JAGG below that of 2 random steps x W/2, a routing score lower at the high-noise
+    steps, and a score that tells little within the same steps; routing at jagg_frac 0, 1 and 0.5 (the 2-step window never takes JAGG's share)
     with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps) and in forwards
-    (30 -> 22); GRPO runs with JAGG and exact from one start whose rewards both rise, the KL at work (the
-    script also asserts that on-policy ratios are 1)."""
+    (30 -> 22); a GRPO run with JAGG whose reward rises, the KL at work (the script also asserts that
+    on-policy ratios are 1)."""
     import re
     import subprocess
     import sys
@@ -1134,10 +1133,9 @@ def test_python_jagg_py_runs_its_self_check():
         r"A\. \|JAGG - exact\| / \|exact\|: (\S+) with v affine in \(z, t\) and the states on the segment\s+at "
         r"alpha_k; (\S+) spaced by step; (\S+) off it; (\S+) for a tanh net", out).groups())
     assert rel < 1e-12 and min(evenly, bent, curved) > 1e-3, out  # either condition broken: JAGG is no longer exact
-    rows = [tuple(map(float, r)) for r in re.findall(r"^ +(?:0-3|4-7) \| (\S+) \| +(\S+) \| +(\S+) \| +(\S+)$", out, re.M)]
-    (score_0, t_0, index_0, alt_0), (score_1, t_1, index_1, alt_1) = rows
-    assert score_0 < score_1 < 1 and 0.01 < min(t_0, t_1) and max(t_0, t_1) < min(alt_0, alt_1), out
-    assert abs(index_0 - t_0) + abs(index_1 - t_1) < 0.05, out  # the authors' step-index weights do as well
+    rows = [tuple(map(float, r)) for r in re.findall(r"^ +(?:0-3|4-7) \| (\S+) \| +(\S+) \| +(\S+)$", out, re.M)]
+    (score_0, jagg_0, alt_0), (score_1, jagg_1, alt_1) = rows
+    assert score_0 < score_1 < 1 and 0.01 < min(jagg_0, jagg_1) and max(jagg_0, jagg_1) < min(alt_0, alt_1), out
     agree = int(re.search(r"the higher-scored had the smaller error in (\d+)% of pairs", out).group(1))
     assert 30 < agree < 75, out  # within the same steps, the score is near a coin
     rows = re.findall(r"^ +(\d+) \| +(\S+) \| (\[.*?\]) +\| +(\d+) \| +(\d+) \| +(\d+) \| +(\d+)$", out, re.M)
@@ -1146,10 +1144,9 @@ def test_python_jagg_py_runs_its_self_check():
                     ("10", "0.5", rows[2][2], "8", "7", "2", "26"),
                     ("9", "1.0", "[True, True, False]", "5", "3", "4", "19")], out
     assert rows[2][2] in ("[True, False, False]", "[False, True, False]"), out  # one 4-step window, never the 2-step
-    first, last, exact_first, exact_last, kl = (float(x) for x in re.search(
-        r"mean reward (\S+) -> (\S+) with JAGG,\s+(\S+) -> (\S+) exact, in 10 epochs \(JAGG's last KL (\S+)\)",
-        out).groups())
-    assert first == exact_first and last > first + 0.5 and exact_last > exact_first + 0.5 and kl > 0, out
+    first, last, kl = (float(x) for x in re.search(
+        r"D\. GRPO with JAGG, as Flow-GRPO trains: mean reward (\S+) -> (\S+) in 10 epochs \(KL (\S+)\)", out).groups())
+    assert last > first + 0.5 and kl > 0, out
     assert out.strip().endswith("ok"), out
 
 
