@@ -6,8 +6,8 @@ abstract gives the idea. Over a window of W sampling steps, interpolate the netw
 window's two end steps, so that one backward pass serves the whole window. A cosine-similarity rule with a knob,
 jagg_frac, picks the windows that take JAGG. Where the abstract is silent we chose, and say OURS. The authors'
 early code (github.com/SchumiDing/eff_grpo) has the same algebra, with weights by step index.
-The saving: Flow-GRPO trains 9 steps per sample, and JAGG with W = 4 back-propagates 5 of them, not 9. If a backward
-pass costs two forwards, computing the gradient costs 1.4x less (1.3x with a KL reference); sampling is unchanged.
+The saving: Flow-GRPO trains 9 steps per sample; JAGG with W = 4 back-propagates 5 of them, not 9. Counting a
+backward as two forwards, the gradient costs 19 forwards' worth, not 27 (15 right after a rollout; section 6).
 
 Notation (code name -> symbol)
     T, B       number of sampling steps; number of samples in the batch
@@ -28,6 +28,7 @@ import copy
 import itertools
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 import torch
 
 def _check(ok, message):  # a short ValueError for a mistake a learner is likely to make
@@ -178,7 +179,7 @@ def backward_exact(velocity_fn, z, t, step_loss):
 #     grad ~= G_a^T J_a + G_b^T J_b,    G_a = sum_k (1 - alpha_k) g_k,    G_b = sum_k alpha_k g_k,
 # the gradient of sum(v_a * G_a) + sum(v_b * G_b) with G_a and G_b held fixed: one forward pass with graph on
 # the double batch [z_a; z_b], then one backward pass. Each g_k still needs v_k at the current weights: at an
-# interior step, a forward pass without graph (OURS; right after a rollout traj.v holds it, unused here).
+# interior step, a forward pass without graph (OURS). Right after a rollout, traj.v holds it (on_policy, section 8).
 # When is it exact? The abstract says: when v is linear in (z, t). We find two conditions (OURS):
 #   (1) J is affine in (z, t), as for v = A z + c t + e with A, c and e any functions of theta;
 #   (2) each state lies on the segment from z_a to z_b, where t puts it: z_k = (1 - alpha_k) z_a + alpha_k z_b.
@@ -191,15 +192,17 @@ def interpolation_weights(t):
     _check(bool((span != 0).all()), "a window's end steps must have different times (t_a != t_b)")
     return (t[0] - t) / span  # [W, B]
 
-def backward_jagg_window(velocity_fn, z, t, step_loss, alpha=None):
+def backward_jagg_window(velocity_fn, z, t, step_loss, alpha=None, v_mid=None):
     """JAGG's gradient of a window (a: i = 0, b: i = W - 1): one forward with graph, one backward. alpha [W, B]:
-    the weights, by default the paper's interpolation_weights(t); the authors' early code weights by step index."""
+    the weights, by default the paper's interpolation_weights(t); the authors' early code weights by step index.
+    v_mid [W-2, B, *D]: the interior velocities if known at the current weights, saving their forward (OURS)."""
     W = z.shape[0]
     acc = torch.promote_types(z.dtype, torch.float32)  # G_a, G_b are summed in fp32 at least
     alpha = interpolation_weights(t.to(acc)) if alpha is None else alpha  # [W, B]
     alpha = alpha.to(acc).reshape(t.shape + (1,) * (z.ndim - 2))  # [W, B, 1, ...]
-    with torch.no_grad():  # the interior velocities: only for g_k, never back-propagated, so no graph
-        v_mid = velocity_fn(z[1:-1], t[1:-1]) if W > 2 else z[:0]  # [W-2, B, *D]; W = 2: empty
+    if v_mid is None:
+        with torch.no_grad():  # the interior velocities: only for g_k, never back-propagated, so no graph
+            v_mid = velocity_fn(z[1:-1], t[1:-1]) if W > 2 else z[:0]  # [W-2, B, *D]; W = 2: empty
     v_ab = velocity_fn(z[[0, -1]], t[[0, -1]])  # the double batch [z_a; z_b], with graph: [2, B, *D]
     v = torch.cat([v_ab[:1].detach(), v_mid.to(v_ab.dtype), v_ab[1:].detach()])  # [W, B, *D], no graph
     # G_a = sum_k (1 - alpha_k) g_k,  G_b = sum_k alpha_k g_k, with each g_k from the loss alone
@@ -216,10 +219,10 @@ def backward_jagg_window(velocity_fn, z, t, step_loss, alpha=None):
     (v_ab[0] * G_a.to(v_ab.dtype) + v_ab[1] * G_b.to(v_ab.dtype)).sum().backward()
     return total
 
-# Cost of one window. Exact: W rows with graph, W backward passes. JAGG: 2 rows with graph, 1 backward pass, and
-# W - 2 rows without graph. We read the paper's "~2x" as this drop from W to 2 (OURS). If a backward costs two
-# forwards (ASSUMED), that is 3W forwards' worth against W + 4: 12 against 8 at W = 4. The KL's reference adds W
-# rows without graph to both. Memory: JAGG keeps the graphs of 2B rows at once (4B with CFG), exact those of B.
+# Cost of one window. Exact: W rows with graph and W backward passes. JAGG: 2 rows with graph, 1 backward pass and
+# W - 2 rows without graph; we read the paper's "~2x" as this drop from W to 2 (OURS). With a backward costing two
+# forwards (ASSUMED): 3W forwards' worth against W + 4, 12 against 8 at W = 4 (6 on-policy). A KL reference adds W
+# rows without graph to both. Memory: JAGG holds 2B rows of graph (4B with CFG); z_a, z_b one at a time hold B.
 
 # === 7. Routing: which windows take JAGG ===
 # The abstract routes windows by "a cosine-similarity rule" with a knob jagg_frac. The score and the rule are OURS.
@@ -257,10 +260,10 @@ def route_windows(scores, lengths, jagg_frac):
 # === 8. One training step's gradient over a batch of trajectories ===
 # paper_gradients: the paper's JAGG with our routing; self-check D wraps it in the optimizer step. The trainers
 # run this loop with options (jagg_options.py), by default calling backward_jagg_window and backward_exact.
-def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_velocity_fn=None):
-    """Add to .grad the gradient of the batch's GRPO loss (the mean over traj's T steps and B samples;
-    advantages: [B]), window by window. Returns (stats, routed), routed[w] True for JAGG."""
-    _check(cfg.beta == 0 or ref_velocity_fn is not None, "beta > 0 needs a ref_velocity_fn for the KL")
+def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_fn=None, on_policy=False):
+    """Add to .grad the gradient of the batch's GRPO loss (the mean over traj's T steps and B samples), window by
+    window. advantages: [B]; ref_fn: the reference's velocity_fn, if cfg.beta > 0; on_policy: the weights are still
+    those that sampled traj (one step after a rollout), so JAGG's interiors take traj.v. Returns (stats, routed)."""
     bounds = window_bounds(traj.z.shape[0], window)  # [(start, stop), ...]
     lengths = [stop - start for start, stop in bounds]
     scores = [linearity_score(traj.v[start:stop], traj.t[start:stop]) for start, stop in bounds]
@@ -269,9 +272,10 @@ def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0,
     for (start, stop), use_jagg in zip(bounds, routed):
         z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, *D], [W, B]
         with torch.no_grad():  # the KL reference's velocities [W, B, *D]
-            v_ref = ref_velocity_fn(z, t) if cfg.beta > 0 else None
+            v_ref = ref_fn(z, t) if cfg.beta > 0 else None
         step_loss = make_step_loss(traj, advantages, start, stop, cfg, v_ref, log)
-        backward = backward_jagg_window if use_jagg else backward_exact
+        v_mid = traj.v[start + 1 : stop - 1] if on_policy else None  # [W-2, B, *D] or None: a forward
+        backward = partial(backward_jagg_window, v_mid=v_mid) if use_jagg else backward_exact
         loss += backward(velocity_fn, z, t, step_loss)
     stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}  # means over steps
     grad_rows = sum(2 if use_jagg else n for n, use_jagg in zip(lengths, routed))  # section 6's cost
@@ -356,27 +360,25 @@ def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=16):
         print(f"   {steps:>5} | {score:.3f} | {jagg_error:4.2f} | {alt_error:20.2f}")
         assert jagg_error < alt_error
     late = sum(b["score"] > a["score"] for a, b in zip(windows[0::2], windows[1::2]))  # a: steps 0-3, b: 4-7
-    print(f"   At jagg_frac = 0.5 the score chose steps 4-7 for JAGG in {late} of {rollouts} rollouts, and a\n"
-          f"   fixed rule, 'JAGG on the low-noise windows', in all: the score mostly ranks windows by noise.")
+    print(f"   At jagg_frac = 0.5 the score picked the low-noise steps 4-7 in {late} of {rollouts} rollouts.")
     assert late > rollouts / 2
     return traj, adv
 
 def _check_cost(net, cfg, traj, adv, W=4):
     """C. Routing a rollout's windows, and the cost per sample, counted from velocity_fn's calls."""
-    print("C. steps | jagg_frac | to JAGG               | rows with grad | backward passes | no-graph rows | cost")
-    for steps, frac in [(10, 0.0), (10, 1.0), (10, 0.5), (9, 1.0)]:
+    print("C. steps | jagg_frac | on_policy | to JAGG               | grad rows | backwards | no-graph rows | cost")
+    for steps, frac, on in [(10, 0.0, 0), (10, 1.0, 0), (10, 0.5, 0), (9, 1.0, 0), (9, 1.0, 1)]:
         calls = []  # (steps, builds a graph) of each call
-        stats, routed = paper_gradients(_velocity_fn(net, calls=calls), traj.first_steps(steps), adv, cfg, W, frac)
+        fn = _velocity_fn(net, calls=calls)
+        stats, routed = paper_gradients(fn, traj.first_steps(steps), adv, cfg, W, frac, on_policy=bool(on))
         grad_rows = sum(n for n, grad in calls if grad)  # the rows back-propagated
         passes = sum(grad for _, grad in calls)  # each call with a graph gets one backward pass
         no_graph = sum(n for n, grad in calls if not grad)  # the interiors' rows
-        print(f"   {steps:5} | {frac:9} | {str(routed):21} | {grad_rows:14} | {passes:15} | {no_graph:13} | "
-              f"{3 * grad_rows + no_graph:4}")  # cost in forwards, if a backward pass costs two (section 6)
-        n_jagg = sum(routed)  # the 4-step windows sent to JAGG; the 2-step one is trained exactly
-        assert n_jagg == round(frac * 2) and not routed[2]
-        # each window sent to JAGG: 2 rows with grad, not 4, in 1 backward pass, not 4, and 2 rows without graph
-        assert (grad_rows, passes, no_graph) == (steps - 2 * n_jagg, steps - 3 * n_jagg, 2 * n_jagg)
-        assert stats["grad_rows"] == grad_rows  # paper_gradients' own count agrees
+        print(f"   {steps:5} | {frac:9} | {str(bool(on)):9} | {str(routed):21} | {grad_rows:9} | {passes:9} | "
+              f"{no_graph:13} | {3 * grad_rows + no_graph:4}")  # in forwards, if a backward costs two (section 6)
+        n_jagg = sum(routed)  # 4-step windows sent to JAGG, each 2 rows with grad, not 4, in 1 backward, not 4
+        assert n_jagg == round(frac * 2) and not routed[2] and stats["grad_rows"] == grad_rows  # 2 steps: exact
+        assert (grad_rows, passes, no_graph) == (steps - 2 * n_jagg, steps - 3 * n_jagg, 2 * n_jagg * (1 - on))
 
 def _train(jagg_frac, epochs=10, T=10, W=4, seed=1):
     """D. The loop as Flow-GRPO runs it: 32 samples for 4 prompts, rewarded, then an optimizer step on each half
@@ -393,11 +395,11 @@ def _train(jagg_frac, epochs=10, T=10, W=4, seed=1):
         reward = -(batch.sample - targets).norm(dim=-1)  # [B]
         rewards.append(reward.mean().item())
         advantages = group_advantages(reward, prompt_of).double()  # [B]
-        for half, idx in enumerate(torch.randperm(32).chunk(2)):  # two minibatches of 16
+        for half, idx in enumerate(torch.randperm(32).chunk(2)):  # two minibatches of 16, the first on-policy
             fn, ref_fn = _velocity_fn(policy, c=targets[idx]), _velocity_fn(reference, c=targets[idx])
-            minibatch = batch.first_steps(9).subset(idx)  # Flow-GRPO trains 9 of 10 steps
+            minibatch, adv = batch.first_steps(9).subset(idx), advantages[idx]  # Flow-GRPO trains 9 of 10 steps
             optimizer.zero_grad(set_to_none=True)
-            stats, _ = paper_gradients(fn, minibatch, advantages[idx], cfg, W, jagg_frac, ref_fn)
+            stats, _ = paper_gradients(fn, minibatch, adv, cfg, W, jagg_frac, ref_fn, on_policy=half == 0)
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)  # Flow-GRPO's max_grad_norm
             optimizer.step()
             assert half == 1 or stats["approx_kl"] < 1e-20  # on-policy, every ratio is 1: step-major (section 9)

@@ -926,6 +926,40 @@ def test_default_options_train_bit_for_bit_what_the_paper_function_does(beta, fr
     assert timings["backward"] > 0 and timings["fwd_graph"] > 0 and ("fwd_ref" in timings) == (beta > 0)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_on_policy_interiors_from_the_rollout_equal_a_fresh_forward(beta):
+    """paper_gradients(on_policy=True) right after a rollout, whose JAGG windows take their interior
+    velocities from traj.v, against on_policy=False, which runs them forward at the same weights: the
+    same gradient and stats to rounding (the rollout's one-step calls and the window's batched call of an
+    MLP agree to ~1e-7), with no interior row forwarded. After an optimizer step the two differ."""
+    torch.manual_seed(11)
+    model, ref = MLPFlow(), MLPFlow()
+    traj, adv = _toy_batch(model, T=10, B=6)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
+
+    def run(on_policy):
+        calls = []
+        fn = as_velocity_fn(model)
+        def counted(z, t):
+            calls.append((z.shape[0], torch.is_grad_enabled()))
+            return fn(z, t)
+        model.zero_grad(set_to_none=True)
+        stats, routed = jagg.paper_gradients(counted, traj, adv, cfg, 4, 1.0, as_velocity_fn(ref), on_policy=on_policy)
+        return [p.grad.clone() for p in model.parameters()], stats, routed, calls
+
+    g_on, s_on, r_on, calls_on = run(True)
+    g_off, s_off, r_off, calls_off = run(False)
+    assert r_on == r_off == [True, True, False]
+    assert sum(n for n, grad in calls_off if not grad) == 4 and not any(not grad for _, grad in calls_on)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(g_on, g_off))
+    assert s_on["loss"] == pytest.approx(s_off["loss"], rel=1e-5, abs=1e-8)
+    with torch.no_grad():  # the weights move: traj.v is no longer the policy's velocity
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    g_on, g_off = run(True)[0], run(False)[0]
+    assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(g_on, g_off))
+
+
 def _toy_batch(model, T=8, B=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     sigmas = jagg.sigma_schedule(T, shift=2.0)
@@ -1136,14 +1170,16 @@ def test_python_jagg_py_runs_its_self_check():
     rows = [tuple(map(float, r)) for r in re.findall(r"^ +(?:0-3|4-7) \| (\S+) \| +(\S+) \| +(\S+)$", out, re.M)]
     (score_0, jagg_0, alt_0), (score_1, jagg_1, alt_1) = rows
     assert score_0 < score_1 < 1 and 0.01 < min(jagg_0, jagg_1) and jagg_0 < alt_0 and jagg_1 < alt_1, out
-    late, rollouts = (int(x) for x in re.search(r"the score chose steps 4-7 for JAGG in (\d+) of (\d+) rollouts", out).groups())
+    late, rollouts = (int(x) for x in re.search(r"the score picked the low-noise steps 4-7 in (\d+) of (\d+) rollouts", out).groups())
     assert rollouts / 2 < late <= rollouts, out  # the score mostly picks the low-noise window, as the fixed rule does
-    rows = re.findall(r"^ +(\d+) \| +(\S+) \| (\[.*?\]) +\| +(\d+) \| +(\d+) \| +(\d+) \| +(\d+)$", out, re.M)
-    assert rows == [("10", "0.0", "[False, False, False]", "10", "10", "0", "30"),  # a backward pass costs 2 forwards
-                    ("10", "1.0", "[True, True, False]", "6", "4", "4", "22"),
-                    ("10", "0.5", rows[2][2], "8", "7", "2", "26"),
-                    ("9", "1.0", "[True, True, False]", "5", "3", "4", "19")], out
-    assert rows[2][2] in ("[True, False, False]", "[False, True, False]"), out  # one 4-step window, never the 2-step
+    rows = re.findall(r"^ +(\d+) \| +(\S+) \| (\w+) +\| (\[.*?\]) +\| +(\d+) \| +(\d+) \| +(\d+) \| +(\d+)$",
+                      out, re.M)
+    assert rows == [("10", "0.0", "False", "[False, False, False]", "10", "10", "0", "30"),  # a backward: 2 forwards
+                    ("10", "1.0", "False", "[True, True, False]", "6", "4", "4", "22"),
+                    ("10", "0.5", "False", rows[2][3], "8", "7", "2", "26"),
+                    ("9", "1.0", "False", "[True, True, False]", "5", "3", "4", "19"),
+                    ("9", "1.0", "True", "[True, True, False]", "5", "3", "0", "15")], out  # traj.v: no interior forward
+    assert rows[2][3] in ("[True, False, False]", "[False, True, False]"), out  # one 4-step window, never the 2-step
     runs = re.findall(r"seed \d: (\S+) -> (\S+) JAGG, (\S+) exact; KL (\S+)$", out, re.M)
     assert len(runs) == 3, out
     for first, jagg_last, exact_last, kl in (map(float, r) for r in runs):
