@@ -285,13 +285,13 @@ def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0,
 
 # === 9. Using your own model ===
 # Wrap your network as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], with t = sigma and v = dz/dsigma =
-# noise - data (SD3's rectified flow). The rollout calls it one step at a time, JAGG on several steps at once;
-# both must give the same v up to rounding, or the first update after a rollout sees ratios away from 1. So use no
-# dropout, and flatten z step-major (row s * B + n is sample n at step s), as the self-check does: repeat each
-# condition c [B, ...] as a block, c.repeat(S, 1, ...), never c.repeat_interleave(S, 0). With classifier-free
-# guidance, return the guided v_u + s (v_c - v_u) that the sampler steps with; SD3's transformer takes t * 1000.
-# Both backward functions add to .grad, as loss.backward() does, window by window: accumulate minibatches as you
-# would, and under DDP skip the gradient sync (model.no_sync()) on all but a step's last backward pass.
+# noise - data (SD3's rectified flow); cast z to the network's dtype inside it (sde_step keeps states in fp32).
+# The rollout calls it one step at a time, JAGG on several steps at once; both must give the same v up to
+# rounding, or the first update after a rollout sees ratios away from 1. So use no dropout, and flatten z
+# step-major (row s * B + n is sample n at step s): repeat a condition c [B, ...] as a block, c.repeat(S, 1, ...),
+# never c.repeat_interleave(S, 0). With classifier-free guidance, return the guided v_u + s (v_c - v_u) that the
+# sampler steps with; SD3's transformer takes t * 1000. Both backward functions add to .grad like loss.backward():
+# accumulate minibatches as usual; under DDP, skip the sync (model.no_sync()) on all but a step's last backward.
 
 # === Self-check: python jagg.py prints, in a few seconds, what a learner should see; asserts check it ===
 def _velocity_fn(net, c=None, calls=None):  # net on (z, t) and each sample's condition c [B, C], as in section 9
