@@ -545,6 +545,18 @@ def backward_jagg(velocity_fn, z, t, step_loss, record=None, anchors=None, v_rol
 # seconds of each part (timed_backward).
 
 
+def interleaved_medians(fns, repeats, warmup=1):
+    """Call each fn() -> {key: seconds} warmup + repeats times, rotating which goes first so that
+    drift on a shared machine hits all alike. Returns {name: {key: median over repeats}}."""
+    names, runs = list(fns), {name: [] for name in fns}
+    for r in range(warmup + repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            out = fns[name]()
+            if r >= warmup:
+                runs[name].append(out)
+    return {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for name, rs in runs.items()}
+
+
 @contextlib.contextmanager
 def timed(timings, key, device):
     """Add the seconds of the block to timings[key] (synchronised on CUDA, so the numbers mean
@@ -676,20 +688,25 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
 def time_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None, repeats=5):
     """Is JAGG faster on YOUR model? The batch's gradient (window_gradients) computed exactly
     (opts with jagg_frac 0) and with opts, each repeats times after a warm-up round, interleaved
-    with the order alternating so that a shared machine's drift hits both alike. Returns
+    (interleaved_medians) so that a shared machine's drift hits both alike. Returns
     {"exact": ..., "jagg": ...}, each {"backward_s", "step_s": medians in seconds (the backward
     passes; the whole gradient), "grad_rows"}. params' .grad are cleared before each call."""
-    methods, runs = {"exact": replace(opts, jagg_frac=0.0), "jagg": opts}, {"exact": [], "jagg": []}
-    for r in range(repeats + 1):
-        for method in list(methods)[:: 1 if r % 2 else -1]:
+    grad_rows = {}
+
+    def run(method, method_opts):
+        def call():
             for p in params:
                 p.grad = None
             timings = {}
             with timed(timings, "step", traj.z.device):
-                stats = window_gradients(velocity_fn, traj, advantages, cfg, methods[method], ref_velocity_fn, timings)[0]
-            runs[method] += [(timings["backward"], timings["step"], stats["grad_rows"])] if r else []
-    return {m: {"backward_s": statistics.median(x[0] for x in run), "step_s": statistics.median(x[1] for x in run),
-                "grad_rows": run[0][2]} for m, run in runs.items()}
+                stats = window_gradients(velocity_fn, traj, advantages, cfg, method_opts, ref_velocity_fn, timings)[0]
+            grad_rows[method] = stats["grad_rows"]
+            return {"backward_s": timings["backward"], "step_s": timings["step"]}
+        return call
+    # rounds run jagg then exact, exact then jagg, ...: after an even number of repeats, exact ran last
+    times = interleaved_medians({"jagg": run("jagg", opts), "exact": run("exact", replace(opts, jagg_frac=0.0))},
+                                repeats)
+    return {m: {**times[m], "grad_rows": grad_rows[m]} for m in ("exact", "jagg")}
 
 
 # === 5. The fidelity probe: is the approximation good on YOUR model? ===

@@ -5,7 +5,6 @@ their options (JaggOptions.mode_name)."""
 
 import itertools
 import os
-import statistics
 import sys
 import time
 import weakref
@@ -37,18 +36,6 @@ def bench_modes(max_graph_rows):
     return modes
 
 
-def _interleaved(fns, repeats, warmup):
-    """Call each fn() -> {key: seconds} warmup + repeats times, rotating which goes first so that
-    drift on a shared machine hits all alike. Returns {name: {key: median over repeats}}."""
-    names, runs = list(fns), {name: [] for name in fns}
-    for r in range(warmup + repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            out = fns[name]()
-            if r >= warmup:
-                runs[name].append(out)
-    return {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for name, rs in runs.items()}
-
-
 def benchmark_window(velocity_fn, params, z, t, step_loss, repeats=5, warmup=1):
     """Time one window's gradient (z: [W, B, *D], t: [W, B]) both ways, interleaved; medians.
 
@@ -66,7 +53,7 @@ def benchmark_window(velocity_fn, params, z, t, step_loss, repeats=5, warmup=1):
             return timings
         return run
 
-    out = _interleaved({"exact": timed(jagg.backward_exact), "jagg": timed(jagg_options.backward_jagg)}, repeats, warmup)
+    out = jagg_options.interleaved_medians({"exact": timed(jagg.backward_exact), "jagg": timed(jagg_options.backward_jagg)}, repeats, warmup)
     for p in params:
         p.grad = None
     return out
@@ -160,7 +147,7 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
     fns = {name: timed(name) for name in modes}
     if rollout_fn is not None:
         fns["rollout"] = rollout
-    out = _interleaved(fns, repeats, warmup)
+    out = jagg_options.interleaved_medians(fns, repeats, warmup)
     for name in modes:  # the memory figure, outside the timed runs (the hooks cost time)
         out[name]["saved_gb"] = saved_bytes_peak(fns[name]) / 2**30
     for p in params:

@@ -27,9 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 from bench import TRAINING_MODES, mode_settings, saved_bytes_peak  # noqa: E402
-from jagg_options import init_distributed  # noqa: E402
+from jagg_options import init_distributed, write_json  # noqa: E402
 from sd_benchmark import SD3_CONFIGS  # noqa: E402
-from jagg_options import write_json  # noqa: E402
 
 
 def local_bytes(tensors):
