@@ -39,7 +39,7 @@ def _check(ok, message):  # a one-line ValueError for a mistake a learner is lik
 # The flow ODE has no log-probability. An SDE with the same marginals makes each step a Gaussian
 # policy, z_{k+1} ~ N(mu_k, std_t^2 |dt|), and GRPO needs the ratio of such densities.
 def sigma_schedule(num_steps, shift=3.0):
-    """sigma_0 = 1 > ... > sigma_T = 0 [T+1]: the toy's even grid, bent to noise by SD3's shift."""
+    """The toy's sigmas, 1 > ... > 0 [T+1]: SD3's shift on an even grid (yours: the scheduler's)."""
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
     return (shift * s / (1 + (shift - 1) * s)).float()  # [T+1]
 
