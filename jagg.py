@@ -376,7 +376,7 @@ def _check_cost(net, cfg, traj, adv, W=4):
         print(f"   {steps:5} | {frac:9} | {str(bool(on)):9} | {str(routed):21} | {grad_rows:9} |"
               f" {passes:9} | {no_graph:13} | {3 * grad_rows + no_graph:4}")
         n_jagg = sum(routed)  # 4-step windows sent to JAGG, each 2 rows with graph, not 4
-        assert n_jagg == round(frac * 2) and not routed[2]  # the 2-step window stays exact
+        assert n_jagg == round(frac * 2) and not routed[2]  # the short last window stays exact
         assert stats["grad_rows"] == grad_rows == steps - 2 * n_jagg
 
 def _train(jagg_frac, epochs=10, T=10, W=4, seed=1):
