@@ -172,14 +172,15 @@ def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
     S = min(3, len(sigmas) - 1)  # steps spread over the schedule: its first, middle and last: [S]
     t = sigmas[torch.linspace(0, len(sigmas) - 2, S).round().long()].to(z.device)[:, None].expand(S, z.shape[0])  # [S, B]
     zs = torch.stack([z * (1 - 0.1 * s) for s in range(S)])  # [S, B, *D]: a different state at each step
-    v = checked(velocity_fn)(zs, t)  # [S, B, *D]
+    velocity_fn = checked(velocity_fn)
+    v = velocity_fn(zs, t)  # [S, B, *D]
     _check(v.dtype.is_floating_point and bool(torch.isfinite(v).all()), "velocity_fn returned non-finite values")
     low = v.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(z.device.type)
     rtol = (2e-2 if low else 1e-4) if rtol is None else rtol
-    again = (checked(velocity_fn)(zs, t).float() - v.float()).norm().item() / v.float().norm().item()
+    again = (velocity_fn(zs, t).float() - v.float()).norm().item() / v.float().norm().item()
     _check(again <= rtol, f"two equal calls of velocity_fn differ by {again:.1e} of |v|: put the model in eval mode "
                           f"(no dropout) for rollouts and training alike, or the first ratio is not 1")
-    one = torch.stack([checked(velocity_fn)(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
+    one = torch.stack([velocity_fn(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
     error = (v.float() - one.float()).norm().item() / v.float().norm().item()
     _check(error <= rtol, f"velocity_fn on {S} steps at once differs from {S} one-step calls by {error:.1e} of |v| "
                           f"(rtol {rtol:.0e}): it is step-major (entry s * B + i is sample i at step s), so repeat "
