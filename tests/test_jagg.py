@@ -1153,10 +1153,10 @@ def test_python_jagg_py_runs_its_self_check():
     """`python jagg.py` prints what a learner should see: exact on a linear velocity with states where t
     puts them, and not when they sit evenly by step, bend, or the network is a tanh; on real rollouts, the
     gradient error of JAGG below that of 2 random steps x W/2, a routing score that mostly picks the
-    low-noise window, as a fixed rule would; routing at jagg_frac 0, 1 and 0.5 (the
-    2-step window never takes JAGG's share) with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps) and in forwards
-    (30 -> 22); GRPO runs with JAGG and exact over 3 seeds whose rewards rise, the clip at work in the
-    off-policy step (the script also asserts that on-policy ratios are 1)."""
+    low-noise window, as a fixed rule would; routing at jagg_frac 0, 1 and 0.5 (the short last window
+    never takes JAGG's share) with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9
+    trained steps) and in forwards (30 -> 22); GRPO runs with JAGG and exact over 3 seeds whose rewards
+    rise, the clip at work in the off-policy step (the script also asserts that on-policy ratios are 1)."""
     import re
     import subprocess
     import sys
