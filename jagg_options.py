@@ -93,6 +93,7 @@ import math
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -952,6 +953,18 @@ def init_distributed(always=False, backend=None):
         torch.distributed.init_process_group(  # a stopped rank fails its peers in minutes, not gloo's 30
             backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=datetime.timedelta(minutes=5))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def exit_distributed():
+    """End a finished rank under torchrun: close the process group, flush, and leave with exit code 0
+    at once. At the interpreter's normal shutdown a rank sometimes aborts (SIGABRT, "terminate called
+    without an active exception": a native thread still joinable at exit), failing a run that has
+    finished and written everything. Outside torchrun (no group) it returns and Python exits as usual."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def all_gather_cat(x):

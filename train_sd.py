@@ -696,5 +696,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    if dist.is_initialized():  # close the group on every rank: one leaving with gloo's threads alive can abort
-        dist.destroy_process_group()
+    jagg_options.exit_distributed()  # a rank under torchrun leaves here, skipping a shutdown that can abort

@@ -296,5 +296,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    if dist.is_initialized():
-        dist.destroy_process_group()  # a rank that exits with gloo's threads alive can abort a finished run
+    jagg_options.exit_distributed()  # a rank under torchrun leaves here, skipping a shutdown that can abort

@@ -111,5 +111,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    jagg_options.exit_distributed()  # a rank under torchrun leaves here, skipping a shutdown that can abort
