@@ -292,7 +292,7 @@ def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0,
 # CFG, return the guided v_u + s (v_c - v_u). Both backward functions add to .grad like
 # loss.backward(): to average n minibatches, divide .grad by n before the step. Under DDP, run every
 # backward in model.no_sync(), all-reduce .grad once per step and route on scores averaged over
-# ranks, or ranks may route apart and hang (jagg_options.train_step does all three).
+# ranks, or ranks may route apart and hang (grpo_step.train_step does all three).
 
 # === Self-check: python jagg.py prints, in seconds, what a learner should see; asserts check it ===
 def _velocity_fn(net, c=None, calls=None):  # net on (z, t) and each sample's condition c [B, C]

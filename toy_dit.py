@@ -1,4 +1,4 @@
-"""A diffusion transformer (DiT) in miniature, for 2-D points, small enough for a laptop CPU.
+"""The toy demo's base model: a diffusion transformer (DiT) in miniature, for 2-D points.
 
 You do not need to read this file to learn JAGG: jagg.py only ever sees velocity_fn(z, t).
 It is here so that the toy demo trains a genuine DiT (Peebles & Xie, "Scalable Diffusion
@@ -14,17 +14,15 @@ velocity of its own coordinate. Shapes: B points, N = 2 tokens, H hidden size.
 The flow convention is SD3's (rectified flow): z_t = (1 - t) x + t eps, t in [0, 1],
 and the network predicts the velocity v = eps - x, so that dz/dt = v.
 
-At the end, what train_toy.py needs that is neither the model nor GRPO: the toy data (4 "prompts",
-each a mixture of Gaussians in 2-D), the pretraining that makes its base model, and its pictures.
+At the end, the data it is pretrained on: 4 "prompts" (class labels), each a mixture of
+Gaussians in 2-D, small enough for a laptop CPU to pretrain in a minute.
 """
 
 import math
-import os
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
-from PIL import Image, ImageDraw, ImageFont
 
 
 @dataclass
@@ -68,12 +66,14 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
         self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
         self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(approximate="tanh"), nn.Linear(4 * hidden, hidden))
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(approximate="tanh"),
+                                 nn.Linear(4 * hidden, hidden))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden))
 
     def forward(self, x, c):
         # x: [B, N, H], c: [B, H]
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        modulation = self.adaLN_modulation(c).chunk(6, dim=1)  # 6 x [B, H]
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation
         h = modulate(self.norm1(x), shift_msa, scale_msa)  # [B, N, H]
         x = x + gate_msa.unsqueeze(1) * self.attn(h, h, h, need_weights=False)[0]  # [B, N, H]
         h = modulate(self.norm2(x), shift_mlp, scale_mlp)  # [B, N, H]
@@ -103,7 +103,8 @@ class ToyDiT(nn.Module):
         self.y_embedder = nn.Embedding(cfg.num_classes, H)
         self.blocks = nn.ModuleList([Block(H, cfg.heads) for _ in range(cfg.depth)])
         self.final_layer = FinalLayer(H)
-        self.register_buffer("freqs", 2.0 ** torch.arange(cfg.num_freqs) * math.pi / 4, persistent=False)
+        freqs = 2.0 ** torch.arange(cfg.num_freqs) * math.pi / 4  # [F]
+        self.register_buffer("freqs", freqs, persistent=False)
         self._init_weights()
 
     def _init_weights(self):
@@ -128,7 +129,8 @@ class ToyDiT(nn.Module):
         """x: [B, 2] points, t: [B] flow times in [0, 1], y: [B] labels -> velocity [B, 2]."""
         # "Patchify": one token per coordinate, from its value and its Fourier features.
         xs = x.unsqueeze(-1)  # [B, N, 1]
-        feats = torch.cat([xs, torch.sin(xs * self.freqs), torch.cos(xs * self.freqs)], dim=-1)  # [B, N, 1+2F]
+        angles = xs * self.freqs  # [B, N, F]
+        feats = torch.cat([xs, torch.sin(angles), torch.cos(angles)], dim=-1)  # [B, N, 1 + 2F]
         h = self.x_embed(feats) + self.pos_embed  # [B, N, H]
         c = self.t_embedder(t) + self.y_embedder(y)  # [B, H]
         for block in self.blocks:
@@ -148,9 +150,9 @@ def flow_matching_loss(model, x, y, generator=None):
 
 
 # === The toy data and the base model: 4 "prompts", each a mixture of Gaussians in 2-D ===
-PROMPTS = {  # name (class label 0, 1, 2, 3): the modes of its distribution, each a Gaussian of std 0.2
-    "ring": [(2.0 * torch.cos(torch.tensor(i * 3.14159 / 4)).item(), 2.0 * torch.sin(torch.tensor(i * 3.14159 / 4)).item())
-             for i in range(8)],
+PROMPTS = {  # name (class label 0, 1, 2, 3): the modes of its distribution, Gaussians of std 0.2
+    "ring": [(2.0 * torch.cos(torch.tensor(i * 3.14159 / 4)).item(),
+              2.0 * torch.sin(torch.tensor(i * 3.14159 / 4)).item()) for i in range(8)],
     "grid": [(x, y) for x in (-2.0, 0.0, 2.0) for y in (-2.0, 0.0, 2.0)],
     "diagonal": [(s, s) for s in (-2.4, -0.8, 0.8, 2.4)],
     "corners": [(-2.0, -2.0), (-2.0, 2.0), (2.0, -2.0), (2.0, 2.0)],
@@ -162,15 +164,15 @@ def sample_data(labels):
     x = torch.empty(len(labels), 2)
     for c, modes in enumerate(PROMPTS.values()):
         m = labels == c
-        x[m] = torch.tensor(modes)[torch.randint(len(modes), (int(m.sum()),))] + 0.2 * torch.randn(int(m.sum()), 2)
+        n = int(m.sum())
+        x[m] = torch.tensor(modes)[torch.randint(len(modes), (n,))] + 0.2 * torch.randn(n, 2)
     return x
 
 
-def pretrain(path, steps=2000, seed=0, batch=512):
-    """A ToyDiT pretrained by flow matching on the prompts' distributions, saved at path (atomically)."""
+def pretrain(steps=2000, seed=0, batch=512):
+    """A ToyDiT pretrained by flow matching on the prompts' distributions: the demo's base model."""
     torch.manual_seed(seed)
-    cfg = ToyDiTConfig(num_classes=len(PROMPTS))
-    model = ToyDiT(cfg)
+    model = ToyDiT(ToyDiTConfig(num_classes=len(PROMPTS)))
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     for _ in range(steps):
@@ -180,10 +182,12 @@ def pretrain(path, steps=2000, seed=0, batch=512):
         loss.backward()
         opt.step()
         sched.step()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.save({"model_cfg": cfg.to_dict(), "model": model.state_dict()}, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a kill leaves no half-written checkpoint
     return model
+
+
+def checkpoint(model):
+    """What load reads back: the config and the weights, tensors and plain data only."""
+    return {"model_cfg": model.cfg.to_dict(), "model": model.state_dict()}
 
 
 def load(path):
@@ -192,46 +196,3 @@ def load(path):
     model = ToyDiT(ToyDiTConfig(**ckpt["model_cfg"]))
     model.load_state_dict(ckpt["model"])
     return model
-
-
-# === Pictures: the samples (base, then each method; a panel per prompt) and the reward over training ===
-COLORS, FONT = {"base": (150, 150, 150), "exact": (40, 90, 200), "jagg": (230, 120, 20)}, ImageFont.load_default(size=16)
-
-
-def samples_picture(rows, targets, size=200, lim=3.5):
-    """rows {name: (x [E, 2], labels [E])}: one row of panels each; grey circles: the prompt's modes, red: its
-    target (targets: one point per prompt)."""
-    img = Image.new("RGB", (80 + size * len(PROMPTS), 30 + size * len(rows)), "white")
-    d = ImageDraw.Draw(img)
-    for i, (row, (x, labels)) in enumerate(rows.items()):
-        d.text((6, 30 + i * size + size / 2), row, fill=COLORS[row], font=FONT, anchor="lm")
-        for j, (name, modes) in enumerate(PROMPTS.items()):
-            def circle(p, r, ox=80 + j * size, oy=30 + i * size):  # around the point p = (x1, x2), r pixels
-                return [ox + (p[0] + lim) / (2 * lim) * size - r, oy + (lim - p[1]) / (2 * lim) * size - r,
-                        ox + (p[0] + lim) / (2 * lim) * size + r, oy + (lim - p[1]) / (2 * lim) * size + r]
-            d.text((80 + j * size + size / 2, 4), name, fill="black", font=FONT, anchor="mt")
-            d.rectangle([80 + j * size, 30 + i * size, 80 + (j + 1) * size - 1, 30 + (i + 1) * size - 1], outline="grey")
-            for p, r, color in [(m, 9, (200, 200, 200)) for m in modes] + [(targets[j], 11, "red")]:
-                d.ellipse(circle(p, r), outline=color, width=2)
-            for p in x[labels == j].tolist():
-                d.ellipse(circle(p, 1), fill=COLORS[row])
-    return img
-
-
-def curve_picture(curves, size=(720, 400), box=(60, 40, 590, 350)):
-    """curves {name: [(epoch, reward)]}: the evaluation reward over training, the legend beside the plot."""
-    img, (left, top, right, bottom) = Image.new("RGB", size, "white"), box
-    d, last = ImageDraw.Draw(img), max(e for c in curves.values() for e, _ in c)
-    xy = lambda e, r: (left + e / last * (right - left), bottom - r * (bottom - top))  # noqa: E731 (r in [0, 1])
-    d.rectangle(box, outline="black")
-    d.text(((left + right) / 2, 10), "evaluation reward (mean, in (0, 1]) during GRPO", fill="black", font=FONT, anchor="mt")
-    d.text(((left + right) / 2, size[1] - 8), "epoch", fill="black", font=FONT, anchor="md")
-    for v in (0.0, 0.25, 0.5, 0.75, 1.0):
-        d.text((left - 6, xy(0, v)[1]), f"{v:.2f}", fill="black", font=FONT, anchor="rm")
-    for e in (0, last // 2, last):
-        d.text((xy(e, 0)[0], bottom + 6), str(e), fill="black", font=FONT, anchor="mt")
-    for i, (name, points) in enumerate(curves.items()):
-        d.line([xy(e, r) for e, r in points], fill=COLORS[name], width=3)
-        d.line([right + 12, top + 20 + 24 * i, right + 36, top + 20 + 24 * i], fill=COLORS[name], width=3)
-        d.text((right + 42, top + 20 + 24 * i), name, fill="black", font=FONT, anchor="lm")
-    return img

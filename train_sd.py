@@ -1,14 +1,16 @@
-"""JAGG-GRPO on Stable Diffusion 3 / 3.5 through diffusers: Flow-GRPO's SD3 trainer with jagg.py's backward.
+"""JAGG-GRPO on Stable Diffusion 3 / 3.5 with diffusers: Flow-GRPO's SD3 trainer, JAGG's gradient.
 
     python train_sd.py --model stabilityai/stable-diffusion-3.5-medium --method jagg --window 4
     torchrun --nproc_per_node=8 train_sd.py --model DIR [--fsdp]
-    python train_sd.py --benchmark [--model DIR]        # exact vs JAGG's backward, timed in one process
+    python train_sd.py --benchmark [--model DIR]       # exact vs JAGG's gradient, in one process
     python train_sd.py --method exact --out E; python train_sd.py --method jagg --out J
-    python lab/compare_runs.py E J --out DIR            # JAGG against exact GRPO: reward kept, speedups
+    python lab/compare_runs.py E J --out DIR           # JAGG against exact: reward kept, speedups
 
-An epoch is one rollout of --prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is
-one of its --num-steps. The loop is train() (section 6); the model is ONE marked block (section 2), the only SD3
-code. docs/flow_grpo.md lists what differs from Flow-GRPO's trainer.
+The file reads in the order a run goes: 1. the flags; 2. THE MODEL, the only SD3 code (another
+family edits that block alone); 3. the rewards; 4. rollouts; 5. the run's files; 6. the training
+loop, train(), from rollout to optimizer step; 7. --benchmark; 8. the command line. An epoch is one
+rollout of --prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is
+one of its --num-steps. docs/flow_grpo.md lists what differs from Flow-GRPO's trainer.
 """
 
 import argparse
@@ -25,164 +27,208 @@ import time
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw, ImageFont
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+import grpo_step
 import jagg
 import jagg_options
-from jagg_options import all_gather_cat, atomic_write, write_json  # the last two: whole files, JSON without NaN
+import jagg_probe
+import run_folder
+from run_folder import atomic_write, write_json
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
-RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2, "> 0": lambda v: v > 0,
-          "in (0, 1]": lambda v: 0 < v <= 1, "in (0, 1)": lambda v: 0 < v < 1}  # a flag's range, as its error says it
+RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2,
+          "> 0": lambda v: v > 0, "in (0, 1]": lambda v: 0 < v <= 1,
+          "in (0, 1)": lambda v: 0 < v < 1}  # a flag's range, as its error says it
+
 
 def flag(default, help, must=None, choices=None):
-    return dataclasses.field(default=default, metadata={"help": help, "must": must, "choices": choices})
+    return dataclasses.field(default=default,
+                             metadata={"help": help, "must": must, "choices": choices})
+
 
 @dataclasses.dataclass
 class Config:
-    model: str = flag("stabilityai/stable-diffusion-3.5-medium", "diffusers StableDiffusion3Pipeline: hub id or folder")
+    model: str = flag("stabilityai/stable-diffusion-3.5-medium",
+                      "diffusers StableDiffusion3Pipeline: hub id or folder")
     prompts: str = flag("", "text file, one prompt a line; empty: a small built-in list")
-    reward: str = flag("jpeg_compressibility", "a name in REWARDS, module:function, or a CLIP folder (PickScore)")
-    resolution: int = flag(0, "image size in pixels, a multiple of 16; 0: 512 (Flow-GRPO's), or the model's if smaller")
-    out: str = flag("runs/sd", "output folder, one run's: config.json, metrics.jsonl, samples_*.png, weights, checkpoint.pt")
-    resume: str = flag("", "continue the run in this folder; only --epochs (more), --eval-every and --out may change")
-    overwrite: bool = flag(False, "start afresh in an --out that holds a run, deleting that run's files")
+    reward: str = flag("jpeg_compressibility",
+                       "a name in REWARDS, module:function, or a CLIP folder (PickScore)")
+    resolution: int = flag(0, "image size in pixels, a multiple of 16; 0: 512 (Flow-GRPO's), or "
+                              "the model's if smaller")
+    out: str = flag("runs/sd", "output folder, one run's: config.json, metrics.jsonl, "
+                               "samples_*.png, weights, checkpoint.pt")
+    resume: str = flag("", "continue the run in this folder; only --epochs (more), --eval-every "
+                           "and --out may change")
+    overwrite: bool = flag(False, "start afresh in an --out that holds a run, deleting its files")
     seed: int = flag(0, "random seed; each rank adds its rank to the sampling seed", ">= 0")
-    method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg", choices=["exact", "jagg"])
-    benchmark: bool = flag(False, "time exact vs JAGG in one process, write --out/benchmark.json, and exit")
+    method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg",
+                       choices=["exact", "jagg"])
+    benchmark: bool = flag(False, "time exact vs JAGG in one process, write "
+                                  "--out/benchmark.json, and exit")
     epochs: int = flag(100, "GRPO epochs, each a rollout and then its optimizer steps", ">= 1")
     num_steps: int = flag(10, "T, sampling steps of a rollout (Flow-GRPO's 10)", ">= 2")
-    timestep_fraction: float = flag(0.99, "train the first int(T x this) steps (Flow-GRPO's 0.99: 9 of 10)", "in (0, 1]")
-    sigma_schedule: str = flag("scheduler", "the pipeline's sigmas, or jagg.sigma_schedule's", choices=["scheduler", "linear"])
-    sde_window: int = flag(0, "K > 0: only K steps in a row, from a random one, are SDE and trained (Flow-GRPO-Fast)", ">= 0")
-    sde_range_end: int = flag(0, "the SDE window lies in steps 0 .. this - 1; 0: T - 1 (the last step stays ODE)")
-    guidance_scale: float = flag(4.5, "classifier-free guidance v_u + scale (v_c - v_u); 1: none", ">= 1")
-    noise_level: float = flag(0.7, "a, Flow-GRPO's SDE noise level: std_t = a sqrt(sigma / (1 - sigma))", "in (0, 1]")
+    timestep_fraction: float = flag(0.99, "train the first int(T x this) steps (Flow-GRPO's 0.99: "
+                                          "9 of 10)", "in (0, 1]")
+    sigma_schedule: str = flag("scheduler", "the pipeline's sigmas, or jagg.sigma_schedule's",
+                               choices=["scheduler", "linear"])
+    sde_window: int = flag(0, "K > 0: only K steps in a row, from a random one, are SDE and "
+                              "trained (Flow-GRPO-Fast)", ">= 0")
+    sde_range_end: int = flag(0, "the SDE window lies in steps 0 .. this - 1; 0: T - 1 (the last "
+                                 "step stays ODE)")
+    guidance_scale: float = flag(4.5, "classifier-free guidance v_u + scale (v_c - v_u); 1: none",
+                                 ">= 1")
+    noise_level: float = flag(0.7, "a, Flow-GRPO's SDE noise level: std_t = a sqrt(sigma / "
+                                   "(1 - sigma))", "in (0, 1]")
     prompts_per_epoch: int = flag(2, "prompts sampled each epoch, the same on every rank", ">= 1")
-    group_size: int = flag(8, "samples per prompt on each rank; a group is all ranks' samples of a prompt", ">= 1")
-    train_batch: int = flag(4, "samples per micro-batch (one forward and backward); rollouts run in these too", ">= 1")
-    steps_per_epoch: int = flag(2, "optimizer steps an epoch, zero advantages dropped; 0: one a micro-batch", ">= 0")
+    group_size: int = flag(8, "samples per prompt on each rank; a group is all ranks' samples of "
+                              "a prompt", ">= 1")
+    train_batch: int = flag(4, "samples per micro-batch (one forward and backward); rollouts "
+                               "run in these too", ">= 1")
+    steps_per_epoch: int = flag(2, "optimizer steps an epoch, zero advantages dropped; 0: one a "
+                                   "micro-batch", ">= 0")
     lr: float = flag(3e-4, "AdamW learning rate (Flow-GRPO's geneval_sd3)", "> 0")
     clip_range: float = flag(1e-4, "GRPO's ratio clip range (Flow-GRPO's)", "in (0, 1)")
     beta: float = flag(0.04, "KL weight to the reference model (0: no reference forward)", ">= 0")
-    global_std: bool = flag(True, "advantages over the std of all the epoch's rewards (Flow-GRPO's), else each group's")
-    lora_rank: int = flag(32, "LoRA rank on the attention projections (alpha 2 x rank); 0: full fine-tuning", ">= 0")
-    gradient_checkpointing: bool = flag(True, "recompute activations in the backward pass to save memory")
+    global_std: bool = flag(True, "advantages over the std of all the epoch's rewards "
+                                  "(Flow-GRPO's), else each group's")
+    lora_rank: int = flag(32, "LoRA rank on the attention projections (alpha 2 x rank); 0: full "
+                              "fine-tuning", ">= 0")
+    gradient_checkpointing: bool = flag(True, "recompute activations in the backward pass to "
+                                              "save memory")
     ema: bool = flag(True, "keep an EMA of the trained weights: evaluated and saved (Flow-GRPO's)")
-    eval_every: int = flag(10, "every N epochs and at the last: evaluate on fixed prompts and noise, checkpoint", ">= 1")
+    eval_every: int = flag(10, "every N epochs and at the last: evaluate on fixed prompts and "
+                               "noise, checkpoint", ">= 1")
     eval_samples: int = flag(8, "samples per evaluation: the prompt list in order, cycled", ">= 1")
     fsdp: bool = flag(False, "under torchrun, shard the transformer with FSDP2 (else DDP)")
-    window: int = flag(4, "W, sampling steps per window (the paper's) or per segment between shared anchors")
-    jagg_frac: float = flag(1.0, "the share of windows (the most linear by --route) JAGG takes; the rest exact")
-    anchors: str = flag("window", "window: the paper's; shared: windows share end steps", choices=jagg_options.ANCHOR_MODES)
-    interior: str = flag("forward", "interiors from a no-graph forward (the paper's), or the rollout's",
-                         choices=jagg_options.INTERIOR_MODES)
-    weights: str = flag("time", "interpolation weights by t (the paper's) or by step index", choices=jagg_options.WEIGHTS)
-    max_graph_rows: int = flag(None, "at most this many anchor rows in a graph at once: same gradient, less memory")
-    route: str = flag("velocity", "JAGG's windows by velocity linearity or by the probe", choices=jagg_options.ROUTES)
-    probe_every: int = flag(0, "every N epochs, measure JAGG's gradient against exact on one micro-batch; 0: off", ">= 0")
+    window: int = flag(4, "W, sampling steps per window (the paper's) or per segment between "
+                          "shared anchors")
+    jagg_frac: float = flag(1.0, "the share of windows (the most linear by --route) JAGG takes; "
+                                 "the rest exact")
+    anchors: str = flag("window", "window: the paper's; shared: windows share end steps",
+                        choices=jagg_options.ANCHOR_MODES)
+    interior: str = flag("forward", "interiors from a no-graph forward (the paper's), or the "
+                                    "rollout's", choices=jagg_options.INTERIOR_MODES)
+    weights: str = flag("time", "interpolation weights by t (the paper's) or by step index",
+                        choices=jagg_options.WEIGHTS)
+    max_graph_rows: int = flag(None, "at most this many anchor rows in a graph at once: same "
+                                     "gradient, less memory")
+    route: str = flag("velocity", "JAGG's windows by velocity linearity or by the probe",
+                      choices=jagg_options.ROUTES)
+    probe_every: int = flag(0, "every N epochs, measure JAGG's gradient against exact on one "
+                               "micro-batch; 0: off", ">= 0")
 
     def jagg_options(self, method=None):
         """The JaggOptions of these flags; method "exact" trains every window exactly."""
-        return jagg_options.JaggOptions(self.window, 0.0 if (method or self.method) == "exact" else self.jagg_frac, **{
-            k: getattr(self, k) for k in ("anchors", "interior", "weights", "max_graph_rows", "route")})
+        exact = (method or self.method) == "exact"
+        return jagg_options.JaggOptions(
+            window=self.window, jagg_frac=0.0 if exact else self.jagg_frac, anchors=self.anchors,
+            interior=self.interior, weights=self.weights, max_graph_rows=self.max_graph_rows,
+            route=self.route)
 
-    def trained_steps(self):  # the SDE window's steps, or Flow-GRPO's first int(T * timestep_fraction)
+    def trained_steps(self):  # the SDE window's steps, or Flow-GRPO's first int(T * fraction)
         return self.sde_window or int(self.num_steps * self.timestep_fraction)
 
     def ranges(self):
-        """(ok, flag, what it must be) of each flag declared with a range (the JAGG flags': jagg_options')."""
+        """(ok, flag, what it must be) of each flag declared with a range (the JAGG flags':
+        jagg_options')."""
         return [(RANGES[f.metadata["must"]](getattr(self, f.name)), f.name, f.metadata["must"])
                 for f in dataclasses.fields(self) if f.metadata["must"]]
 
+
 # Flow-GRPO's settings that nothing here varies: fixed, and saved in config.json beside the flags.
-FIXED = dict(adv_clip=5.0, weight_decay=1e-4, max_grad_norm=1.0, ema_decay=0.9, ema_every=8, probe_decay=0.5)
-RESUMABLE = ("epochs", "eval_every", "out", "resume", "overwrite", "benchmark")  # what --resume may change
-DEFAULT_PROMPTS = ["a photo of a cat sitting on a windowsill", "a red bicycle leaning against a brick wall",
-                   "a bowl of ramen with chopsticks", "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
+FIXED = dict(adv_clip=5.0, weight_decay=1e-4, max_grad_norm=1.0, ema_decay=0.9, ema_every=8,
+             probe_decay=0.5)
+RESUMABLE = ("epochs", "eval_every", "out", "resume", "overwrite", "benchmark")  # may change
+DEFAULT_PROMPTS = ["a photo of a cat sitting on a windowsill",
+                   "a red bicycle leaning against a brick wall", "a bowl of ramen with chopsticks",
+                   "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
                    "a watercolor painting of a fox in the snow", "a cozy cabin in a pine forest",
                    "a bunch of sunflowers in a vase"]
+
 
 def parse(argv=None):
     """Config from the command line: each field a --flag with its help (booleans get --no-...)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        kind = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type, choices=f.metadata["choices"])
-        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind)
+        if f.type is bool:
+            kind = dict(action=argparse.BooleanOptionalAction)
+        else:
+            kind = dict(type=f.type, choices=f.metadata["choices"])
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+                            help=f.metadata["help"], **kind)
     return Config(**vars(parser.parse_args(argv)))
+
 
 def fail(message):  # one line, no traceback
     raise SystemExit(f"error: {message}")
 
+
 def validate(cfg):
-    """Every bad value ends the run here in one line naming it, before any model loads. Returns cfg resolved."""
-    finite = [(math.isfinite(v), n, "a finite number") for n, v in dataclasses.asdict(cfg).items() if isinstance(v, float)]
+    """Every bad value ends the run here in one line naming it, before any model loads. Returns
+    cfg resolved (the resolution read from the model folder, --out where --resume is)."""
+    floats = [(n, v) for n, v in dataclasses.asdict(cfg).items() if isinstance(v, float)]
+    finite = [(math.isfinite(v), n, "a finite number") for n, v in floats]
     for ok, name, must in finite + cfg.ranges():  # every float finite, then in its declared range
         if not ok:
             fail(f"--{name.replace('_', '-')} must be {must}, got {getattr(cfg, name)}")
-    try:  # JaggOptions' ranges, declared once in jagg_options.check_options; its message starts with the field
+    try:  # JaggOptions' ranges, declared once in jagg_options; its message starts with the field
         jagg_options.check_options(cfg.jagg_options("jagg"))
     except ValueError as e:
-        fail("--" + str(e).replace("_", "-", str(e).split()[0].count("_")))
-    T, end, world = cfg.trained_steps(), cfg.sde_range_end or cfg.num_steps - 1, int(os.environ.get("WORLD_SIZE", 1))
-    local = cfg.model.startswith((".", "/", "~")) or os.path.exists(cfg.model) or cfg.model.count("/") != 1
+        field, rest = str(e).split(" ", 1)
+        fail(f"--{field.replace('_', '-')} {rest}")
+    T, world = cfg.trained_steps(), int(os.environ.get("WORLD_SIZE", 1))
+    end = cfg.sde_range_end or cfg.num_steps - 1
     checks = [  # those that need more than one flag, or the file system
-        (cfg.resolution % 16 == 0 <= cfg.resolution, f"--resolution must be 0 or a multiple of 16 (the VAE's 8x times "
-                                                     f"the 2x2 patches), got {cfg.resolution}"),
-        (0 <= cfg.sde_range_end <= cfg.num_steps, f"--sde-range-end must be in [0, --num-steps {cfg.num_steps}], got "
-                                                  f"{cfg.sde_range_end}"),
-        (T >= 1, f"--timestep-fraction {cfg.timestep_fraction} trains none of the {cfg.num_steps} steps: raise it"),
-        (cfg.window <= max(T, 2), f"--window {cfg.window} is longer than the {T} trained steps: use --window <= {T}"),
-        (cfg.sde_window <= end, f"--sde-window {cfg.sde_window} does not fit in steps 0 to {end - 1}: use a smaller "
-                                "window or a larger --sde-range-end"),
-        (cfg.route != "probe" or cfg.probe_every, "--route probe needs the probe: give --probe-every N >= 1"),
-        (not cfg.probe_every or cfg.train_batch >= 2, "the probe halves a micro-batch: use --train-batch >= 2"),
-        (cfg.group_size >= 2 or world > 1, f"--group-size must be >= 2 on one process (advantages compare a group's "
-                                           f"samples), got {cfg.group_size}"),
-        (not cfg.fsdp or "WORLD_SIZE" in os.environ, "--fsdp shards over torchrun's ranks: torchrun --nproc_per_node N "
-                                                     "train_sd.py --fsdp ..."),
+        (0 <= cfg.sde_range_end <= cfg.num_steps,
+         f"--sde-range-end must be in [0, --num-steps {cfg.num_steps}], got {cfg.sde_range_end}"),
+        (T >= 1, f"--timestep-fraction {cfg.timestep_fraction} trains none of the "
+                 f"{cfg.num_steps} steps: raise it"),
+        (cfg.window <= max(T, 2), f"--window {cfg.window} is longer than the {T} trained steps: "
+                                  f"use --window <= {T}"),
+        (cfg.sde_window <= end, f"--sde-window {cfg.sde_window} does not fit in steps 0 to "
+                                f"{end - 1}: use a smaller window or a larger --sde-range-end"),
+        (cfg.route != "probe" or cfg.probe_every,
+         "--route probe needs the probe: give --probe-every N >= 1"),
+        (not cfg.probe_every or cfg.train_batch >= 2,
+         "the probe halves a micro-batch: use --train-batch >= 2"),
+        (cfg.group_size >= 2 or world > 1, f"--group-size must be >= 2 on one process "
+                                           f"(advantages compare a group's samples), got "
+                                           f"{cfg.group_size}"),
+        (not cfg.fsdp or "WORLD_SIZE" in os.environ,
+         "--fsdp shards over torchrun's ranks: torchrun --nproc_per_node N train_sd.py --fsdp ..."),
         (not (cfg.fsdp and cfg.benchmark), "--benchmark times one process: leave out --fsdp"),
-        (not (cfg.resume and cfg.overwrite), "--resume continues a run, --overwrite deletes it: give one"),
+        (not (cfg.resume and cfg.overwrite),
+         "--resume continues a run, --overwrite deletes it: give one"),
         (not cfg.resume or os.path.isfile(checkpoint_path(cfg.resume)),
-         f"--resume {cfg.resume!r} holds no checkpoint ({checkpoint_path(cfg.resume)}): give a run's folder"),
+         f"--resume {cfg.resume!r} holds no checkpoint ({checkpoint_path(cfg.resume)}): give a "
+         "run's folder"),
         (not cfg.resume or cfg.out in (Config.out, cfg.resume),
-         f"--resume writes where the run is: drop --out {cfg.out!r} or give --out {cfg.resume!r}"),
-        (not local or os.path.isfile(os.path.join(os.path.expanduser(cfg.model), "model_index.json")),
-         f"--model {cfg.model!r} is not a folder with a diffusers pipeline (model_index.json)")]
+         f"--resume writes where the run is: drop --out {cfg.out!r} or give --out {cfg.resume!r}")]
     for ok, message in checks:
         if not ok:
             fail(message)
-    cfg = dataclasses.replace(cfg, out=cfg.resume or cfg.out, resolution=cfg.benchmark and cfg.resolution or model_resolution(cfg))
+    cfg = dataclasses.replace(cfg, out=cfg.resume or cfg.out, resolution=check_model(cfg))
     if cfg.resume:  # the checkpoint's resolved flags: any that changes what is trained is refused
         saved = read_checkpoint(cfg.resume, mmap=True)
-        differ = jagg_options.changed_flags(saved["config"], {**dataclasses.asdict(cfg), **(
-            {} if cfg.resolution else {"resolution": saved["config"]["resolution"]})}, RESUMABLE)  # a hub id's: later
+        flags = dataclasses.asdict(cfg)
+        if not cfg.resolution:  # a hub id's resolution is known once it loads: the run's
+            flags["resolution"] = saved["config"]["resolution"]
+        differ = run_folder.changed_flags(saved["config"], flags, RESUMABLE)
         if differ:
-            fail(f"--resume: {', '.join(differ)}; give the run's (only --epochs, --eval-every and --out may change)")
+            fail(f"--resume: {', '.join(differ)}; give the run's (only --epochs, --eval-every and "
+                 "--out may change)")
         if cfg.epochs < saved["epoch"]:
-            fail(f"--resume: --epochs {cfg.epochs} is below the checkpoint's epoch {saved['epoch']}: give --epochs >= "
-                 f"{saved['epoch']}")
+            fail(f"--resume: --epochs {cfg.epochs} is below the checkpoint's epoch "
+                 f"{saved['epoch']}: give --epochs >= {saved['epoch']}")
     if not cfg.benchmark:
         load_reward(cfg.reward, check_only=True)
         read_prompts(cfg)  # a missing, binary or empty file ends here
     return cfg
 
-def model_resolution(cfg):
-    """--resolution resolved and checked from the model folder's json configs (no weights are read)."""
-    path = os.path.expanduser(cfg.model)
-    if not os.path.isfile(os.path.join(path, "model_index.json")):
-        return cfg.resolution  # a hub id: resolved once loaded
-    index = read_json(os.path.join(path, "model_index.json"))
-    if not isinstance(index, dict) or not isinstance(index.get("transformer"), list) or index["transformer"][0] is None:
-        fail(f"--model {cfg.model!r} has no transformer in model_index.json: pass a StableDiffusion3Pipeline folder")
-    tc, vc = (read_json(os.path.join(path, part, "config.json")) for part in ("transformer", "vae"))
-    factor = 2 ** (len(vc.get("block_out_channels", [0] * 4)) - 1)  # the VAE's downsampling, as diffusers derives it
-    size, limit = cfg.resolution or min(512, tc["sample_size"] * factor), tc["pos_embed_max_size"] * tc["patch_size"] * factor
-    if size > limit:
-        fail(f"--resolution {size} is above the model's limit of {limit} pixels (pos_embed_max_size): give at most {limit}")
-    return size
 
 def read_json(path):
     try:
@@ -191,37 +237,88 @@ def read_json(path):
     except (OSError, ValueError) as e:
         fail(f"cannot read {path} ({type(e).__name__}: {str(e)[:200]}); repair or remove it")
 
+
 def read_prompts(cfg):  # --prompts' lines, or the built-in list
+    if not cfg.prompts:
+        return DEFAULT_PROMPTS
     try:
-        prompts = [line.strip() for line in open(cfg.prompts, encoding="utf-8") if line.strip()] if cfg.prompts else DEFAULT_PROMPTS
+        with open(cfg.prompts, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
     except (OSError, UnicodeDecodeError):
-        fail(f"--prompts file {cfg.prompts!r} " + ("does not exist" if not os.path.isfile(cfg.prompts) else
-                                                   "is not UTF-8 text: give a text file, one prompt a line"))
-    return prompts or fail(f"--prompts file {cfg.prompts!r} has no prompts (one a line)")
+        if not os.path.isfile(cfg.prompts):
+            fail(f"--prompts file {cfg.prompts!r} does not exist")
+        fail(f"--prompts file {cfg.prompts!r} is not UTF-8 text: give a text file, one prompt a "
+             "line")
+    if not prompts:
+        fail(f"--prompts file {cfg.prompts!r} has no prompts (one a line)")
+    return prompts
+
 
 def claim_out(cfg):
-    """Rank 0 locks --out until the run ends (jagg_options.claim_folder): refused if in use or holding a run."""
-    run_files = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "*.safetensors", "samples_*.png")
+    """Rank 0 locks --out until the run ends (run_folder.claim_folder): refused if in use or
+    holding a run."""
+    run_files = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "*.safetensors",
+                 "samples_*.png")
     try:
-        return jagg_options.claim_folder(cfg.out, () if cfg.benchmark else run_files, cfg.resume, cfg.overwrite,
-                                         f"--resume {cfg.out}")
+        return run_folder.claim_folder(cfg.out, () if cfg.benchmark else run_files, cfg.resume,
+                                       cfg.overwrite, f"--resume {cfg.out}")
     except ValueError as e:
         fail(e)
 
-# === 2. THE MODEL: load, encode, decode, velocity_fn. The only SD3 code: a new family edits this block ===
+
+# === 2. THE MODEL: every line that knows SD3. Another family (examples/diffusers_models.py has
+# Flux, Qwen-Image and Wan) replaces this block: check the folder, load, the latents' shape,
+# encode, decode, velocity_fn, and the benchmark's transformer. ===
+def check_model(cfg):
+    """--resolution resolved and checked from the model folder's json configs (no weights are
+    read): a multiple of 16 (the VAE's 8x times the 2x2 patches) and within the transformer's
+    position embedding (not for --benchmark, which builds a transformer of its own). A hub id:
+    --resolution as given, resolved once loaded."""
+    if cfg.resolution % 16 != 0 or cfg.resolution < 0:
+        fail(f"--resolution must be 0 or a multiple of 16 (the VAE's 8x times the 2x2 patches), "
+             f"got {cfg.resolution}")
+    path = os.path.expanduser(cfg.model)
+    local = cfg.model.startswith((".", "/", "~")) or os.path.exists(cfg.model)
+    if not (local or cfg.model.count("/") != 1):
+        return cfg.resolution  # a hub id
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        fail(f"--model {cfg.model!r} is not a folder with a diffusers pipeline (model_index.json)")
+    index = read_json(os.path.join(path, "model_index.json"))
+    if not isinstance(index, dict) or not isinstance(index.get("transformer"), list) \
+            or index["transformer"][0] is None:
+        fail(f"--model {cfg.model!r} has no transformer in model_index.json: pass a "
+             "StableDiffusion3Pipeline folder")
+    if cfg.benchmark and cfg.resolution:
+        return cfg.resolution
+    tc = read_json(os.path.join(path, "transformer", "config.json"))
+    vc = read_json(os.path.join(path, "vae", "config.json"))
+    factor = 2 ** (len(vc.get("block_out_channels", [0] * 4)) - 1)  # the VAE's, as diffusers'
+    size = cfg.resolution or min(512, tc["sample_size"] * factor)
+    limit = tc["pos_embed_max_size"] * tc["patch_size"] * factor
+    if size > limit:
+        fail(f"--resolution {size} is above the model's limit of {limit} pixels "
+             f"(pos_embed_max_size): give at most {limit}")
+    return size
+
+
 def load_pipeline(cfg, device, dtype):
-    """(pipe, transformer): the pipeline frozen on device; trainable a LoRA, or every weight in fp32 (--lora-rank 0)."""
+    """(pipe, transformer): the pipeline frozen on device; trainable a LoRA, or every weight in
+    fp32 (--lora-rank 0)."""
     from diffusers import StableDiffusion3Pipeline
     path = os.path.expanduser(cfg.model)
-    index = read_json(os.path.join(path, "model_index.json")) if os.path.isfile(os.path.join(path, "model_index.json")) else {}
+    index = {}
+    if os.path.isfile(os.path.join(path, "model_index.json")):
+        index = read_json(os.path.join(path, "model_index.json"))
+    absent = {k: None for k, v in index.items() if isinstance(v, list) and v[0] is None}
     try:  # parts saved as [null, null] (no T5, say) are passed as None
-        pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, **{
-            k: None for k, v in index.items() if isinstance(v, list) and v[0] is None})
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, **absent)
     except Exception as e:
-        fail(f"could not load --model {cfg.model!r} ({type(e).__name__}: {str(e)[:300]}); pass a folder saved with "
-             "save_pretrained, or a hub id on a machine with network")
+        fail(f"could not load --model {cfg.model!r} ({type(e).__name__}: {str(e)[:300]}); pass a "
+             "folder saved with save_pretrained, or a hub id on a machine with network")
     pipe.set_progress_bar_config(disable=True)
-    for module in filter(None, (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer)):
+    parts = (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3,
+             pipe.transformer)
+    for module in filter(None, parts):
         module.to(device).requires_grad_(False)
     if cfg.lora_rank:
         add_lora(pipe.transformer, cfg.lora_rank)
@@ -231,14 +328,19 @@ def load_pipeline(cfg, device, dtype):
         pipe.transformer.enable_gradient_checkpointing()
     return pipe, pipe.transformer
 
+
 def add_lora(transformer, rank):
-    """Flow-GRPO's LoRA (alpha = 2 x rank) on the attention projections of both streams, in fp32; only it trains."""
+    """Flow-GRPO's LoRA (alpha = 2 x rank) on the attention projections of both streams, in fp32;
+    only it trains."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
     transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=[
-        "to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"]))
+    targets = ["to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj",
+               "to_add_out"]
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian",
+                                       target_modules=targets))
     cast_training_params(transformer)  # the LoRA in fp32; the frozen base may stay in bf16
+
 
 def shard_transformer(transformer):
     """FSDP2: each block one shard group, then the root, resharded after every forward."""
@@ -247,48 +349,78 @@ def shard_transformer(transformer):
         fully_shard(block)
     return fully_shard(transformer, reshard_after_forward=True)
 
+
+def default_resolution(pipe, transformer):  # 512 (Flow-GRPO's), or the model's if smaller
+    return min(512, transformer.config.sample_size * pipe.vae_scale_factor)
+
+
+def latent_shape(pipe, transformer, resolution):
+    """One sample's latents, *D = [C, h, w], for images of resolution pixels."""
+    h = resolution // pipe.vae_scale_factor
+    return (transformer.config.in_channels, h, h)
+
+
 @torch.no_grad()
 def encode(pipe, prompts, device):
-    """(cond, uncond) text embeddings, each (prompt_embeds [B, L, E], pooled [B, P]); uncond: the empty prompt."""
-    t5_len = min(256, pipe.tokenizer_3.model_max_length) if pipe.tokenizer_3 is not None else 256  # SD3's 256 tokens
-    pe, npe, pooled, npooled = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-                                                  negative_prompt=[""] * len(prompts), max_sequence_length=t5_len)
+    """(cond, uncond) text embeddings, each (prompt_embeds [B, L, E], pooled [B, P]); uncond: the
+    empty prompt."""
+    t5_len = 256  # SD3's T5 tokens
+    if pipe.tokenizer_3 is not None:
+        t5_len = min(256, pipe.tokenizer_3.model_max_length)
+    pe, npe, pooled, npooled = pipe.encode_prompt(
+        prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+        negative_prompt=[""] * len(prompts), max_sequence_length=t5_len)
     return (pe.float(), pooled.float()), (npe.float(), npooled.float())
+
 
 @torch.no_grad()
 def decode(pipe, latents):
-    """Latents [B, C, h, w] -> B PIL images; info["finite"]: False where the latents or the pixels were not."""
-    x = latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor + (pipe.vae.config.shift_factor or 0.0)
+    """Latents [B, C, h, w] -> B PIL images; info["finite"]: False where the latents or the pixels
+    were not."""
+    x = latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor
+    x = x + (pipe.vae.config.shift_factor or 0.0)
     images = pipe.vae.decode(x, return_dict=False)[0].float()  # [B, 3, H, W] in [-1, 1]
-    finite = (torch.isfinite(images).flatten(1).all(1) & torch.isfinite(latents).flatten(1).all(1)).tolist()  # [B]
-    images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # [B, H, W, 3]
-    pil = [Image.fromarray(im) for im in images]
-    for im, ok in zip(pil, finite):
+    finite = torch.isfinite(images).flatten(1).all(1) & torch.isfinite(latents).flatten(1).all(1)
+    pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # [B, 3, H, W]
+    pil = [Image.fromarray(im) for im in pixels.permute(0, 2, 3, 1).cpu().numpy()]  # [H, W, 3]
+    for im, ok in zip(pil, finite.tolist()):
         im.info["finite"] = ok
     return pil
 
+
 def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond_grad=False):
-    """velocity_fn(z [S, B, C, H, W], t [S, B]) -> v [S, B, C, H, W] with classifier-free guidance; cond,
-    uncond: (prompt_embeds [B, L, E], pooled [B, P]), repeated as a block per step. The unconditional branch
-    runs without graph as Flow-GRPO's current trainer (the gradient through s * v_c alone); uncond_grad:
-    with graph, as its first release (the exact derivative s J_c - (s - 1) J_u)."""
+    """velocity_fn(z [S, B, C, H, W], t [S, B]) -> v [S, B, C, H, W] with classifier-free
+    guidance; cond, uncond: (prompt_embeds [B, L, E], pooled [B, P]), repeated as a block per
+    step. The unconditional branch runs without graph as Flow-GRPO's current trainer (the
+    gradient through s * v_c alone); uncond_grad: with graph, as its first release (the exact
+    derivative s J_c - (s - 1) J_u)."""
     def velocity_fn(z, t):
         S, x = t.shape[0], z.flatten(0, 1)  # x: [S*B, C, H, W], step-major
         timestep = (t.flatten() * 1000).to(x.dtype)  # SD3's timesteps are sigma * 1000
-        with torch.autocast(x.device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext():
-            v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond[0].repeat(S, 1, 1),
-                            pooled_projections=cond[1].repeat(S, 1), return_dict=False)[0]  # [S*B, C, H, W]
+        autocast = contextlib.nullcontext()
+        if use_bf16:
+            autocast = torch.autocast(x.device.type, dtype=torch.bfloat16)
+        with autocast:
+            v = transformer(hidden_states=x, timestep=timestep,
+                            encoder_hidden_states=cond[0].repeat(S, 1, 1),
+                            pooled_projections=cond[1].repeat(S, 1),
+                            return_dict=False)[0]  # [S*B, C, H, W]
             if guidance_scale > 1:
                 with contextlib.nullcontext() if uncond_grad else torch.no_grad():
-                    v_u = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=uncond[0].repeat(S, 1, 1),
-                                      pooled_projections=uncond[1].repeat(S, 1), return_dict=False)[0]
+                    v_u = transformer(hidden_states=x, timestep=timestep,
+                                      encoder_hidden_states=uncond[0].repeat(S, 1, 1),
+                                      pooled_projections=uncond[1].repeat(S, 1),
+                                      return_dict=False)[0]
                 v = v_u + guidance_scale * (v - v_u)  # [S*B, C, H, W]
-        return v.to(z.dtype).reshape(z.shape)  # [S, B, C, H, W]: fp32 latents even under bf16 autocast
+        return v.to(z.dtype).reshape(z.shape)  # [S, B, C, H, W]: fp32 latents under autocast
     return velocity_fn
 
+
 def make_ref_velocity_fn(transformer, ref_transformer, cond, uncond, guidance_scale, use_bf16):
-    """The KL reference's velocity_fn: a frozen copy (full fine-tuning), or the transformer with its LoRA off."""
-    fn = make_velocity_fn(transformer if ref_transformer is None else ref_transformer, cond, uncond, guidance_scale, use_bf16)
+    """The KL reference's velocity_fn: a frozen copy (full fine-tuning), or the transformer with
+    its LoRA off."""
+    model = transformer if ref_transformer is None else ref_transformer
+    fn = make_velocity_fn(model, cond, uncond, guidance_scale, use_bf16)
     if ref_transformer is not None:
         return fn
 
@@ -300,400 +432,658 @@ def make_ref_velocity_fn(transformer, ref_transformer, cond, uncond, guidance_sc
             transformer.enable_adapters()
     return lora_off
 
-# --benchmark's transformers without weights: SD3.5-medium's (2.24B parameters) on a GPU, on a CPU a
-# reduced one of its kind (7.8M) that 2 cores time in minutes; or the shape of --model's folder.
-SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
-                   out_channels=16, pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
-SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32, num_attention_heads=6,
-               joint_attention_dim=192, caption_projection_dim=192, pooled_projection_dim=192, pos_embed_max_size=32,
-               dual_attention_layers=(), qk_norm=None)
+
+# --benchmark's transformers without weights: SD3.5-medium's (2.24B parameters) on a GPU, on a
+# CPU a reduced one of its kind (7.8M) that 2 cores time in minutes; or --model's folder's shape.
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
+                   attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+                   caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
+                   pos_embed_max_size=384, dual_attention_layers=tuple(range(13)),
+                   qk_norm="rms_norm")
+SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32,
+               num_attention_heads=6, joint_attention_dim=192, caption_projection_dim=192,
+               pooled_projection_dim=192, pos_embed_max_size=32, dual_attention_layers=(),
+               qk_norm=None)
+
+
+def benchmark_model(cfg, device, batch):
+    """--benchmark's (transformer, name, cond, uncond, latent shape, scheduler): random weights of
+    --model's folder's shape, else SD3.5-medium's on a GPU or SD3_CPU; random embeddings."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    gpu, local = device.type == "cuda", os.path.isdir(os.path.expanduser(cfg.model))
+    if local:
+        path = os.path.expanduser(cfg.model)
+        config = SD3Transformer2DModel.load_config(path, subfolder="transformer")
+        name = cfg.model
+    else:
+        config = SD35_MEDIUM if gpu else SD3_CPU
+        name = "SD3.5-medium" if gpu else "SD3 reduced for a CPU"
+    with torch.device(device):  # initialised where it runs: 2.24B parameters take seconds on a GPU
+        transformer = SD3Transformer2DModel.from_config(config)
+    transformer = transformer.to(dtype=torch.bfloat16 if gpu else torch.float32)
+    if cfg.lora_rank:
+        add_lora(transformer, cfg.lora_rank)
+    if cfg.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    tc = transformer.config
+    h = (cfg.resolution or min(512, tc.sample_size * 8)) // 8  # the latents' side
+    cond, uncond = [(torch.randn(batch, 77, tc.joint_attention_dim, device=device),  # [B, L, E]
+                     torch.randn(batch, tc.pooled_projection_dim, device=device))  # [B, P]
+                    for _ in range(2)]
+    tokens = (h // tc.patch_size) ** 2 + 77
+    return transformer, name, cond, uncond, (tc.in_channels, h, h), tokens, \
+        FlowMatchEulerDiscreteScheduler(shift=3.0)
 # ================================ end of the model block ================================
+
 
 # === 3. Rewards: reward_fn(images: a list of PIL images, prompts: a list of str) -> B numbers ===
 def jpeg_kb(image):
-    image.save(buf := io.BytesIO(), format="JPEG", quality=95)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=95)
     return buf.tell() / 1000
 
-def darkness(image):  # 1 - the mean luminance (ITU-R 601), in [0, 1]: a check that the loop learns at all
+
+def darkness(image):  # 1 - the mean luminance (ITU-R 601), in [0, 1]: does the loop learn at all?
     return 1 - sum(image.convert("L").tobytes()) / (255 * image.width * image.height)
 
-# The built-in rewards: adding one is one line here. Any other is --reward module:function with the same signature
-# (lab.mini_sd3:geneval_reward, say); its eval_metrics(images, prompts) -> {name: float}, if any, is logged as eval/<name>.
-REWARDS = {"jpeg_compressibility": lambda images, prompts: [-jpeg_kb(im) for im in images],  # DDPO's
-           "jpeg_incompressibility": lambda images, prompts: [jpeg_kb(im) for im in images],
-           "darkness": lambda images, prompts: [darkness(im) for im in images]}
+
+def jpeg_compressibility(images, prompts):  # DDPO's
+    return [-jpeg_kb(im) for im in images]
+
+
+def jpeg_incompressibility(images, prompts):
+    return [jpeg_kb(im) for im in images]
+
+
+def darkness_reward(images, prompts):
+    return [darkness(im) for im in images]
+
+
+# The built-in rewards: adding one is one line here. Any other is --reward module:function with the
+# same signature (lab.mini_sd3:geneval_reward, say); its eval_metrics(images, prompts) -> {name:
+# float}, if it has one, is logged as eval/<name>.
+REWARDS = {"jpeg_compressibility": jpeg_compressibility,
+           "jpeg_incompressibility": jpeg_incompressibility, "darkness": darkness_reward}
+
 
 def load_reward(name, device="cpu", check_only=False):
     """The reward_fn --reward names, or one line that says why there is none."""
-    if name in REWARDS or os.path.isdir(os.path.expanduser(name)):
-        return REWARDS.get(name) or (None if check_only else pickscore(name, device))
+    if name in REWARDS:
+        return REWARDS[name]
+    if os.path.isdir(os.path.expanduser(name)):
+        return None if check_only else pickscore(name, device)
     try:
         module, function = name.split(":")
         return getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError, ValueError) as e:
-        fail(f"--reward {name!r} is none of {', '.join(REWARDS)}, no folder, and no importable module:function "
-             f"({type(e).__name__}: {e})")
+        fail(f"--reward {name!r} is none of {', '.join(REWARDS)}, no folder, and no importable "
+             f"module:function ({type(e).__name__}: {e})")
+
 
 def pickscore(folder, device):
-    """PickScore's reward: logit_scale * cos(image embedding, text embedding) of the CLIP model in folder."""
+    """PickScore's reward: logit_scale * cos(image embedding, text embedding) of the CLIP model in
+    folder."""
     from transformers import AutoModel, AutoProcessor
-    processor, model = AutoProcessor.from_pretrained(folder), AutoModel.from_pretrained(folder).eval().to(device)
-    unit = lambda out: torch.nn.functional.normalize(getattr(out, "pooler_output", out), dim=-1)  # noqa: E731
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder).eval().to(device)
+
+    def unit(out):
+        return torch.nn.functional.normalize(getattr(out, "pooler_output", out), dim=-1)
 
     @torch.no_grad()
     def reward_fn(images, prompts):
         img = processor(images=images, return_tensors="pt").to(device)
-        txt = processor(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt").to(device)
-        return (model.logit_scale.exp() * (unit(model.get_image_features(**img)) * unit(
-            model.get_text_features(**txt))).sum(-1)).float().cpu()
+        txt = processor(text=prompts, padding=True, truncation=True, max_length=77,
+                        return_tensors="pt").to(device)
+        cosine = (unit(model.get_image_features(**img)) * unit(model.get_text_features(**txt)))
+        return (model.logit_scale.exp() * cosine.sum(-1)).float().cpu()
     return reward_fn
+
 
 def rewards_of(reward_fn, images, prompts):
     """[B] rewards; NaN for a broken sample (decode's info["finite"] False): it is never scored."""
     ok = [im.info.get("finite", True) for im in images]
     rewards = torch.full((len(images),), math.nan)  # [B]
     if any(ok):
-        scored = reward_fn([im for im, k in zip(images, ok) if k], [p for p, k in zip(prompts, ok) if k])
+        scored = reward_fn([im for im, k in zip(images, ok) if k],
+                           [p for p, k in zip(prompts, ok) if k])
         rewards[torch.tensor(ok)] = torch.as_tensor(scored, dtype=torch.float32).reshape(-1)
     return rewards
 
+
 # === 4. Rollouts and evaluations ===
 def sampling_sigmas(cfg, scheduler):
-    """A rollout's T + 1 sigmas from 1 to 0: the pipeline scheduler's (Flow-GRPO's), or jagg.sigma_schedule's."""
+    """A rollout's T + 1 sigmas from 1 to 0: the pipeline scheduler's (Flow-GRPO's), or
+    jagg.sigma_schedule's."""
     if cfg.sigma_schedule == "linear":
         return jagg.sigma_schedule(cfg.num_steps, scheduler.config.get("shift", 3.0))
     scheduler = copy.deepcopy(scheduler)
     scheduler.set_timesteps(cfg.num_steps)
     return scheduler.sigmas.float()  # [T+1], the last 0
 
+
+# An SDE window (--sde-window K): Flow-GRPO-Fast samples K consecutive steps with the SDE and the
+# rest with the deterministic ODE (Euler, noise level 0, no log-probability), and trains the K
+# steps alone. The window's steps are then a trajectory of K steps like any other: the loss, the
+# KL, routing, the probe and every JAGG mode see them and nothing else. Its first step is drawn
+# uniform in [low, high - K] anew each epoch, the same on every rank.
+def window_start(epoch, size, low, high, seed=0):
+    """The first SDE step of epoch's rollouts (epochs count from 1): a window of size steps
+    within steps low .. high - 1 of the schedule."""
+    jagg._check(0 <= low and size >= 1 and low + size <= high,
+                f"an SDE window of {size} steps does not fit in steps {low} to {high - 1}")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return low + int(torch.randint(high - size - low + 1, (1,), generator=g))
+
+
+@torch.no_grad()
+def window_rollout(velocity_fn, noise, sigmas, noise_level, start, size, generator=None):
+    """Sample B trajectories of T = len(sigmas) - 1 steps from the noise [B, *D]: steps start ..
+    start + size - 1 by the SDE at noise_level, the others by the ODE. Returns (traj, sample): the
+    window's steps as a jagg.Trajectory of size steps (its .t holds their sigmas) and the final
+    clean samples z_T [B, *D] to reward. start 0 and size T is jagg.rollout, bit for bit."""
+    T = len(sigmas) - 1
+    jagg._check(0 <= start and size >= 1 and start + size <= T,
+                f"an SDE window of {size} steps from step {start} does not fit in a trajectory "
+                f"of {T} steps")
+    velocity_fn, z = jagg_options.checked(velocity_fn), noise
+
+    def ode(z, k):  # Euler, the SDE step's mean at noise level 0, in fp32 at least
+        t = sigmas[k].expand(1, z.shape[0]).to(z.device)  # [1, B]
+        v = velocity_fn(z[None], t)[0]  # [B, *D]
+        dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)
+        dt = (sigmas[k + 1] - sigmas[k]).to(z.device, dtype)
+        return z.to(dtype) + v.to(dtype) * dt  # [B, *D]
+
+    for k in range(start):
+        z = ode(z, k)
+    traj = jagg.rollout(velocity_fn, z, sigmas[start : start + size + 1], noise_level, generator)
+    z = traj.sample
+    for k in range(start + size, T):
+        z = ode(z, k)
+    return traj, z
+
+
+def cat_trajectories(trajs):
+    """One jagg.Trajectory from several, joined on B (a rollout drawn in chunks)."""
+    levels = {traj.noise_level for traj in trajs}
+    jagg._check(len(levels) == 1, "trajectories drawn at different noise levels cannot form one "
+                                  f"batch: {levels}")
+    tensors = {name: torch.cat([getattr(traj, name) for traj in trajs], dim=1)
+               for name in jagg.Trajectory.TENSORS}
+    return jagg.Trajectory(**tensors, noise_level=trajs[0].noise_level)
+
+
 @torch.no_grad()
 def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_start=None):
-    """Roll out the prompts in chunks of --train-batch in eval mode (with window_start, an SDE window of --sde-window
-    steps from there, the ODE elsewhere; without, the SDE throughout): (traj [T, B, ...], cond, uncond, images)."""
-    C, h = transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
-    start, size = (0, len(sigmas) - 1) if window_start is None else (window_start, cfg.sde_window)  # 0, T: jagg.rollout's
+    """Roll out the prompts in chunks of --train-batch in eval mode (with window_start, an SDE
+    window of --sde-window steps from there, the ODE elsewhere; without, the SDE throughout).
+    Returns (traj [T, B, ...], cond, uncond, images)."""
+    start, size = 0, len(sigmas) - 1  # jagg.rollout's
+    if window_start is not None:
+        start, size = window_start, cfg.sde_window
+    shape = latent_shape(pipe, transformer, cfg.resolution)  # [C, h, w]
     trajs, conds, unconds, images = [], [], [], []
-    for chunk in (prompts[s : s + cfg.train_batch] for s in range(0, len(prompts), cfg.train_batch)):
+    for s in range(0, len(prompts), cfg.train_batch):
+        chunk = prompts[s : s + cfg.train_batch]
         cond, uncond = encode(pipe, chunk, sigmas.device)
-        noise = torch.randn(len(chunk), C, h, h, generator=generator, device=sigmas.device)  # [b, C, h, w]
-        velocity_fn = make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16)
-        traj, final = jagg_options.window_rollout(velocity_fn, noise, sigmas, cfg.noise_level, start, size, generator)
-        trajs.append(traj), conds.append(cond), unconds.append(uncond)
+        noise = torch.randn(len(chunk), *shape, generator=generator, device=sigmas.device)
+        velocity_fn = make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale,
+                                       use_bf16)
+        traj, final = window_rollout(velocity_fn, noise, sigmas, cfg.noise_level, start, size,
+                                     generator)
+        trajs.append(traj)
+        conds.append(cond)
+        unconds.append(uncond)
         images += decode(pipe, final)
-    cond, uncond = (tuple(torch.cat([c[i] for c in cs]) for i in range(2)) for cs in (conds, unconds))  # [B, L, E], [B, P]
-    return jagg_options.cat_trajectories(trajs), cond, uncond, images
+    cond = tuple(torch.cat([c[i] for c in conds]) for i in range(2))  # [B, L, E], [B, P]
+    uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
+    return cat_trajectories(trajs), cond, uncond, images
+
 
 def evaluation_prompts(cfg, prompts_all):
-    return [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]  # the list in order, cycled
+    return [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]  # in order, cycled
 
-def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16, noise_seed=None):
-    """(images, rewards [N]) of the prompts, each with its own noise, fixed by --seed (or by noise_seed)."""
-    g = torch.Generator(device=sigmas.device).manual_seed(cfg.seed + 12345 if noise_seed is None else noise_seed)
+
+def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
+                    noise_seed=None):
+    """(images, rewards [N]) of the prompts, each with its own noise, fixed by --seed (or by
+    noise_seed)."""
+    seed = cfg.seed + 12345 if noise_seed is None else noise_seed
+    g = torch.Generator(device=sigmas.device).manual_seed(seed)
     images = sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16)[3]
     return images, rewards_of(reward_fn, images, prompts)
 
+
 def sample_grid(images, prompts, rewards, cell=96):
     """Images in rows of 4, each with its prompt and reward beneath."""
-    grid, small = Image.new("RGB", (4 * cell, -(-len(images) // 4) * (cell + 32)), "white"), ImageFont.load_default(size=12)
+    rows = -(-len(images) // 4)
+    grid = Image.new("RGB", (4 * cell, rows * (cell + 32)), "white")
+    small = ImageFont.load_default(size=12)
     for i, (im, p, r) in enumerate(zip(images, prompts, rewards)):
         x, y = (i % 4) * cell, (i // 4) * (cell + 32)
         grid.paste(im.resize((cell, cell), Image.NEAREST), (x, y))
-        ImageDraw.Draw(grid).text((x + 3, y + cell + 2), f"{p[:16]}\n{r:.3f}", fill="black", font=small)
+        ImageDraw.Draw(grid).text((x + 3, y + cell + 2), f"{p[:16]}\n{r:.3f}", fill="black",
+                                  font=small)
     return grid
+
 
 # === 5. Files: the trained weights, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
 def trainable(transformer):
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
 
-def weights_path(folder, lora_rank):  # a finished run's trained weights (the EMA if kept), for users: safetensors
+
+def weights_path(folder, lora_rank):  # the trained weights (the EMA if kept), for users
     return os.path.join(folder, "lora.safetensors" if lora_rank else "transformer.safetensors")
 
+
 def load_weights(transformer, weights):
-    """Copy saved whole tensors {name: tensor} into the trainable parameters (sharded like them under FSDP)."""
+    """Copy saved whole tensors {name: tensor} into the trainable parameters (sharded like them
+    under FSDP)."""
     params = trainable(transformer)
     if params.keys() != weights.keys():
-        raise ValueError(f"{len(weights)} saved weights for {len(params)} trainable parameters: the same --lora-rank?")
+        raise ValueError(f"{len(weights)} saved weights for {len(params)} trainable parameters: "
+                         "the same --lora-rank?")
     with torch.no_grad():
         for n, w in weights.items():
             params[n].copy_(as_param(w, params[n]))
 
-def as_param(w, p):  # a whole tensor laid out as the parameter p: on its device, in its dtype, sharded as it is
+
+def as_param(w, p):  # a whole tensor laid out as the parameter p: its device, dtype and sharding
     w = w.to(p.device, p.dtype)
     return distribute_tensor(w, p.device_mesh, p.placements) if isinstance(p, DTensor) else w
+
 
 def checkpoint_path(run):
     return os.path.join(run, "checkpoint.pt")
 
+
+def whole(tensors):  # {name: tensor} gathered whole (FSDP's shards), in fp32 on the CPU
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
+            .contiguous() for n, t in tensors.items()}
+
+
 def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
-    """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically, then the weights.
-    Tensors and plain data only, so that it is read with weights_only; the optimizer state keyed by name."""
+    """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically,
+    then the weights. Tensors and plain data only, so that it is read with weights_only; the
+    optimizer state keyed by name."""
     from safetensors.torch import save
-    whole = lambda tensors: {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().contiguous()  # noqa: E731
-                             for n, t in tensors.items()}
-    state = dict(epoch=epoch, config=config, rows=rows, probe_average=probe_average, weights=whole(trainable(transformer)),
-                 ema=ema and whole(ema), optimizer=get_optimizer_state_dict(
-                     transformer, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = dict(epoch=epoch, config=config, rows=rows, probe_average=probe_average,
+                 weights=whole(trainable(transformer)), ema=ema and whole(ema),
+                 optimizer=get_optimizer_state_dict(transformer, optimizer, options=options))
     if not dist.is_initialized() or dist.get_rank() == 0:
         atomic_write(checkpoint_path(out), lambda f: torch.save(state, f), "wb")
-        atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(state["ema"] or state["weights"])), "wb")
+        weights = state["ema"] or state["weights"]
+        atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(weights)), "wb")
+
 
 def read_checkpoint(run, mmap=False):  # save_checkpoint's dict, or one line naming it
     keys = ("epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer")
     try:
-        return jagg_options.read_checkpoint(checkpoint_path(run), keys, "train_sd.py", mmap)
+        return run_folder.read_checkpoint(checkpoint_path(run), keys, "train_sd.py", mmap)
     except ValueError as e:
         fail(e)
+
 
 # === 6. Training: the whole loop, from rollout to optimizer step; then the run's summary ===
 def optimizer_steps(perm, adv, cfg, generator):
     """The epoch's optimizer steps, [[micro-batch indices, ...] per step], as many on every rank.
-    --steps-per-epoch N: Flow-GRPO's N equal steps, zero-advantage samples dropped (not under FSDP, whose
-    ranks must run alike), dropped ones put back until N divides the count. 0: one step a micro-batch."""
+    --steps-per-epoch N: Flow-GRPO's N equal steps, zero-advantage samples dropped (not under
+    FSDP, whose ranks must run alike), dropped ones put back until N divides the count. 0: one
+    step a micro-batch."""
     if not cfg.steps_per_epoch:
         return [[m] for m in perm.split(cfg.train_batch) if len(m)]  # none when every sample broke
     if not cfg.fsdp:
         keep, dropped = perm[adv[perm] != 0], perm[adv[perm] == 0]
-        back = dropped[torch.randperm(len(dropped), generator=generator)[: -len(keep) % cfg.steps_per_epoch]]
-        perm = torch.cat([keep, back])[torch.randperm(len(keep) + len(back), generator=generator)]
-    return [list(part.split(cfg.train_batch)) if len(part) else [] for part in perm.tensor_split(cfg.steps_per_epoch)]
+        back = torch.randperm(len(dropped), generator=generator)[: -len(keep) % cfg.steps_per_epoch]
+        perm = torch.cat([keep, dropped[back]])
+        perm = perm[torch.randperm(len(perm), generator=generator)]
+    parts = perm.tensor_split(cfg.steps_per_epoch)
+    return [list(part.split(cfg.train_batch)) if len(part) else [] for part in parts]
+
+
+def epoch_figures(stats):
+    """An epoch's train/ and time/ figures from its micro-batches' stats (each optimizer step's
+    last with its grad_norm and skipped): the diagnostics' means, the counts' and times' sums."""
+    def mean(key):
+        return sum(s[key] for s in stats) / len(stats) if stats else math.nan
+    steps = [s for s in stats if "grad_norm" in s]  # one per optimizer step
+    keys = ["loss", "clipfrac", "approx_kl", "kl", "routed_frac"]
+    keys += [k for k in ("rollout_refreshed", "anchor_drift") if stats and k in stats[0]]
+    figures = {f"train/{k}": mean(k) for k in keys}
+    figures["train/grad_norm"] = sum(s["grad_norm"] for s in steps) / max(len(steps), 1)
+    figures["train/grad_rows"] = sum(s["grad_rows"] for s in stats)
+    figures["train/skipped_steps"] = sum(s["skipped"] for s in steps)
+    figures["train/optimizer_steps"] = sum(not s["skipped"] for s in steps)
+    figures["time/grad_seconds"] = sum(s["grad_seconds"] for s in stats)
+    return figures
+
 
 def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs on the CPU in fp32)
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
 
 def train(cfg, stop=()):
-    """One run; stop: the signals received, which end it after their epoch, checkpointed. Returns (rows, summary)."""
-    rank, world = jagg_options.init_distributed(always=cfg.fsdp)
+    """One run; stop: the signals received, which end it after their epoch, checkpointed.
+    Returns (rows, summary)."""
+    rank, world = grpo_step.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
-    device, use_bf16 = pick_device(), torch.cuda.is_available()  # bf16 autocast on a GPU
-    torch.cuda.set_device(device) if use_bf16 else None
+    device = pick_device()
+    use_bf16 = device.type == "cuda"  # bf16 autocast on a GPU
+    if use_bf16:
+        torch.cuda.set_device(device)
     prompts_all, reward_fn = read_prompts(cfg), load_reward(cfg.reward, device)
-    pipe, transformer = load_pipeline(cfg, device, torch.bfloat16 if use_bf16 else torch.float32)
-    size = cfg.resolution or min(512, transformer.config.sample_size * pipe.vae_scale_factor)  # a hub id's
-    cfg, h = dataclasses.replace(cfg, resolution=size), size // pipe.vae_scale_factor  # h: the latents' side
-    ref_transformer = (copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)  # the KL reference under
-                       if cfg.lora_rank == 0 and cfg.beta > 0 else None)  # full fine-tuning: frozen, in the pipeline's dtype
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    pipe, transformer = load_pipeline(cfg, device, dtype)
+    resolution = cfg.resolution or default_resolution(pipe, transformer)  # a hub id's, now
+    cfg = dataclasses.replace(cfg, resolution=resolution)
+    ref_transformer = None  # the KL reference under full fine-tuning: frozen, in the pipe's dtype
+    if cfg.lora_rank == 0 and cfg.beta > 0:
+        ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
     if cfg.fsdp:  # weights, gradients and optimizer state sharded over the ranks; the reference too
         for module in [m for m in (transformer, ref_transformer) if m is not None]:
             shard_transformer(module)
     params = list(trainable(transformer).values())
-    net = transformer if cfg.fsdp or world == 1 else torch.nn.parallel.DistributedDataParallel(
-        transformer, device_ids=[device.index] if use_bf16 else None)
+    net = transformer
+    if world > 1 and not cfg.fsdp:
+        net = torch.nn.parallel.DistributedDataParallel(
+            transformer, device_ids=[device.index] if use_bf16 else None)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=FIXED["weight_decay"])
-    ema = {n: p.detach().clone() for n, p in trainable(transformer).items()} if cfg.ema else None
-    ckpt = read_checkpoint(cfg.resume) if cfg.resume else {"epoch": 0, "rows": [], "probe_average": None}
-    if cfg.resume:  # where the run stopped: weights, optimizer state, EMA, metrics rows, probe average
+    ema = None
+    if cfg.ema:
+        ema = {n: p.detach().clone() for n, p in trainable(transformer).items()}
+    ckpt = {"epoch": 0, "rows": [], "probe_average": None}  # a fresh run
+    if cfg.resume:  # where the run stopped: weights, optimizer state, EMA, rows, probe average
+        ckpt = read_checkpoint(cfg.resume)
         load_weights(transformer, ckpt["weights"])
-        set_optimizer_state_dict(transformer, optimizer, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
-        ema = ema and {n: as_param(ckpt["ema"][n], p) for n, p in trainable(transformer).items()}
+        set_optimizer_state_dict(transformer, optimizer, ckpt["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        if ema is not None:
+            ema = {n: as_param(ckpt["ema"][n], p) for n, p in trainable(transformer).items()}
     start_epoch, rows, probe_avg = ckpt["epoch"], ckpt["rows"], ckpt["probe_average"]
     config = {**dataclasses.asdict(cfg), "fixed": FIXED}
     if rank == 0:
         write_json(os.path.join(cfg.out, "config.json"), config)
-        print(f"config: {json.dumps(config)}\ntrainable parameters: {sum(p.numel() for p in params):,}; device "
-              f"{device}; bf16 {use_bf16}; world {world}")
+        print(f"config: {json.dumps(config)}\ntrainable parameters: "
+              f"{sum(p.numel() for p in params):,}; device {device}; bf16 {use_bf16}; "
+              f"world {world}")
     sigmas = sampling_sigmas(cfg, pipe.scheduler).to(device)  # [T+1]
+    # jagg's contract, before training: v of z's shape, equal calls equal, S steps at once equal
+    # S single steps; on two different prompts.
     cond, uncond = encode(pipe, (list(dict.fromkeys(prompts_all)) * 2)[:2], device)
-    noise = torch.randn(2, transformer.config.in_channels, h, h, generator=torch.Generator(device).manual_seed(0),
-                        device=device)  # [2, C, h, w]
-    try:  # jagg's contract, before training: v of z's shape, equal calls equal, S steps at once = S single
-        jagg_options.check_velocity_fn(make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16),
-                                       noise, sigmas, rtol=2e-2 if use_bf16 else None)
+    noise = torch.randn(2, *latent_shape(pipe, transformer, cfg.resolution), device=device,
+                        generator=torch.Generator(device).manual_seed(0))  # [2, C, h, w]
+    velocity_fn = make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16)
+    try:
+        jagg_probe.check_velocity_fn(velocity_fn, noise, sigmas, rtol=2e-2 if use_bf16 else None)
     except ValueError as e:  # NaN weights, say
         fail(f"--model {cfg.model!r} fails jagg's velocity_fn contract on the first prompts: {e}")
-    loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    opts, n_train, eval_prompts = cfg.jagg_options(), cfg.trained_steps(), evaluation_prompts(cfg, prompts_all)
-    # The samples one optimizer step averages, all ranks: the probe measures JAGG's error in their noise.
-    step_batch = max(1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch) if cfg.steps_per_epoch \
-        else cfg.train_batch * world
-    evaluates = rank == 0 or cfg.fsdp  # under FSDP every rank runs the evaluation's forwards; rank 0 keeps it
+    loss_cfg = jagg.LossConfig(cfg.noise_level, cfg.clip_range, cfg.beta)
+    opts, n_train = cfg.jagg_options(), cfg.trained_steps()
+    eval_prompts = evaluation_prompts(cfg, prompts_all)
+    # The samples one optimizer step averages, all ranks: the probe measures JAGG's error in
+    # their noise.
+    step_batch = cfg.train_batch * world
+    if cfg.steps_per_epoch:
+        step_batch = max(1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch)
+    evaluates = rank == 0 or cfg.fsdp  # under FSDP every rank runs the evaluation's forwards
 
-    def evaluate(epoch, row):  # fixed prompts and noise, with the EMA weights swapped in if kept: eval/reward, a picture
+    def evaluate(epoch, row):
+        """Fixed prompts and noise, the EMA weights swapped in if kept: eval/reward, a picture."""
         if ema is not None:  # the trained weights set aside
-            saved = {n: p.detach().clone() for n, p in trainable(transformer).items()}
+            trained = {n: p.detach().clone() for n, p in trainable(transformer).items()}
             load_weights(transformer, ema)
-        images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn, use_bf16)
+        images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn,
+                                          use_bf16)
         if ema is not None:
-            load_weights(transformer, saved)
+            load_weights(transformer, trained)
         if rank == 0:
             grid = sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16])
-            atomic_write(os.path.join(cfg.out, f"samples_{epoch:04d}.png"), lambda f: grid.save(f, format="PNG"), "wb")
+            atomic_write(os.path.join(cfg.out, f"samples_{epoch:04d}.png"),
+                         lambda f: grid.save(f, format="PNG"), "wb")
             ok = rewards.isfinite()  # [N]: a broken sample has no reward, and is counted
-            row.update({"eval/reward": rewards[ok].mean().item(), "eval/nonfinite_samples": int((~ok).sum())})
+            row["eval/reward"] = rewards[ok].mean().item()
+            row["eval/nonfinite_samples"] = int((~ok).sum())
             if hasattr(reward_fn, "eval_metrics"):  # a custom reward's own evaluation figures
-                row.update({f"eval/{k}": v for k, v in reward_fn.eval_metrics(images, eval_prompts).items()})
+                metrics = reward_fn.eval_metrics(images, eval_prompts)
+                row.update({f"eval/{k}": v for k, v in metrics.items()})
 
-    def fns(idx, model):  # (velocity_fn, the reference's or None) of the samples idx, with their own conditioning
-        c, u = tuple(x[idx] for x in cond), tuple(x[idx] for x in uncond)
-        ref_fn = make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg.guidance_scale, use_bf16)
-        return make_velocity_fn(model, c, u, cfg.guidance_scale, use_bf16), ref_fn if cfg.beta > 0 else None
+    def fns(idx, model):  # (velocity_fn, the reference's or None) of the samples idx
+        c, u = tuple(x[idx] for x in cond), tuple(x[idx] for x in uncond)  # their conditioning
+        ref_fn = None
+        if cfg.beta > 0:
+            ref_fn = make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg.guidance_scale,
+                                          use_bf16)
+        return make_velocity_fn(model, c, u, cfg.guidance_scale, use_bf16), ref_fn
 
     if evaluates and start_epoch == 0:
         rows.append({"epoch": 0})
         evaluate(0, rows[-1])
-    # Each epoch's generators are seeded by the epoch: a resumed run draws what an uninterrupted one
-    # would. The prompts are the same on every rank, the noise differs: a prompt's group spans the ranks.
+    # Each epoch's generators are seeded by the epoch: a resumed run draws what an uninterrupted
+    # one would. The prompts are the same on every rank, the noise differs: a prompt's group
+    # spans the ranks.
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         # --- rollouts: sample, decode, reward
-        epoch_start, prompt_gen = time.perf_counter(), torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
-        noise_gen = torch.Generator(device=device).manual_seed((cfg.seed * 1_000_003 + epoch) * 1009 + rank + 1)
-        prompt_ids = torch.randint(len(prompts_all), (cfg.prompts_per_epoch,), generator=prompt_gen)  # [P]
+        epoch_start = time.perf_counter()
+        epoch_seed = cfg.seed * 1_000_003 + epoch
+        prompt_gen = torch.Generator().manual_seed(epoch_seed)
+        noise_gen = torch.Generator(device=device).manual_seed(epoch_seed * 1009 + rank + 1)
+        prompt_ids = torch.randint(len(prompts_all), (cfg.prompts_per_epoch,), generator=prompt_gen)
         prompt_ids = prompt_ids.repeat_interleave(cfg.group_size)  # [B]
         prompts = [prompts_all[i] for i in prompt_ids.tolist()]
-        window_start = None if not cfg.sde_window else jagg_options.window_start(  # the same on every rank
-            "random", epoch, cfg.sde_window, 0, cfg.sde_range_end or cfg.num_steps - 1, seed=cfg.seed)
-        traj, cond, uncond, images = sample(pipe, transformer, prompts, cfg, sigmas, noise_gen, use_bf16, window_start)
+        start = None
+        if cfg.sde_window:  # the same on every rank
+            start = window_start(epoch, cfg.sde_window, 0, cfg.sde_range_end or cfg.num_steps - 1,
+                                 seed=cfg.seed)
+        traj, cond, uncond, images = sample(pipe, transformer, prompts, cfg, sigmas, noise_gen,
+                                            use_bf16, start)
         rewards = rewards_of(reward_fn, images, prompts).to(device)  # [B]; NaN: a broken sample
-        # --- advantages over groups gathered from every rank, a broken sample dropped from its group; this rank's slice
-        all_rewards, all_ids = all_gather_cat(rewards), all_gather_cat(prompt_ids.to(device))
-        ok, adv = torch.isfinite(all_rewards), torch.zeros_like(all_rewards)  # [world * B]
-        adv[ok] = jagg.group_advantages(all_rewards[ok], all_ids[ok], global_std=cfg.global_std, clip=FIXED["adv_clip"])
+        # --- advantages over groups gathered from every rank, a broken sample dropped from its
+        # group; then this rank's slice
+        all_rewards = grpo_step.all_gather_cat(rewards)  # [world * B]
+        all_ids = grpo_step.all_gather_cat(prompt_ids.to(device))
+        ok, adv = torch.isfinite(all_rewards), torch.zeros_like(all_rewards)
+        adv[ok] = jagg.group_advantages(all_rewards[ok], all_ids[ok], global_std=cfg.global_std,
+                                        clip=FIXED["adv_clip"])
         adv = adv.reshape(world, -1)[rank]  # [B]
-        row = {"epoch": epoch, "method": cfg.method, "mode": opts.mode_name(cfg.method), "train/lr": cfg.lr,
-               "rollout/reward_mean": all_rewards[ok].mean().item(), "rollout/reward_std": all_rewards[ok].std().item(),
+        row = {"epoch": epoch, "method": cfg.method, "mode": opts.mode_name(cfg.method),
+               "train/lr": cfg.lr, "rollout/reward_mean": all_rewards[ok].mean().item(),
+               "rollout/reward_std": all_rewards[ok].std().item(),
                "rollout/nonfinite_samples": int((~ok).sum())}
-        if window_start is not None:
-            row["rollout/sde_window_start"] = window_start
+        if start is not None:
+            row["rollout/sde_window_start"] = start
         perm = torch.randperm(len(prompts), generator=prompt_gen)
-        if not cfg.fsdp and (cfg.steps_per_epoch or world == 1):  # broken samples do not train (under FSDP or
-            perm = perm[ok.reshape(world, -1)[rank].cpu()[perm]]  # DDP's step a micro-batch, their steps skip)
-        # --- the probe, before training on its micro-batch: JAGG's gradient vs exact per segment; ranks route by their mean
+        if not cfg.fsdp and (cfg.steps_per_epoch or world == 1):  # broken samples do not train
+            perm = perm[ok.reshape(world, -1)[rank].cpu()[perm]]  # (else their steps skip)
+        # --- the probe, before training on its micro-batch: JAGG's gradient vs exact per segment
         if cfg.probe_every and epoch % cfg.probe_every == 0:
-            start, idx = time.perf_counter(), perm[: cfg.train_batch].to(device)
-            probe = jagg_options.probe_segments(lambda i: fns(idx[i], transformer), params,
-                                                traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts, step_batch)
-            for key in ("cosine", "error_to_noise", "error", "noise"):  # the error's two parts pool over probes
-                mean = all_gather_cat(torch.tensor([probe[key]], dtype=torch.float64, device=device)).mean(0)
-                row["probe/grad_cosine" if key == "cosine" else f"probe/{key}"] = mean.tolist()
-            probe_avg = jagg_options.probe_average(probe_avg, row["probe/grad_cosine"], FIXED["probe_decay"])
-            row["time/probe_seconds"] = time.perf_counter() - start
-        # --- training: the epoch's optimizer steps, each accumulating micro-batches over the first n_train
-        # steps of their trajectories. THE JAGG CALL: accumulate_gradients (every window exact for --method exact)
+            probe_start, idx = time.perf_counter(), perm[: cfg.train_batch].to(device)
+            probe = jagg_probe.probe_segments(lambda i: fns(idx[i], transformer), params,
+                                              traj.subset(idx).first_steps(n_train), adv[idx],
+                                              loss_cfg, opts, step_batch)
+            for key in ("cosine", "error_to_noise", "error", "noise"):  # the ranks' mean
+                values = torch.tensor([probe[key]], dtype=torch.float64, device=device)
+                name = "probe/grad_cosine" if key == "cosine" else f"probe/{key}"
+                row[name] = grpo_step.all_gather_cat(values).mean(0).tolist()
+            probe_avg = jagg_probe.probe_average(probe_avg, row["probe/grad_cosine"],
+                                                 FIXED["probe_decay"])
+            row["time/probe_seconds"] = time.perf_counter() - probe_start
+        # --- training: the epoch's optimizer steps, each accumulating micro-batches over the
+        # first n_train steps of their trajectories
         transformer.train()
-        stats, routed, steps = [], None, optimizer_steps(perm, adv.cpu(), cfg, prompt_gen)
+        stats, routed = [], None
+        steps = optimizer_steps(perm, adv.cpu(), cfg, prompt_gen)
         row["train/samples"] = sum(len(idx) for micro in steps for idx in micro)
         for i, micro in enumerate(steps):
-            step, micro_stats = (epoch - 1) * len(steps) + i + 1, []
+            step = (epoch - 1) * len(steps) + i + 1
+            if not micro:
+                continue
             optimizer.zero_grad(set_to_none=True)
-            for j, idx in enumerate(m.to(device) for m in micro):
+            for j, idx in enumerate(micro):
+                idx = idx.to(device)
                 velocity_fn, ref_fn = fns(idx, net)
-                s, routed = jagg_options.accumulate_gradients(
-                    velocity_fn, traj.subset(idx).first_steps(n_train), adv[idx], loss_cfg, opts, ref_velocity_fn=ref_fn,
-                    no_sync=jagg_options.no_sync_for(net, last=j == len(micro) - 1), probe_cosines=probe_avg)
-                micro_stats.append(s)
-            done = jagg_options.optimizer_step(params, optimizer, [s["loss"] for s in micro_stats], step=step,
-                                               micro_batches=len(micro), max_grad_norm=FIXED["max_grad_norm"])
-            stats += micro_stats[:-1] + [{**micro_stats[-1], **done}] if micro_stats else []
-            if ema is not None and not done["skipped"] and step % FIXED["ema_every"] == 0:
-                decay = min(step / (9 + step), FIXED["ema_decay"])  # Flow-GRPO's min((1 + s) / (10 + s), 0.9), s = step - 1
+                minibatch = traj.subset(idx).first_steps(n_train)
+                grad_start = time.perf_counter()
+                # DDP: no all-reduce per backward, one per step below; FSDP: none before the last
+                with grpo_step.no_sync_for(net, last=j == len(micro) - 1)():
+                    # THE JAGG CALL: the micro-batch's gradient added to .grad (--method exact:
+                    # every window exact, Flow-GRPO's per-step backward)
+                    s, routed = jagg_options.window_gradients(velocity_fn, minibatch, adv[idx],
+                                                              loss_cfg, opts, ref_fn, probe_avg)
+                s["grad_seconds"] = time.perf_counter() - grad_start
+                stats.append(s)
+            # The optimizer step: the mean over the micro-batches and the ranks (one all-reduce),
+            # the clip, and the step, skipped on every rank alike where a loss or the gradient is
+            # not finite (a NaN would poison the weights and Adam's moments for good).
+            grpo_step.average_gradients(params, micro_batches=len(micro))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, FIXED["max_grad_norm"]).item()
+            losses = [s["loss"] for s in stats[-len(micro):]]
+            finite = grpo_step.finite_on_every_rank(losses + [grad_norm], device)
+            if finite:
+                optimizer.step()
+            elif rank == 0:
+                print(f"optimizer step {step} skipped: non-finite loss ({losses}) or gradient "
+                      f"norm ({grad_norm}); parameters and optimizer state left as they were")
+            stats[-1].update(grad_norm=grad_norm, skipped=not finite)
+            if ema is not None and finite and step % FIXED["ema_every"] == 0:
+                decay = min(step / (9 + step), FIXED["ema_decay"])  # Flow-GRPO's, s = step - 1
                 for n, p in trainable(transformer).items():
                     ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
-        row.update(jagg_options.epoch_stats(stats))
-        row["time/train_seconds"] = time.perf_counter() - epoch_start  # rollouts, probe, training; not evaluation
+        # --- logging and the checkpoint
+        row.update(epoch_figures(stats))
+        row["time/train_seconds"] = time.perf_counter() - epoch_start  # not the evaluation
         row["routing/routed"] = routed  # the epoch's last optimizer step's, per segment
-        sums = torch.stack([(p.full_tensor() if isinstance(p, DTensor) else p).detach().double().sum() for p in params])
-        row["train/param_checksums"] = all_gather_cat(sums.sum()[None]).tolist()  # equal on every rank: in sync
+        sums = torch.stack([(p.full_tensor() if isinstance(p, DTensor) else p).detach().double()
+                            .sum() for p in params])
+        row["train/param_checksums"] = grpo_step.all_gather_cat(sums.sum()[None]).tolist()
         rows.append(row)
         if rank == 0:
-            print(f"epoch {epoch}/{cfg.epochs} reward {row['rollout/reward_mean']:.3f} loss {row['train/loss']:.4f} "
-                  f"kl {row['train/kl']:.4f} clipfrac {row['train/clipfrac']:.3f} approx_kl {row['train/approx_kl']:.2e} "
-                  f"routed {row['train/routed_frac']:.2f} backward {row['time/backward_seconds']:.1f} s"
-                  + (f" skipped {row['train/skipped_steps']}" if row["train/skipped_steps"] else ""), flush=True)
-        stopping = bool(all_gather_cat(torch.tensor([len(stop)], device=device)).sum())  # every rank alike
-        if evaluates and (epoch % cfg.eval_every == 0 or epoch == cfg.epochs):
+            skipped = f" skipped {row['train/skipped_steps']}" if row["train/skipped_steps"] else ""
+            print(f"epoch {epoch}/{cfg.epochs} reward {row['rollout/reward_mean']:.3f} loss "
+                  f"{row['train/loss']:.4f} kl {row['train/kl']:.4f} clipfrac "
+                  f"{row['train/clipfrac']:.3f} approx_kl {row['train/approx_kl']:.2e} routed "
+                  f"{row['train/routed_frac']:.2f} grad {row['time/grad_seconds']:.1f} s{skipped}",
+                  flush=True)
+        signals = grpo_step.all_gather_cat(torch.tensor([len(stop)], device=device))
+        stopping = bool(signals.sum())  # every rank alike
+        last = epoch % cfg.eval_every == 0 or epoch == cfg.epochs
+        if evaluates and last:
             evaluate(epoch, row)
-        if epoch % cfg.eval_every == 0 or epoch == cfg.epochs or stopping:
+        if last or stopping:
             save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, config, probe_avg)
         if rank == 0:
-            atomic_write(os.path.join(cfg.out, "metrics.jsonl"), "".join(jagg_options.json_text(r) + "\n" for r in rows))
+            metrics = "".join(run_folder.json_text(r) + "\n" for r in rows)
+            atomic_write(os.path.join(cfg.out, "metrics.jsonl"), metrics)
         if stopping:
-            fail(f"stopped by {stop[0] if stop else 'a signal to another rank'} after epoch {epoch}, checkpointed: go "
-                 f"on with --resume {cfg.out}")
-    dist.barrier() if dist.is_initialized() else None
+            fail(f"stopped by {stop[0] if stop else 'a signal to another rank'} after epoch "
+                 f"{epoch}, checkpointed: go on with --resume {cfg.out}")
+    if dist.is_initialized():
+        dist.barrier()
     summary = summarize(cfg, rows) if rank == 0 else None
     if rank == 0:
         write_json(os.path.join(cfg.out, "summary.json"), summary)
-        print(f"[{summary['mode']}] eval reward {summary['initial_reward']:.3f} -> {summary['final_reward']:.3f} "
-              f"({cfg.eval_samples} samples), training {summary['train_seconds']:.0f} s (backward "
-              f"{summary['backward_seconds']:.0f} s), outputs in {cfg.out}/")
+        print(f"[{summary['mode']}] eval reward {summary['initial_reward']:.3f} -> "
+              f"{summary['final_reward']:.3f} ({cfg.eval_samples} samples), training "
+              f"{summary['train_seconds']:.0f} s (gradients {summary['grad_seconds']:.0f} s), "
+              f"outputs in {cfg.out}/")
     return rows, summary
 
-def summarize(cfg, rows):
-    """summary.json: the evaluation curve, times, and the probe's figures per segment position over the run."""
-    evals, trained = [(r["epoch"], r["eval/reward"]) for r in rows if "eval/reward" in r], [r for r in rows if r["epoch"]]
-    routes = cfg.method == "jagg" and cfg.route == "probe"  # the probe's time counts as training only where it routes
-    epoch_seconds = [r["time/train_seconds"] - (0.0 if routes else r.get("time/probe_seconds", 0.0)) for r in trained]
-    pooled = jagg_options.pool_probes([{"cosine": r["probe/grad_cosine"], "error": r["probe/error"],
-                                        "noise": r["probe/noise"]} for r in trained if "probe/error" in r]) or {}
-    total = lambda key: sum(r.get(key, 0.0) for r in trained)  # noqa: E731
-    return {"method": cfg.method, "mode": cfg.jagg_options().mode_name(cfg.method), "weights": cfg.weights,
-            "window": cfg.window, "epochs": cfg.epochs, "initial_reward": evals[0][1], "final_reward": evals[-1][1],
-            "reward_gain": evals[-1][1] - evals[0][1], "eval_curve": evals, "train_seconds": sum(epoch_seconds),
-            "epoch_seconds": epoch_seconds, "backward_seconds": total("time/backward_seconds"),
-            "grad_seconds": total("time/grad_seconds"), "probe_seconds": total("time/probe_seconds"),
-            "grad_steps": total("train/grad_rows"), "skipped_steps": total("train/skipped_steps"),  # grad_steps: rows
-            "nonfinite_samples": total("rollout/nonfinite_samples"), "probe_cosine_by_position": pooled.get("cosine"),
-            "probe_error_to_noise_by_position": pooled.get("error_to_noise"),
-            "probe_error_to_noise_stderr_by_position": pooled.get("stderr"), "config": dataclasses.asdict(cfg)}
 
-# === 7. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode, and memory) ===
+def summarize(cfg, rows):
+    """summary.json: the evaluation curve, times, and the probe's figures per segment position."""
+    evals = [(r["epoch"], r["eval/reward"]) for r in rows if "eval/reward" in r]
+    trained = [r for r in rows if r["epoch"]]
+    routes = cfg.method == "jagg" and cfg.route == "probe"  # the probe's time is training's if so
+    epoch_seconds = [r["time/train_seconds"] - (0.0 if routes else r.get("time/probe_seconds", 0.0))
+                     for r in trained]
+    probes = [{"cosine": r["probe/grad_cosine"], "error": r["probe/error"],
+               "noise": r["probe/noise"]} for r in trained if "probe/error" in r]
+    pooled = jagg_probe.pool_probes(probes) or {}
+
+    def total(key):
+        return sum(r.get(key, 0.0) for r in trained)
+    return {"method": cfg.method, "mode": cfg.jagg_options().mode_name(cfg.method),
+            "weights": cfg.weights, "window": cfg.window, "epochs": cfg.epochs,
+            "initial_reward": evals[0][1], "final_reward": evals[-1][1],
+            "reward_gain": evals[-1][1] - evals[0][1], "eval_curve": evals,
+            "train_seconds": sum(epoch_seconds), "epoch_seconds": epoch_seconds,
+            "grad_seconds": total("time/grad_seconds"),
+            "probe_seconds": total("time/probe_seconds"),
+            "grad_rows": total("train/grad_rows"), "skipped_steps": total("train/skipped_steps"),
+            "nonfinite_samples": total("rollout/nonfinite_samples"),
+            "probe_cosine_by_position": pooled.get("cosine"),
+            "probe_error_to_noise_by_position": pooled.get("error_to_noise"),
+            "probe_error_to_noise_stderr_by_position": pooled.get("stderr"),
+            "config": dataclasses.asdict(cfg)}
+
+
+# === 7. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode) ===
 def benchmark(cfg):
-    """Exact vs the flags' JAGG mode, one training step each, on a random transformer of --model's shape (SD3.5-medium's
-    on a GPU, a small one on a CPU: the timing does not depend on the weights); medians of interleaved repeats."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    device, local, B = pick_device(), os.path.isdir(os.path.expanduser(cfg.model)), cfg.train_batch
-    gpu = device.type == "cuda"  # bf16 autocast there, as training
+    """Exact vs the flags' JAGG mode, one training step's gradient each, on a random transformer
+    (benchmark_model: the timing does not depend on the weights); medians of interleaved
+    repeats."""
+    device, B = pick_device(), cfg.train_batch
     torch.manual_seed(cfg.seed)
-    config = SD3Transformer2DModel.load_config(os.path.expanduser(cfg.model), subfolder="transformer") if local else (
-        SD35_MEDIUM if gpu else SD3_CPU)
-    with torch.device(device):  # initialised where it runs: 2.24B parameters take seconds on a GPU
-        transformer = SD3Transformer2DModel.from_config(config).to(dtype=torch.bfloat16 if gpu else torch.float32)
-    add_lora(transformer, cfg.lora_rank) if cfg.lora_rank else None
-    transformer.enable_gradient_checkpointing() if cfg.gradient_checkpointing else None
-    tc, h = transformer.config, (cfg.resolution or min(512, transformer.config.sample_size * 8)) // 8  # latents' side
-    cond, uncond = ((torch.randn(B, 77, tc.joint_attention_dim, device=device),  # ([B, L, E], [B, P])
-                     torch.randn(B, tc.pooled_projection_dim, device=device)) for _ in range(2))
+    transformer, name, cond, uncond, shape, tokens, scheduler = benchmark_model(cfg, device, B)
+    gpu = device.type == "cuda"  # bf16 autocast there, as training
     velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, gpu)
-    sigmas = sampling_sigmas(cfg, FlowMatchEulerDiscreteScheduler(shift=3.0)).to(device)  # [T+1], SD3's
-    start, noise = time.perf_counter(), torch.randn(B, tc.in_channels, h, h, device=device)  # [B, C, h, w]
-    traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level).first_steps(cfg.trained_steps())
+    sigmas = sampling_sigmas(cfg, scheduler).to(device)  # [T+1]
+    start, noise = time.perf_counter(), torch.randn(B, *shape, device=device)  # [B, C, h, w]
+    traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level)
+    traj = traj.first_steps(cfg.trained_steps())
     rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)  # [B]
-    loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    times = jagg_options.time_gradients(velocity_fn, list(transformer.parameters()), traj, adv, loss_cfg,
-                                        cfg.jagg_options("jagg"), velocity_fn if cfg.beta else None)
-    (ex_bwd, ex_s), (jg_bwd, jg_s) = ((times[m]["backward_s"], times[m]["step_s"]) for m in ("exact", "jagg"))
-    result = {"model": cfg.model if local else "SD3.5-medium" if gpu else "SD3 reduced for a CPU", "batch": B,
-              "device": torch.cuda.get_device_name(device) if gpu else "cpu", "window": cfg.window,
+    loss_cfg = jagg.LossConfig(cfg.noise_level, cfg.clip_range, cfg.beta)
+    times = jagg_probe.time_gradients(velocity_fn, list(transformer.parameters()), traj, adv,
+                                      loss_cfg, cfg.jagg_options("jagg"),
+                                      velocity_fn if cfg.beta else None)
+    exact, jagg_time = times["exact"], times["jagg"]
+    result = {"model": name, "batch": B, "window": cfg.window,
+              "device": torch.cuda.get_device_name(device) if gpu else "cpu",
               "mode": cfg.jagg_options().mode_name("jagg"), "trained_steps": cfg.trained_steps(),
-              "rows": {m: times[m]["grad_rows"] for m in times}, "exact_backward_s": ex_bwd, "jagg_backward_s": jg_bwd,
-              "exact_step_s": ex_s, "jagg_step_s": jg_s, "rollout_s": rollout_s, "backward_speedup": ex_bwd / jg_bwd,
-              "step_speedup": ex_s / jg_s, "epoch_speedup": (rollout_s + ex_s) / (rollout_s + jg_s),
-              "tokens": (h // tc.patch_size) ** 2 + 77, "params": sum(p.numel() for p in transformer.parameters())}
-    print(f"{result['model']} ({result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}), {result['mode']} "
-          f"at W = {cfg.window}: backward {result['backward_speedup']:.2f}x faster than exact ({ex_bwd:.3f} s -> "
-          f"{jg_bwd:.3f} s), the step {result['step_speedup']:.2f}x, an epoch {result['epoch_speedup']:.2f}x")
-    write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
+              "rows": {m: times[m]["grad_rows"] for m in times},
+              "exact_backward_s": exact["backward_s"], "jagg_backward_s": jagg_time["backward_s"],
+              "exact_step_s": exact["step_s"], "jagg_step_s": jagg_time["step_s"],
+              "rollout_s": rollout_s,
+              "backward_speedup": exact["backward_s"] / jagg_time["backward_s"],
+              "step_speedup": exact["step_s"] / jagg_time["step_s"],
+              "epoch_speedup": (rollout_s + exact["step_s"]) / (rollout_s + jagg_time["step_s"]),
+              "tokens": tokens, "params": sum(p.numel() for p in transformer.parameters())}
+    print(f"{name} ({result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}), "
+          f"{result['mode']} at W = {cfg.window}: backward {result['backward_speedup']:.2f}x "
+          f"faster than exact ({exact['backward_s']:.3f} s -> {jagg_time['backward_s']:.3f} s), "
+          f"the step {result['step_speedup']:.2f}x, an epoch {result['epoch_speedup']:.2f}x")
+    write_json(os.path.join(cfg.out, "benchmark.json"),
+               {"config": dataclasses.asdict(cfg), "result": result})
     return result
+
 
 # === 8. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
 def main(argv=None):
     cfg = validate(parse(argv))
     lock = claim_out(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
     try:
-        with jagg_options.stop_on_signals() as stop:
+        with run_folder.stop_on_signals() as stop:
             if cfg.benchmark:
                 return benchmark(cfg)
             rows, summary = train(cfg, stop)
-    except jagg_options.WriteError as e:  # a full disk, say: the last checkpoint stands
-        fail(f"{e}: free space, then " + (f"go on with --resume {cfg.out}" if os.path.isfile(checkpoint_path(cfg.out))
-                                          else "start again with --overwrite"))
+    except run_folder.WriteError as e:  # a full disk, say: the last checkpoint stands
+        if os.path.isfile(checkpoint_path(cfg.out)):
+            fail(f"{e}: free space, then go on with --resume {cfg.out}")
+        fail(f"{e}: free space, then start again with --overwrite")
     finally:
-        lock and lock.close()
+        if lock:
+            lock.close()
     if not sum(r.get("train/optimizer_steps", 1) for r in rows if r["epoch"]):
-        fail(f"no optimizer step was taken in {cfg.epochs} epochs ({summary and summary['skipped_steps']} skipped as "
-             f"non-finite, {summary and summary['nonfinite_samples']} broken samples): the weights are the initial ones")
+        fail(f"no optimizer step was taken in {cfg.epochs} epochs "
+             f"({summary and summary['skipped_steps']} skipped as non-finite, "
+             f"{summary and summary['nonfinite_samples']} broken samples): the weights are the "
+             "initial ones")
     return rows
+
 
 if __name__ == "__main__":
     main()
-    jagg_options.exit_distributed()  # a rank under torchrun leaves here, skipping a shutdown that can abort
+    grpo_step.exit_distributed()  # a rank under torchrun leaves here: a shutdown can abort

@@ -1,299 +1,309 @@
-"""GRPO on a toy 2-D flow model, exact vs JAGG: the CPU demo, one file that reads top to bottom.
+"""GRPO on a toy 2-D flow model, exact against the paper's JAGG: the demo, to read top to bottom.
 
-    python train_toy.py                                  # exact GRPO, then the paper's JAGG (a few minutes on a CPU)
-    python train_toy.py --method jagg --anchors shared --interior rollout   # JAGG's options beyond the paper
-    python train_toy.py --method jagg --jagg-frac 0.5 --route probe --probe-every 5   # route by measured fidelity
-    torchrun --nproc_per_node=2 train_toy.py --method jagg   # DistributedDataParallel (gloo); --resume: go on, bit for bit
+    python train_toy.py                        # exact GRPO, then JAGG, from one base model and seed
+    python train_toy.py --method jagg --window 8 --jagg-frac 0.5
+    python examples/toy_options.py --help      # the same task, JAGG's options beyond the paper
 
-A toy DiT (toy_dit.py; you need not read it), pretrained on 4 "prompts" (mixtures of Gaussians in 2-D), is tuned by
-GRPO to put each prompt's samples on ONE of its modes. An epoch: one rollout of the batch, then --minibatches optimizer
-steps. --out gets config.json, samples.png, reward.png; per method metrics.jsonl, summary.json, checkpoint.pt.
+A toy DiT (toy_dit.py; you need not read it) is pretrained on 4 "prompts", each a mixture of
+Gaussians in 2-D. GRPO then tunes it to put each prompt's samples on ONE of its modes. An epoch is
+one rollout of the batch (4 prompts x --group-size samples), then --minibatches optimizer steps,
+each calling jagg.paper_gradients: jagg_frac 0 is exact GRPO (Flow-GRPO's per-step backward),
+jagg_frac 1 the paper's JAGG on every window. --out gets config.json, samples.png and reward.png;
+each method's folder metrics.jsonl and summary.json (it overwrites what was there).
 """
 
 import argparse
-import contextlib
 import copy
 import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
-import torch.distributed as dist
+from PIL import Image, ImageDraw, ImageFont
 
 import jagg
-import jagg_options
+import run_folder
 import toy_dit
 from toy_dit import PROMPTS
 
-# === Flags: every hyperparameter with its --help and its range (declared once: a test, a text), checked before any work ===
-AT_LEAST_0, AT_LEAST_1, AT_LEAST_2 = (lambda v: v >= 0, ">= 0"), (lambda v: v >= 1, ">= 1"), (lambda v: v >= 2, ">= 2")
-POSITIVE, FRACTION = (lambda v: v > 0, "> 0"), (lambda v: 0 <= v <= 1, "in [0, 1]")
-OPEN_UNIT, UNIT = (lambda v: 0 < v < 1, "in (0, 1)"), (lambda v: 0 < v <= 1, "in (0, 1]")
-DECAY, COSINE = (lambda v: 0 <= v < 1, "in [0, 1)"), (lambda v: -1 <= v <= 1, "in [-1, 1]")
-DRIFT = (lambda v: v >= 0 or v == -1, ">= 0 or -1")  # max_drift's -1: the guard off
 
-
-def flag(default, help, valid=None, choices=None):
-    return field(default=default, metadata={"help": help, "valid": valid, "choices": choices})
+def arg(default, help):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
-class Config:
-    method: str = flag("compare", "exact, jagg, or compare (both, same base and seed)", None, ("exact", "jagg", "compare"))
-    out: str = flag("runs/toy", "output folder")
-    seed: int = flag(0, "random seed (base model, rollouts; each rank adds its rank to the rollouts')", AT_LEAST_0)
-    resume: bool = flag(False, "continue the run in --out from its checkpoints (with its flags), bit for bit")
-    overwrite: bool = flag(False, "start afresh in an --out that holds a run, deleting that run's files")
-    # --- GRPO
-    epochs: int = flag(80, "epochs: each one rollout of the batch, then --minibatches optimizer steps", AT_LEAST_1)
-    num_steps: int = flag(16, "T, sampling steps of a rollout", AT_LEAST_2)
-    shift: float = flag(3.0, "sigma schedule shift (SD3's: > 1 spends more steps at high noise)", POSITIVE)
-    noise_level: float = flag(0.7, "a, the SDE's noise level: std_t = a sqrt(t / (1 - t)) (Flow-GRPO's)", UNIT)
-    group_size: int = flag(16, "G, samples per prompt (the batch: G x 4 prompts)", AT_LEAST_2)
-    minibatches: int = flag(4, "optimizer steps per epoch (the batch split into this many)", AT_LEAST_1)
-    lr: float = flag(1e-3, "AdamW learning rate, decayed to 0 along a cosine over the run", POSITIVE)
-    clip_range: float = flag(0.2, "GRPO's ratio clip range", OPEN_UNIT)
-    beta: float = flag(0.0, "KL weight to the frozen base model (0: no reference forward)", AT_LEAST_0)
-    adv_clip: float = flag(5.0, "advantages are clipped to [-adv_clip, adv_clip]", POSITIVE)
-    max_grad_norm: float = flag(1.0, "gradient clipping norm", POSITIVE)
-    eval_every: int = flag(10, "evaluate (fixed noise) and print a line every N epochs and at the last", AT_LEAST_1)
-    eval_samples: int = flag(512, "evaluation samples per prompt", AT_LEAST_1)
-    # --- JAGG: jagg_options.JaggOptions' fields; the defaults are the paper's
-    window: int = flag(4, "W, sampling steps per window (or per segment between shared anchors)", AT_LEAST_2)
-    jagg_frac: float = flag(1.0, "share of windows JAGG takes (the best by --route); the rest exact", FRACTION)
-    anchors: str = flag("window", "the paper's disjoint windows, or shared end steps", None, jagg_options.ANCHOR_MODES)
-    interior: str = flag("forward", "between anchors: no-graph forwards (the paper's) or the rollout's velocities", None,
-                         jagg_options.INTERIOR_MODES)
-    weights: str = flag("time", "interpolation by t (the paper's alpha_k) or by step index", None, jagg_options.WEIGHTS)
-    max_graph_rows: int = flag(0, "at most this many anchor rows in a graph at once (same gradient); 0: no bound", AT_LEAST_0)
-    max_drift: float = flag(0.5, "--interior rollout: forward interiors past this drift (share of the clip); -1: never", DRIFT)
-    route: str = flag("velocity", "which windows JAGG takes: by linearity (free) or by the probe", None, jagg_options.ROUTES)
-    min_cosine: float = flag(0.0, "--route probe: a window whose averaged cosine is below this stays exact", COSINE)
-    probe_every: int = flag(0, "every N epochs (and the first), measure JAGG's gradient against exact (0: off)", AT_LEAST_0)
-    probe_batch: int = flag(8, "samples the probe measures on (per rank)", AT_LEAST_2)
-    probe_decay: float = flag(0.5, "--route probe ranks windows by an average of probes: the old one's weight", DECAY)
-    base_ckpt: str = flag("", "pretrained toy DiT to start from; empty: pretrain one (cached in runs/cache)")
-    pretrain_steps: int = flag(2000, "flow-matching steps to pretrain the base model", AT_LEAST_1)
+class Args:
+    method: str = arg("compare", "exact, jagg, or compare: both, from the same base model and seed")
+    out: str = arg("runs/toy", "output folder")
+    seed: int = arg(0, "random seed of the base model's pretraining and of the rollouts")
+    # --- GRPO (Flow-GRPO's loss on the toy)
+    epochs: int = arg(80, "epochs: each one rollout of the batch, then --minibatches steps")
+    num_steps: int = arg(16, "T, sampling steps of a rollout")
+    shift: float = arg(3.0, "the sigma schedule's shift (SD3's 3: more steps at high noise)")
+    noise_level: float = arg(0.7, "a, the SDE's noise level: std_t = a sqrt(t / (1 - t))")
+    group_size: int = arg(16, "G, samples per prompt; the batch is G x 4 prompts")
+    minibatches: int = arg(4, "optimizer steps per epoch: the batch split into this many")
+    lr: float = arg(1e-3, "AdamW learning rate, decayed to 0 along a cosine over the run")
+    clip_range: float = arg(0.2, "GRPO's ratio clip range")
+    beta: float = arg(0.0, "KL weight to the frozen base model (0: no reference forward)")
+    adv_clip: float = arg(5.0, "advantages are clipped to [-adv_clip, adv_clip]")
+    max_grad_norm: float = arg(1.0, "gradient clipping norm")
+    eval_every: int = arg(10, "evaluate on fixed noise and print a line every N epochs")
+    eval_samples: int = arg(512, "evaluation samples per prompt")
+    # --- JAGG (the paper's two knobs)
+    window: int = arg(4, "W, sampling steps per window")
+    jagg_frac: float = arg(1.0, "--method jagg: the share of windows JAGG takes, the rest exact")
+    # --- the base model
+    base_ckpt: str = arg("", "a pretrained toy DiT to start from; empty: pretrain one (cached)")
+    pretrain_steps: int = arg(2000, "flow-matching steps to pretrain the base model")
 
 
-def parse(argv):
-    """Config from the command line; a bad value ends the run with one line that names it, before any work."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in fields(Config):
-        help, valid, choices = f.metadata.values()
-        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type, "choices": choices}
-        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind,
-                            help=help + (f" [{valid[1]}]" if valid else ""))
-    cfg = Config(**vars(parser.parse_args(argv)))
-    B, rows = 4 * cfg.group_size, jagg_options.min_graph_rows(cfg.interior)
-    ranges = [("--" + f.name.replace("_", "-"), getattr(cfg, f.name), *f.metadata["valid"])
-              for f in fields(cfg) if f.metadata["valid"]]
-    checks = [(math.isfinite(v) and ok(v), f"{name} must be {text}, got {v}") for name, v, ok, text in ranges]
-    checks += [  # (ok, the line that says what is wrong and what to do)
-        (cfg.window <= cfg.num_steps, f"--window {cfg.window} is longer than --num-steps {cfg.num_steps}; shorten it"),
-        (cfg.route != "probe" or cfg.probe_every >= 1, "--route probe routes by the probe: give it --probe-every N >= 1"),
-        (cfg.max_graph_rows == 0 or cfg.max_graph_rows >= rows,
-         f"--max-graph-rows {cfg.max_graph_rows} is below the {rows} --interior {cfg.interior} needs; use 0 or >= {rows}"),
-        (B % cfg.minibatches == 0, f"--minibatches {cfg.minibatches} must divide the batch of {B} (4 x --group-size)"),
-        (not cfg.base_ckpt or os.path.isfile(cfg.base_ckpt), f"--base-ckpt {cfg.base_ckpt!r} does not exist; omit it"),
-        (not (cfg.resume and cfg.overwrite), "--resume continues a run, --overwrite deletes it: give one")]
-    try:  # --resume goes on as the run started: every flag as it was (--epochs sets the learning rate's cosine)
-        saved = json.load(open(os.path.join(cfg.out, "config.json"))) if cfg.resume else {}
-    except (OSError, ValueError) as e:
-        saved, checks = {}, checks + [
-            (False, f"--resume: {cfg.out} holds no run ({type(e).__name__} reading its config.json); drop --resume")]
-    checks += [(False, f"--resume: {d}; give the run's") for d in jagg_options.changed_flags(saved, asdict(cfg),
-                                                                                            ("resume", "overwrite"))]
-    if any(not ok for ok, _ in checks):
-        raise SystemExit("error: " + next(message for ok, message in checks if not ok))
-    return cfg
+def parse_args(argv=None, cls=Args, description=__doc__):
+    """cls (Args, or a dataclass that extends it) from the command line, one --flag per field. A
+    bad value of Args' fields stops here in one line naming it, before any work."""
+    parser = argparse.ArgumentParser(description=description.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(cls):
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
+                            default=f.default, help=f.metadata["help"])
+    a = cls(**vars(parser.parse_args(argv)))
+    finite = all(math.isfinite(getattr(a, f.name)) for f in fields(a) if f.type is float)
+    rules = [  # (flag, holds, what it must be)
+        ("method", a.method in ("exact", "jagg", "compare"), "exact, jagg or compare"),
+        ("seed", a.seed >= 0, ">= 0"), ("epochs", a.epochs >= 1, ">= 1"),
+        ("num_steps", a.num_steps >= 2, ">= 2"), ("shift", a.shift > 0, "> 0"),
+        ("noise_level", 0 < a.noise_level <= 1, "in (0, 1]"),
+        ("group_size", a.group_size >= 2, ">= 2 (advantages compare a group's samples)"),
+        ("minibatches", 4 * a.group_size % max(a.minibatches, 1) == 0 and a.minibatches >= 1,
+         f"a divisor of the batch of {4 * a.group_size} (4 x --group-size)"),
+        ("lr", a.lr > 0, "> 0"), ("clip_range", 0 < a.clip_range < 1, "in (0, 1)"),
+        ("beta", a.beta >= 0, ">= 0"), ("adv_clip", a.adv_clip > 0, "> 0"),
+        ("max_grad_norm", a.max_grad_norm > 0, "> 0"), ("eval_every", a.eval_every >= 1, ">= 1"),
+        ("eval_samples", a.eval_samples >= 1, ">= 1"),
+        ("window", 2 <= a.window <= a.num_steps, f"in [2, --num-steps {a.num_steps}]"),
+        ("jagg_frac", 0 <= a.jagg_frac <= 1, "in [0, 1]"),
+        ("base_ckpt", not a.base_ckpt or os.path.isfile(a.base_ckpt), "an existing file, or empty"),
+        ("pretrain_steps", a.pretrain_steps >= 1, ">= 1")]
+    if not finite:
+        raise SystemExit(f"error: every number must be finite, got {a}")
+    for name, holds, must in rules:
+        if not holds:
+            value = getattr(a, name)
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be {must}, got {value!r}")
+    return a
 
 
-# === Files and ranks ===
-def save(path, obj):  # whole or not at all (a kill leaves the old file or the new): text, a picture, or tensors and lists
-    jagg_options.atomic_write(path, (lambda f: f.write(obj.encode())) if isinstance(obj, str) else (lambda f: obj.save(
-        f, format="PNG")) if path.endswith(".png") else (lambda f: torch.save(obj, f)), "wb")  # torch.load(weights_only)
-
-
-def all_ranks(obj):  # [rank 0's obj, rank 1's, ...] on every rank; [obj] on one process
-    out = [obj] * (dist.get_world_size() if dist.is_initialized() else 1)
-    dist.all_gather_object(out, obj) if dist.is_initialized() else None
-    return out
-
-
-# === The task: the reward prefers ONE mode of each prompt, which the base model, spread over all, misses ===
-TARGETS = torch.tensor([(1.414, 1.414), (2.0, -2.0), (-2.4, -2.4), (-2.0, 2.0)])  # per prompt: ring, grid, diagonal, corners
+# === The task: the reward prefers ONE mode of each prompt; the base model spreads over all ===
+TARGETS = torch.tensor([(1.414, 1.414), (2.0, -2.0), (-2.4, -2.4), (-2.0, 2.0)])  # one per prompt
 
 
 def reward_fn(x, labels):
-    """r(x, c) = exp(-|x - target_c|^2 / 2): in (0, 1], 1 at the prompt's target mode. x [B, 2] -> [B]."""
+    """r(x, c) = exp(-|x - target_c|^2 / 2): in (0, 1], 1 at the prompt's target mode. x [B, 2]."""
     return torch.exp(-((x - TARGETS[labels]) ** 2).sum(-1) / 2)  # [B]
 
 
 def make_velocity_fn(model, labels):
-    """jagg.py's contract: velocity_fn(z [S, B, 2], t [S, B]) -> v [S, B, 2]; the labels [B] repeat over S."""
+    """jagg.py's contract: velocity_fn(z [S, B, 2], t [S, B]) -> v [S, B, 2] for the samples whose
+    prompts are labels [B]. Rows are step-major, so the labels repeat over S as a block."""
     def velocity_fn(z, t):
         S, B = t.shape
-        return model(z.reshape(S * B, 2), t.reshape(S * B), labels.repeat(S)).reshape(S, B, 2)
+        v = model(z.reshape(S * B, 2), t.reshape(S * B), labels.repeat(S))  # [S*B, 2]
+        return v.reshape(S, B, 2)
     return velocity_fn
 
 
-def base_model(cfg, rank):
-    """The pretrained toy DiT: --base-ckpt, or pretrained once (by rank 0) and cached. Returns (model, path)."""
-    path = cfg.base_ckpt or f"runs/cache/toy_dit_h64_d3_s{cfg.pretrain_steps}_seed{cfg.seed}.pt"
-    if rank == 0 and not os.path.exists(path):
-        print(f"pretraining the base toy DiT ({cfg.pretrain_steps} flow-matching steps) into {path}", flush=True)
-        toy_dit.pretrain(path, cfg.pretrain_steps, cfg.seed)
-    if dist.is_initialized():
-        dist.barrier()  # the other ranks load what rank 0 wrote
+def base_model(args):
+    """The pretrained toy DiT: --base-ckpt, or pretrained once and cached under runs/cache/."""
+    path = args.base_ckpt or f"runs/cache/toy_dit_h64_d3_s{args.pretrain_steps}_seed{args.seed}.pt"
+    if not os.path.exists(path):
+        print(f"pretraining the base toy DiT ({args.pretrain_steps} steps) into {path}")
+        save_base_model(toy_dit.pretrain(args.pretrain_steps, args.seed), path)
     try:
-        return toy_dit.load(path), path
+        return toy_dit.load(path)
     except Exception as e:
-        raise SystemExit(f"error: {path} is not a toy DiT checkpoint ({type(e).__name__}); delete it or pass another") from None
+        raise SystemExit(f"error: {path} is not a toy DiT checkpoint ({type(e).__name__}); "
+                         "delete it or pass another --base-ckpt") from None
+
+
+def save_base_model(model, path):  # whole or not at all: a killed pretraining leaves no half file
+    run_folder.atomic_write(path, lambda f: torch.save(toy_dit.checkpoint(model), f), "wb")
 
 
 @torch.no_grad()
-def evaluate(model, cfg):
-    """Mean reward of --eval-samples per prompt from fixed noise; returns (reward, (samples [E, 2], labels [E]))."""
+def evaluate(model, args):
+    """Mean reward of --eval-samples per prompt from fixed noise; returns (reward, (x, labels))."""
     g = torch.Generator().manual_seed(12345)
-    labels = torch.arange(len(PROMPTS)).repeat_interleave(cfg.eval_samples)  # [E]
-    x = jagg.rollout(make_velocity_fn(model, labels), torch.randn(len(labels), 2, generator=g),
-                     jagg.sigma_schedule(cfg.num_steps, cfg.shift), cfg.noise_level, generator=g).sample  # [E, 2]
-    return reward_fn(x, labels).mean().item(), (x, labels)
+    labels = torch.arange(len(PROMPTS)).repeat_interleave(args.eval_samples)  # [E]
+    sigmas = jagg.sigma_schedule(args.num_steps, args.shift)  # [T+1]
+    noise = torch.randn(len(labels), 2, generator=g)  # [E, 2]
+    traj = jagg.rollout(make_velocity_fn(model, labels), noise, sigmas, args.noise_level, g)
+    return reward_fn(traj.sample, labels).mean().item(), (traj.sample, labels)
 
 
-# === GRPO: the whole loop in one place ===
-def train(cfg, method, base, initial_reward, folder, rank, world, stop=()):
-    """Fine-tune a copy of base by GRPO, exact or JAGG, checkpointed each epoch; a signal in stop ends it after the
-    epoch. Returns (summary, samples, curve)."""
+# === GRPO: the whole loop ===
+def train(args, base, method):
+    """Fine-tune a copy of base by GRPO, exact (jagg_frac 0) or JAGG. Returns (rows, model)."""
+    jagg_frac = args.jagg_frac if method == "jagg" else 0.0
     model = copy.deepcopy(base)
-    ref = copy.deepcopy(base).requires_grad_(False) if cfg.beta > 0 else None  # the KL's frozen reference
-    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    no_sync = net.no_sync if world > 1 else contextlib.nullcontext  # train_step averages the gradients itself
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)  # [T+1]
-    loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
-    opts = jagg_options.JaggOptions(  # what the probe measures; exact GRPO trains every window exactly (jagg_frac 0)
-        **{k: getattr(cfg, k) for k in ("window", "jagg_frac", "anchors", "interior", "weights", "route", "min_cosine")},
-        max_graph_rows=cfg.max_graph_rows or None, max_drift=None if cfg.max_drift < 0 else cfg.max_drift)
-    train_opts = opts if method == "jagg" else replace(opts, jagg_frac=0.0)
-    labels = torch.arange(len(PROMPTS)).repeat_interleave(cfg.group_size)  # [B]: a group of G per prompt
-    B, g = len(labels), torch.Generator().manual_seed(cfg.seed * 1000 + rank)  # each rank draws its own rollouts
-    ref_fn = lambda idx: make_velocity_fn(ref, labels[idx]) if ref is not None else None  # noqa: E731
-    rows, probe_avg, path = [], None, os.path.join(folder, "checkpoint.pt")
-    if cfg.resume and os.path.exists(path):  # go on where it stopped: weights, optimizer, this rank's rollouts, rows
-        try:  # a cut or foreign file: one line
-            ckpt = jagg_options.read_checkpoint(path, ("model", "optimizer", "rng", "rows", "probe_average"), "train_toy.py")
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
-        model.load_state_dict(ckpt["model"]), opt.load_state_dict(ckpt["optimizer"]), g.set_state(ckpt["rng"][rank])
-        rows, probe_avg = ckpt["rows"], ckpt["probe_average"]
-    for epoch in range(len(rows) + 1, cfg.epochs + 1):
-        row, start = {"epoch": epoch, "method": method}, time.perf_counter()
-        # 1. Rollout: B trajectories of T SDE steps, with their velocities and log-probabilities, no graph
+    ref = copy.deepcopy(base).requires_grad_(False)  # the KL's frozen reference (beta > 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    sigmas = jagg.sigma_schedule(args.num_steps, args.shift)  # [T+1]
+    loss_cfg = jagg.LossConfig(args.noise_level, args.clip_range, args.beta)
+    labels = torch.arange(len(PROMPTS)).repeat_interleave(args.group_size)  # [B]: G per prompt
+    B, g = len(labels), torch.Generator().manual_seed(args.seed * 1000)  # the rollouts' noise
+    total_steps, rows = args.epochs * args.minibatches, []
+    for epoch in range(1, args.epochs + 1):
+        start = time.perf_counter()
+        # 1. Rollout: B trajectories of T SDE steps, with velocities and log-probabilities
         noise = torch.randn(B, 2, generator=g)  # [B, 2]
-        traj = jagg.rollout(make_velocity_fn(model, labels), noise, sigmas, cfg.noise_level, generator=g)  # T steps of B
+        traj = jagg.rollout(make_velocity_fn(model, labels), noise, sigmas, args.noise_level, g)
         # 2. Rewards, and advantages relative to each prompt's group
         rewards = reward_fn(traj.sample, labels)  # [B]
-        adv = jagg.group_advantages(rewards, labels, clip=cfg.adv_clip)  # [B]
-        perm = torch.randperm(B, generator=g)  # the minibatches, and the probe's samples
-        # 3. The probe (optional): JAGG's gradient against exact per window, on a few samples, before training
-        if cfg.probe_every and (epoch % cfg.probe_every == 0 or epoch == 1):
-            t0, idx = time.perf_counter(), perm[: cfg.probe_batch]
-            probe = jagg_options.probe_segments(lambda i: (make_velocity_fn(model, labels[idx[i]]), ref_fn(idx[i])),
-                                                model.parameters(), traj.subset(idx), adv[idx], loss_cfg, opts,
-                                                train_batch=B // cfg.minibatches * world)
-            row.update({f"probe/{k}": [sum(c) / world for c in zip(*all_ranks(v))] for k, v in probe.items()})
-            probe_avg = jagg_options.probe_average(probe_avg, row["probe/cosine"], cfg.probe_decay)  # all ranks alike
-            row["time/probe_seconds"] = time.perf_counter() - t0
-            start += 0.0 if method == "jagg" and cfg.route == "probe" else row["time/probe_seconds"]  # training only if it routes
-        # 4. Optimizer steps on minibatches: the JAGG call (exact GRPO's too, every window exact)
-        stats, routed = [], []
-        for idx in perm.chunk(cfg.minibatches):
-            step = (epoch - 1) * cfg.minibatches + len(stats)  # optimizer steps so far
-            for group in opt.param_groups:  # a cosine to 0: the final reward is what was learned, not a last jitter
-                group["lr"] = cfg.lr * (0.5 * (1 + math.cos(math.pi * step / (cfg.epochs * cfg.minibatches))))
-            s, r = jagg_options.train_step(make_velocity_fn(net, labels[idx]), opt, traj.subset(idx), adv[idx], loss_cfg,
-                                           train_opts, ref_velocity_fn=ref_fn(idx), max_grad_norm=cfg.max_grad_norm,
-                                           no_sync=no_sync, probe_cosines=probe_avg, step=step + 1)
-            stats.append(s), routed.append(r)
-        # 5. Logging: the means of the steps' diagnostics, the sums of their counts and times
-        row["time/train_seconds"] = time.perf_counter() - start  # the rollout and the optimizer steps
-        row["rollout/reward_mean"] = sum(all_ranks(rewards.mean().item())) / world
-        row.update({**jagg_options.epoch_stats(stats), "routing/window_scores": stats[0]["window_scores"],
-                    "routing/routed": [sum(r) / len(routed) for r in zip(*routed)]})  # per window: share of the steps
-        if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
-            row["eval/reward"], _ = evaluate(model, cfg)
-            if rank == 0:
-                print(f"[{method}] epoch {epoch:3d}/{cfg.epochs}  reward {row['rollout/reward_mean']:.3f}  "
-                      f"eval {row['eval/reward']:.3f}  loss {row['train/loss']:+.4f}  clipfrac {row['train/clipfrac']:.3f}  "
-                      f"approx_kl {row['train/approx_kl']:.5f}  routed {row['train/routed_frac']:.2f}  "
-                      f"backward {row['time/backward_seconds']:.2f}s", flush=True)
+        advantages = jagg.group_advantages(rewards, labels, clip=args.adv_clip)  # [B]
+        # 3. Optimizer steps, one per minibatch: slice the trajectories and their labels alike
+        stats, grad_seconds = [], 0.0
+        for idx in torch.randperm(B, generator=g).chunk(args.minibatches):
+            step = (epoch - 1) * args.minibatches + len(stats)  # optimizer steps so far
+            for group in optimizer.param_groups:  # a cosine to 0: the end is learned, not a jitter
+                group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
+            optimizer.zero_grad(set_to_none=True)
+            grad_start = time.perf_counter()
+            s, routed = jagg.paper_gradients(make_velocity_fn(model, labels[idx]), traj.subset(idx),
+                                             advantages[idx], loss_cfg, args.window, jagg_frac,
+                                             make_velocity_fn(ref, labels[idx]))
+            grad_seconds += time.perf_counter() - grad_start
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            stats.append(s)
+        # 4. Logging: the steps' means, their rows with grad and seconds summed
+        row = {"epoch": epoch, "method": method, "rollout/reward_mean": rewards.mean().item()}
+        for key in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac"):
+            row[f"train/{key}"] = sum(s[key] for s in stats) / len(stats)
+        row["train/grad_rows"] = sum(s["grad_rows"] for s in stats)
+        row["time/grad_seconds"] = grad_seconds  # the gradients: forwards with graph, backwards
+        row["time/train_seconds"] = time.perf_counter() - start  # the rollout included
+        if epoch % args.eval_every == 0 or epoch == args.epochs:
+            row["eval/reward"] = evaluate(model, args)[0]
+            print(f"[{method}] epoch {epoch:3d}/{args.epochs}"
+                  f"  reward {row['rollout/reward_mean']:.3f}  eval {row['eval/reward']:.3f}"
+                  f"  loss {row['train/loss']:+.4f}"
+                  f"  clipfrac {row['train/clipfrac']:.3f}  approx_kl {row['train/approx_kl']:.5f}"
+                  f"  routed {row['train/routed_frac']:.2f}  grad {grad_seconds:.2f}s", flush=True)
         rows.append(row)
-        rng, stops = zip(*all_ranks((g.get_state(), list(stop))))  # every rank's generator and signals received
-        if rank == 0:  # the checkpoint holds the rows too: a kill between the two files loses nothing
-            save(path, {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng, "rows": rows,
-                        "probe_average": probe_avg})
-            save(os.path.join(folder, "metrics.jsonl"), "".join(jagg_options.json_text(r) + "\n" for r in rows))
-        if any(stops):  # Ctrl-C or SIGTERM on any rank: every rank stops here, after the checkpoint
-            raise SystemExit(f"error: stopped by {sum(stops, [])[0]} after epoch {epoch} of {method}, checkpointed: go on "
-                             "with the same command and --resume")
+    return rows, model
 
-    (final_reward, samples), total = evaluate(model, cfg), lambda key: sum(r.get(key, 0) for r in rows)  # noqa: E731
-    probe = jagg_options.pool_probes([{k: r[f"probe/{k}"] for k in ("cosine", "error", "noise")} for r in rows
-                                      if "probe/cosine" in r])  # per window: mean cosine, error / noise, its stderr
-    s = {"method": method, "mode": opts.mode_name(method), "initial_reward": initial_reward, "final_reward": final_reward,
-         "reward_gain": final_reward - initial_reward, "probe": probe, "world_size": world,  # checksums: each rank's
-         **{k: total(f"time/{k}") for k in ("train_seconds", "backward_seconds", "probe_seconds")},  # weights, summed:
-         **{k: total(f"train/{k}") for k in ("grad_rows", "skipped_steps")},  # equal when DDP kept the ranks in sync
-         "routed_frac_by_position": [sum(f) / len(rows) for f in zip(*(r["routing/routed"] for r in rows))],
-         "param_checksums": all_ranks(sum(p.detach().double().sum().item() for p in model.parameters()))}
-    if rank == 0:
-        jagg_options.write_json(os.path.join(folder, "summary.json"), {**s, "config": asdict(cfg)})
-        print(f"[{method}] reward {initial_reward:.3f} -> {final_reward:.3f} ({s['reward_gain']:+.3f}), backward "
-              f"{s['backward_seconds']:.1f} s, training {s['train_seconds']:.1f} s"
-              + (f", {s['skipped_steps']} optimizer steps skipped (non-finite)" if s["skipped_steps"] else ""))
-        for i, (c, e, se) in enumerate(zip(*[probe[k] for k in ("cosine", "error_to_noise", "stderr")]) if probe else []):
-            print(f"[{method}] probe, window {i}: cosine {c:.2f}, error/noise {e:.2f}" + (f" ±{1.96 * se:.2f}" if se else ""))
-    return s, samples, [(0, initial_reward)] + [(r["epoch"], r["eval/reward"]) for r in rows if "eval/reward" in r]
+
+def compare(args, exact, jagg_run):
+    """--method compare's summary.json, written into --out: JAGG's share of exact's reward gain,
+    exact's rows with grad and seconds over JAGG's, and both summaries."""
+    c = {"method": "compare", "mode": jagg_run.get("mode", "jagg"), "exact": exact, "jagg": jagg_run,
+         "config": asdict(args),
+         "reward_gain_ratio": jagg_run["reward_gain"] / exact["reward_gain"] if exact["reward_gain"]
+         else None, "grad_rows_ratio": exact["grad_rows"] / jagg_run["grad_rows"],
+         "grad_speedup": exact["grad_seconds"] / jagg_run["grad_seconds"],
+         "train_speedup": exact["train_seconds"] / jagg_run["train_seconds"]}
+    run_folder.write_json(os.path.join(args.out, "summary.json"), c)
+    return c
+
+
+def summarize(args, method, rows, initial_reward, final_reward):
+    """A method's summary.json: its reward gain, its rows with grad and its seconds."""
+    def total(key):
+        return sum(r[key] for r in rows)
+    return {"method": method, "jagg_frac": args.jagg_frac if method == "jagg" else 0.0,
+            "initial_reward": initial_reward, "final_reward": final_reward,
+            "reward_gain": final_reward - initial_reward, "grad_rows": total("train/grad_rows"),
+            "grad_seconds": total("time/grad_seconds"),
+            "train_seconds": total("time/train_seconds"),
+            "config": asdict(args)}
+
+
+# === Pictures: the samples (the base model's, then each method's), the reward over training ===
+COLORS = {"base": (150, 150, 150), "exact": (40, 90, 200), "jagg": (230, 120, 20)}
+FONT = ImageFont.load_default(size=16)
+
+
+def samples_picture(rows, size=200, lim=3.5):
+    """rows {name: (x [E, 2], labels [E])}: a row of panels each, one per prompt; grey circles: the
+    prompt's modes, red: its target."""
+    img = Image.new("RGB", (80 + size * len(PROMPTS), 30 + size * len(rows)), "white")
+    d = ImageDraw.Draw(img)
+    for i, (row, (x, labels)) in enumerate(rows.items()):
+        d.text((6, 30 + i * size + size / 2), row, fill=COLORS[row], font=FONT, anchor="lm")
+        for j, (name, modes) in enumerate(PROMPTS.items()):
+            left, top = 80 + j * size, 30 + i * size  # the panel's corner
+
+            def circle(p, r):  # the box of a circle of r pixels around the point p = (x1, x2)
+                cx = left + (p[0] + lim) / (2 * lim) * size
+                cy = top + (lim - p[1]) / (2 * lim) * size
+                return [cx - r, cy - r, cx + r, cy + r]
+            d.text((left + size / 2, 4), name, fill="black", font=FONT, anchor="mt")
+            d.rectangle([left, top, left + size - 1, top + size - 1], outline="grey")
+            for m in modes:
+                d.ellipse(circle(m, 9), outline=(200, 200, 200), width=2)
+            d.ellipse(circle(TARGETS[j].tolist(), 11), outline="red", width=2)
+            for p in x[labels == j].tolist():
+                d.ellipse(circle(p, 1), fill=COLORS[row])
+    return img
+
+
+def curve_picture(curves, size=(720, 400), box=(60, 40, 590, 350)):
+    """curves {name: [(epoch, reward)]}: the evaluation reward over training, the legend beside."""
+    img, (left, top, right, bottom) = Image.new("RGB", size, "white"), box
+    d, last = ImageDraw.Draw(img), max(e for c in curves.values() for e, _ in c)
+
+    def xy(epoch, reward):  # reward in [0, 1]
+        return left + epoch / last * (right - left), bottom - reward * (bottom - top)
+    d.rectangle(box, outline="black")
+    d.text(((left + right) / 2, 10), "evaluation reward (mean, in (0, 1]) during GRPO",
+           fill="black", font=FONT, anchor="mt")
+    d.text(((left + right) / 2, size[1] - 8), "epoch", fill="black", font=FONT, anchor="md")
+    for v in (0.0, 0.25, 0.5, 0.75, 1.0):
+        d.text((left - 6, xy(0, v)[1]), f"{v:.2f}", fill="black", font=FONT, anchor="rm")
+    for e in (0, last // 2, last):
+        d.text((xy(e, 0)[0], bottom + 6), str(e), fill="black", font=FONT, anchor="mt")
+    for i, (name, points) in enumerate(curves.items()):
+        y = top + 20 + 24 * i  # the legend's line
+        d.line([xy(e, r) for e, r in points], fill=COLORS[name], width=3)
+        d.line([right + 12, y, right + 36, y], fill=COLORS[name], width=3)
+        d.text((right + 42, y), name, fill="black", font=FONT, anchor="lm")
+    return img
 
 
 def main(argv=None):
-    cfg = parse(argv)
-    try:  # --out is this run's alone: rank 0 locks it until main returns, and refuses a folder holding another run
-        lock = int(os.environ.get("RANK", 0)) == 0 and jagg_options.claim_folder(
-            cfg.out, ("*.json*", "*.png", "*.pt", "*/*.json*", "*/*.pt"), cfg.resume, cfg.overwrite)  # a run's files
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    rank, world = jagg_options.init_distributed(backend="gloo")  # under torchrun: a rank per process; CPU tensors
-    if rank == 0:  # the flags saved beside the results, before any work
-        jagg_options.write_json(os.path.join(cfg.out, "config.json"), asdict(cfg))
-        print("config: " + json.dumps(asdict(cfg)))
-    base, _ = base_model(cfg, rank)
-    initial_reward, base_samples = evaluate(base, cfg)
-    summaries, samples, curves = {}, {"base": base_samples}, {}
-    with jagg_options.stop_on_signals() as stop:  # Ctrl-C and SIGTERM end the run after an epoch, checkpointed
-        for method in ["exact", "jagg"] if cfg.method == "compare" else [cfg.method]:
-            folder = os.path.join(cfg.out, method) if cfg.method == "compare" else cfg.out
-            summaries[method], samples[method], curves[method] = train(cfg, method, base, initial_reward, folder, rank,
-                                                                       world, stop)
-    if rank == 0:  # the pictures: each method's samples beside the base model's, and the reward curves
-        save(os.path.join(cfg.out, "samples.png"), toy_dit.samples_picture(samples, TARGETS.tolist()))
-        save(os.path.join(cfg.out, "reward.png"), toy_dit.curve_picture(curves))
-    if rank == 0 and cfg.method == "compare":
-        ex, jg = summaries["exact"], summaries["jagg"]
-        ratios = {"reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] else None, **{
-            f"{k}_speedup": ex[f"{k}_seconds"] / jg[f"{k}_seconds"] for k in ("backward", "train")}}
-        jagg_options.write_json(os.path.join(cfg.out, "summary.json"), {"method": "compare", "mode": jg["mode"], **ratios,
-                                                                       "exact": ex, "jagg": jg, "config": asdict(cfg)})
-        print(f"JAGG ({jg['mode']}) kept {100 * (ratios['reward_gain_ratio'] or 0):.0f} % of exact GRPO's reward gain; "
-              f"{ex['grad_rows'] / jg['grad_rows']:.2f}x fewer rows with grad, backward {ratios['backward_speedup']:.1f}x "
-              f"faster, training {ratios['train_speedup']:.1f}x (rollouts included)")
-    lock and lock.close()  # the folder is free for the next run
+    args = parse_args(argv)
+    print("config: " + json.dumps(asdict(args)))
+    run_folder.write_json(os.path.join(args.out, "config.json"), asdict(args))
+    base = base_model(args)
+    initial_reward, base_samples = evaluate(base, args)
+    samples, curves, summaries = {"base": base_samples}, {}, {}
+    methods = ["exact", "jagg"] if args.method == "compare" else [args.method]
+    for method in methods:
+        folder = os.path.join(args.out, method) if args.method == "compare" else args.out
+        rows, model = train(args, base, method)
+        final_reward, samples[method] = evaluate(model, args)
+        s = summarize(args, method, rows, initial_reward, final_reward)
+        run_folder.write_json(os.path.join(folder, "summary.json"), s)
+        metrics = "".join(run_folder.json_text(r) + "\n" for r in rows)
+        run_folder.atomic_write(os.path.join(folder, "metrics.jsonl"), metrics)
+        curves[method] = [(0, initial_reward)] + [(r["epoch"], r["eval/reward"])
+                                                  for r in rows if "eval/reward" in r]
+        summaries[method] = s
+        print(f"[{method}] reward {initial_reward:.3f} -> {final_reward:.3f} "
+              f"({s['reward_gain']:+.3f}), gradients {s['grad_seconds']:.1f} s, "
+              f"training {s['train_seconds']:.1f} s")
+    for name, picture in [("samples.png", samples_picture(samples)),
+                          ("reward.png", curve_picture(curves))]:
+        run_folder.atomic_write(os.path.join(args.out, name),
+                                lambda f: picture.save(f, format="PNG"), "wb")
+    if args.method == "compare":
+        c = compare(args, summaries["exact"], summaries["jagg"])
+        print(f"JAGG kept {100 * (c['reward_gain_ratio'] or 0):.0f} % of exact GRPO's reward gain; "
+              f"{c['grad_rows_ratio']:.2f}x fewer rows with grad, gradients "
+              f"{c['grad_speedup']:.1f}x faster, training {c['train_speedup']:.1f}x (rollouts included)")
 
 
 if __name__ == "__main__":
     main()
-    jagg_options.exit_distributed()  # a rank under torchrun leaves here, skipping a shutdown that can abort

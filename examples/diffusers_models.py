@@ -1,6 +1,6 @@
 """velocity_fn recipes for the diffusers transformers people train with GRPO: what jagg.py needs
 from SD3 / SD3.5, Flux, Qwen-Image and Wan 2.1 / 2.2 (video). tests/test_recipes.py builds each at
-a tiny random size, checks it with jagg_options.check_velocity_fn, trains it exact and with JAGG, checks
+a tiny random size, checks it with jagg_probe.check_velocity_fn, trains it exact and with JAGG, checks
 one window's JAGG gradient against explicit Jacobians, and checks that jagg.rollout at noise level
 0 with the recipe and scheduler_sigmas gives the final latents of the family's own diffusers
 pipeline (same latents, same embeddings, same guidance).

@@ -13,6 +13,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
+import jagg_probe  # noqa: E402
+import grpo_step  # noqa: E402
 
 T, NOISE_LEVEL, CFG_SCALE, GROUP, PROMPTS, MINIBATCH = 10, 0.7, 4.5, 8, 4, 16
 
@@ -61,7 +63,7 @@ def main(epochs=20, seed=0):
     sigmas = jagg.sigma_schedule(T, shift=3.0)  # [T + 1]
     # Once, before training: v of z's shape, no dropout, and S steps at once equal S single steps
     # (the conditioning repeated as a block). A ValueError names the mistake and its fix.
-    jagg_options.check_velocity_fn(make_velocity_fn(model, torch.arange(PROMPTS)), torch.randn(PROMPTS, 2), sigmas)
+    jagg_probe.check_velocity_fn(make_velocity_fn(model, torch.arange(PROMPTS)), torch.randn(PROMPTS, 2), sigmas)
     # CONVENTION: the same noise_level for rollout and loss (train_step refuses a mismatch).
     cfg = jagg.LossConfig(noise_level=NOISE_LEVEL, clip_range=0.2, beta=0.04)
     # One JaggOptions for the probe and training alike, so the probe measures the mode that trains:
@@ -77,15 +79,15 @@ def main(epochs=20, seed=0):
         perm = torch.randperm(len(c))
         if epoch % 5 == 0:  # the probe: JAGG's gradient against the exact one, per window, on 8 samples
             idx = perm[:8]
-            probe = jagg_options.probe_segments(  # fns(i): the velocity_fns of the probe's samples i (two halves)
+            probe = jagg_probe.probe_segments(  # fns(i): the velocity_fns of the probe's samples i (two halves)
                 lambda i: (make_velocity_fn(model, c[idx[i]]), make_velocity_fn(ref, c[idx[i]])), model.parameters(),
                 traj.subset(idx), adv[idx], cfg, opts, train_batch=MINIBATCH)
             # error_to_noise: JAGG's error over an optimizer step's own sampling noise (below ~0.1: lost in it)
             print(f"probe: cosine {[round(x, 3) for x in probe['cosine']]}, "
                   f"error_to_noise {[round(x, 3) for x in probe['error_to_noise']]}")
-            probe_avg = jagg_options.probe_average(probe_avg, probe["cosine"], decay=0.5)
+            probe_avg = jagg_probe.probe_average(probe_avg, probe["cosine"], decay=0.5)
         for idx in perm.split(MINIBATCH):  # minibatches: slice the trajectories AND their conditioning alike
-            stats, routed = jagg_options.train_step(
+            stats, routed = grpo_step.train_step(
                 make_velocity_fn(model, c[idx]), opt, traj.subset(idx), adv[idx], cfg, opts,
                 ref_velocity_fn=make_velocity_fn(ref, c[idx]), probe_cosines=probe_avg)
         print(f"epoch {epoch:2d}  reward {history[-1]:+.3f}  routed to JAGG {routed}  kl {stats['kl']:.4f}")

@@ -16,11 +16,11 @@ def toy_batches(args):
     """(velocity_fn, params, traj, adv) per batch, from train_toy.py's base model and task."""
     import train_toy
 
-    cfg = train_toy.Config()
-    model, _ = train_toy.base_model(cfg, rank=0)
+    cfg = train_toy.Args()
+    model = train_toy.base_model(cfg)
     sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)
     g = torch.Generator().manual_seed(args.seed)
-    labels = torch.arange(len(train_toy.PROMPTS)).repeat_interleave(args.batch // len(train_toy.PROMPTS))  # [B]
+    labels = torch.arange(len(train_toy.TARGETS)).repeat_interleave(args.batch // len(train_toy.TARGETS))  # [B]
     fn = train_toy.make_velocity_fn(model, labels)
     for _ in range(args.batches):
         with torch.no_grad():

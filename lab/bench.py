@@ -3,6 +3,7 @@ repeats), the activations autograd saves for backward weighed, and the tables th
 lab/sd_benchmark.py and lab/fsdp_memory.py use it on SD3 transformers; the modes' names derive from
 their options (JaggOptions.mode_name)."""
 
+import contextlib
 import itertools
 import os
 import sys
@@ -15,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
+import jagg_probe  # noqa: E402
 
 # The training modes the benchmarks compare, by name: (anchors, interior), every one of jagg_options'
 # combinations; every JAGG mode interpolates every segment (jagg_frac = 1). exact: None.
@@ -36,6 +38,40 @@ def bench_modes(max_graph_rows):
     return modes
 
 
+def timed(timings, key, device):
+    """A context that adds the seconds of its block to timings[key] (synchronised on CUDA)."""
+    @contextlib.contextmanager
+    def block():
+        start = jagg_probe.clock(device)
+        yield
+        timings[key] = timings.get(key, 0.0) + jagg_probe.clock(device) - start
+    return block()
+
+
+def timed_backward(backward, velocity_fn, z, t, step_loss, timings):
+    """backward(velocity_fn, z, t, step_loss), its seconds added to timings: the network's
+    forwards with graph under "fwd_graph" (with the per-step losses, which run while the graph is
+    alive), those without under "fwd_nograd", and the rest under "backward" (the backward passes,
+    and each loss's own derivative g_k)."""
+    parts = {}
+
+    def velocity(z_, t_):
+        with timed(parts, "fwd_graph" if torch.is_grad_enabled() else "fwd_nograd", z.device):
+            return velocity_fn(z_, t_)
+
+    def loss(k, v_k):
+        with timed(parts, "fwd_graph", z.device):
+            return step_loss(k, v_k)
+
+    with timed(parts, "call", z.device):
+        total = backward(velocity, z, t, loss)
+    call = parts.pop("call")
+    for key, seconds in parts.items():
+        timings[key] = timings.get(key, 0.0) + seconds
+    timings["backward"] = timings.get("backward", 0.0) + call - sum(parts.values())
+    return total
+
+
 def benchmark_window(velocity_fn, params, z, t, step_loss, repeats=5, warmup=1):
     """Time one window's gradient (z: [W, B, *D], t: [W, B]) both ways, interleaved; medians.
 
@@ -43,17 +79,17 @@ def benchmark_window(velocity_fn, params, z, t, step_loss, repeats=5, warmup=1):
     """
     params = list(params)
 
-    def timed(backward):
+    def timed_method(backward):
         def run():
             for p in params:
                 p.grad = None
             timings = {"fwd_graph": 0.0, "fwd_nograd": 0.0, "backward": 0.0}
-            jagg_options.timed_backward(backward, velocity_fn, z, t, step_loss, timings)
+            timed_backward(backward, velocity_fn, z, t, step_loss, timings)
             timings["total"] = sum(timings.values())
             return timings
         return run
 
-    out = jagg_options.interleaved_medians({"exact": timed(jagg.backward_exact), "jagg": timed(jagg_options.backward_jagg)}, repeats, warmup)
+    out = jagg_probe.interleaved_medians({"exact": timed_method(jagg.backward_exact), "jagg": timed_method(jagg_options.backward_jagg)}, repeats, warmup)
     for p in params:
         p.grad = None
     return out
@@ -116,7 +152,7 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
     device = traj.z.device
     cuda = device.type == "cuda"
 
-    def timed(name):
+    def timed_mode(name):
         anchors, interior, max_graph_rows = mode_settings(name)
 
         def run():
@@ -129,25 +165,31 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
             start = time.perf_counter()
             opts = jagg_options.JaggOptions(window, 0.0 if name == "exact" else 1.0, anchors=anchors, interior=interior,
                                     max_graph_rows=max_graph_rows)
-            stats, _ = jagg_options.window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn, timings)
+            fn = jagg_probe.timed_velocity_fn(velocity_fn, timings)
+            ref_fn = None
+            if ref_velocity_fn is not None:
+                ref_fn = jagg_probe.timed_velocity_fn(ref_velocity_fn, timings, "fwd_ref", "fwd_ref")
+            stats, _ = jagg_options.window_gradients(fn, traj, advantages, cfg, opts, ref_fn)
             if cuda:
                 torch.cuda.synchronize(device)
                 timings["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
             timings["train_s"] = time.perf_counter() - start
+            # the rest: the backward passes, and the losses (timed with the forwards before)
+            timings["backward"] = timings["train_s"] - sum(timings[k] for k in ("fwd_graph", "fwd_nograd", "fwd_ref"))
             timings["backward_rows"] = stats["grad_rows"]
             return timings
         return run
 
     def rollout():
         timings = {}
-        with jagg_options.timed(timings, "rollout_s", device):
+        with timed(timings, "rollout_s", device):
             rollout_fn()
         return timings
 
-    fns = {name: timed(name) for name in modes}
+    fns = {name: timed_mode(name) for name in modes}
     if rollout_fn is not None:
         fns["rollout"] = rollout
-    out = jagg_options.interleaved_medians(fns, repeats, warmup)
+    out = jagg_probe.interleaved_medians(fns, repeats, warmup)
     for name in modes:  # the memory figure, outside the timed runs (the hooks cost time)
         out[name]["saved_gb"] = saved_bytes_peak(fns[name]) / 2**30
     for p in params:

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
+import run_folder  # noqa: E402
 from charts import chart, compare_grid, save_png  # noqa: E402
 
 # Flags that change JAGG's run but not exact GRPO's, or only where a run writes: they may differ.
@@ -53,14 +54,14 @@ def with_final(summary, final_evals):
 
 def comparison(ex, jg, config):
     """A comparison's summary.json: both runs' summaries, the share of exact's reward gain JAGG kept, the speedups."""
-    ratio = lambda key: ex[key] / jg[key] if jg[key] else None  # noqa: E731
+    def ratio(key):
+        return ex[key] / jg[key] if jg[key] else None
     return {"method": "compare", "mode": jg["mode"], "weights": config["weights"], "initial_reward": ex["initial_reward"],
-            **{k: {"exact": ex[k], "jagg": jg[k]} for k in ("final_reward", "reward_gain", "backward_seconds",
-                                                            "grad_seconds", "train_seconds", "grad_steps")},
+            **{k: {"exact": ex[k], "jagg": jg[k]} for k in ("final_reward", "reward_gain", "grad_seconds",
+                                                            "train_seconds", "grad_rows")},
             "reward_gain_ratio": jg["reward_gain"] / ex["reward_gain"] if ex["reward_gain"] else None,
-            "backward_speedup": ratio("backward_seconds"), "grad_speedup": ratio("grad_seconds"),
-            "train_speedup": ratio("train_seconds"), "grad_steps_ratio": ratio("grad_steps"),
-            "exact": ex, "jagg": jg, "config": config}
+            "grad_speedup": ratio("grad_seconds"), "train_speedup": ratio("train_seconds"),
+            "grad_rows_ratio": ratio("grad_rows"), "exact": ex, "jagg": jg, "config": config}
 
 
 def settings_check(ex, jg):
@@ -91,7 +92,7 @@ def main(argv=None):
     ex, jg = with_final(ex, args.final_evals), with_final(jg, args.final_evals)
     result = comparison(ex, jg, jg["config"])
     result["exact_run"], result["jagg_run"] = args.exact, args.jagg
-    jagg_options.write_json(os.path.join(args.out, "summary.json"), result)
+    run_folder.write_json(os.path.join(args.out, "summary.json"), result)
     save_png(os.path.join(args.out, "reward_curves.png"), chart(
         {m: s["eval_curve"] for m, s in (("exact", ex), ("jagg", jg))},
         f"evaluation reward ({jg['config']['reward']}, {jg['config']['eval_samples']} samples, fixed noise)",
@@ -100,7 +101,7 @@ def main(argv=None):
         draw_samples(args, ex, jg)
     print(f"JAGG ({jg['mode']}) kept {100 * (result['reward_gain_ratio'] or 0):.1f}% of exact GRPO's reward gain "
           f"({jg['reward_gain']:+.3f} vs {ex['reward_gain']:+.3f}, the mean of the last {args.final_evals} "
-          f"evaluations); backward {result['backward_speedup']:.2f}x faster, training {result['train_speedup']:.2f}x")
+          f"evaluations); gradients {result['grad_speedup']:.2f}x faster, training {result['train_speedup']:.2f}x")
     if jg.get("probe_cosine_by_position"):
         print("the probe per segment: cosine " + " ".join(f"{c:.3f}" for c in jg["probe_cosine_by_position"])
               + "; JAGG's error against a step's noise, ± 95 %: " + " ".join(f"{e:.3f} ±{1.96 * s:.3f}" for e, s in zip(

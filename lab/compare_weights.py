@@ -5,7 +5,7 @@ default) or by step index (the authors' early code)? The fidelity probe on the s
     python lab/compare_weights.py mini           # the mini SD3 of lab/mini_sd3.py (cached; pretrained if missing)
 
 For each model: rollouts from the base model (T and the schedule its script trains with, W = 4),
-then jagg_options.gradient_cosines, the cosine of JAGG's gradient to the exact one per window, with
+then jagg_probe.gradient_cosines, the cosine of JAGG's gradient to the exact one per window, with
 weights="time" and weights="index" on identical batches, averaged over --batches batches.
 Prints a markdown table and writes it as JSON to --out.
 """
@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
+import jagg_probe  # noqa: E402
 from base_batches import mini_batches, toy_batches  # noqa: E402
-from jagg_options import write_json  # noqa: E402
+from run_folder import write_json  # noqa: E402
 
 
 def main(argv=None):
@@ -41,7 +42,7 @@ def main(argv=None):
     batches = toy_batches(args) if args.model_kind == "toy" else mini_batches(args)
     for fn, params, traj, adv, T in batches:
         for anchors, weights in sums:
-            cos = jagg_options.gradient_cosines(fn, params, traj, adv, loss_cfg,
+            cos = jagg_probe.gradient_cosines(fn, params, traj, adv, loss_cfg,
                                         jagg_options.JaggOptions(args.window, anchors=anchors, weights=weights))
             sums[anchors, weights] = cos if sums[anchors, weights] is None else [s + c for s, c in zip(sums[anchors, weights], cos)]
     result = {f"{a}/{w}": [s / args.batches for s in v] for (a, w), v in sums.items()}

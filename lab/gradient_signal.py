@@ -4,7 +4,7 @@
     python lab/gradient_signal.py mini --batch 32 --group 8 # the mini SD3, train_sd.py's LoRA
     python lab/gradient_signal.py mini --anchors shared --interior rollout
 
-The fidelity probe (jagg_options.gradient_cosines) compares JAGG's gradient to the exact one on the
+The fidelity probe (jagg_probe.gradient_cosines) compares JAGG's gradient to the exact one on the
 same rollouts. That says how close the two are, not whether the difference matters: GRPO's
 gradient is a Monte-Carlo estimate, and on a batch of a few dozen samples it can be mostly
 noise. This tool draws --batches independent batches from the base model (the same sampler,
@@ -43,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-from jagg_options import write_json  # noqa: E402
+import jagg_probe  # noqa: E402
+from run_folder import write_json  # noqa: E402
 from base_batches import mini_batches, toy_batches  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def batch_gradients(fn, params, traj, adv, loss_cfg, window, jagg_frac, **mode):
     for p in params:
         p.grad = None
     jagg_options.window_gradients(fn, traj, adv, loss_cfg, jagg_options.JaggOptions(window, jagg_frac, **mode))
-    g = jagg_options.flat_grad(params)
+    g = jagg_probe.flat_grad(params)
     for p in params:
         p.grad = None
     return g

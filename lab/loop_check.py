@@ -39,8 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
+import grpo_step  # noqa: E402
 from base_batches import draw_groups  # noqa: E402
-from jagg_options import write_json  # noqa: E402
+from run_folder import write_json  # noqa: E402
 
 
 def rollouts(pipe, transformer, cfg, prompts_all, args, g):
@@ -86,7 +87,7 @@ def policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args):
     before, v0 = log_ratio_and_v()
     params = [p for p in transformer.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=train_sd.FIXED["weight_decay"])
-    stats, _ = jagg_options.train_step(fn, opt, traj, adv, loss_cfg, cfg.jagg_options("exact"), ref_velocity_fn=ref_fn, params=params,
+    stats, _ = grpo_step.train_step(fn, opt, traj, adv, loss_cfg, cfg.jagg_options("exact"), ref_velocity_fn=ref_fn, params=params,
                                max_grad_norm=train_sd.FIXED["max_grad_norm"])
     after, v1 = log_ratio_and_v()
     # the direction GRPO wants: samples with positive advantage more likely, negative less

@@ -41,7 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-from jagg_options import write_json  # noqa: E402
+import jagg_probe  # noqa: E402
+import grpo_step  # noqa: E402
+from run_folder import write_json  # noqa: E402
 
 # name -> JaggOptions fields; "guarded" is rollout interiors with the drift guard (the default),
 # "unguarded" the rollout rule at any drift (max_drift None: the code before the guard).
@@ -113,8 +115,8 @@ class ToyTask:
         import train_toy
 
         self.train_toy = train_toy
-        cfg = train_toy.Config(seed=args.seed)
-        self.model, _ = train_toy.base_model(cfg, rank=0)
+        cfg = train_toy.Args(seed=args.seed)
+        self.model = train_toy.base_model(cfg)
         self.params = list(self.model.parameters())
         self.sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)
         self.loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
@@ -130,21 +132,22 @@ class ToyTask:
             traj = jagg.rollout(fn, noise, self.sigmas, self.noise_level, generator=generator)
             sample = traj.sample
         else:
-            traj, sample = jagg_options.window_rollout(fn, noise, self.sigmas, self.noise_level, window_start,
+            traj, sample = train_sd.window_rollout(fn, noise, self.sigmas, self.noise_level, window_start,
                                                        self.sde_window, generator=generator)
         adv = jagg.group_advantages(tt.reward_fn(sample, labels), labels)
         return Batch(traj, adv, lambda idx: (tt.make_velocity_fn(self.model, labels[idx]), None))
 
 
-def gradient(task, batch, opts, timings=None):
-    """The flat gradient [P] of the whole batch's loss in mode opts, and the step's stats."""
+def gradient(task, batch, opts):
+    """The flat gradient [P] of the whole batch's loss in mode opts, and the step's stats (with
+    rollout interiors, the drift guard's rollout_refreshed and anchor_drift)."""
     for p in task.params:
         p.grad = None
     idx = torch.arange(len(batch.adv))
     fn, ref_fn = batch.fns(idx)
     stats, _ = jagg_options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, opts,
-                                     ref_fn if task.loss_cfg.beta > 0 else None, timings)
-    g = jagg_options.flat_grad(task.params)
+                                     ref_fn if task.loss_cfg.beta > 0 else None)
+    g = jagg_probe.flat_grad(task.params)
     for p in task.params:
         p.grad = None
     return g, stats
@@ -178,7 +181,7 @@ def train_exact(task, optimizer, epochs, batch_size, inner_steps, generator):
         perm = torch.randperm(len(batch.adv), generator=generator)
         for idx in perm.chunk(inner_steps):
             fn, ref_fn = batch.fns(idx)
-            jagg_options.train_step(fn, optimizer, batch.traj.subset(idx), batch.adv[idx], task.loss_cfg,
+            grpo_step.train_step(fn, optimizer, batch.traj.subset(idx), batch.adv[idx], task.loss_cfg,
                             jagg_options.JaggOptions(task.window, 0.0), ref_velocity_fn=ref_fn if task.loss_cfg.beta > 0 else None,
                             params=task.params)
 
@@ -199,16 +202,15 @@ def measure(task, args, generator, optimizer):
             for name in args.modes:
                 fields = MODES[name]
                 opts = jagg_options.JaggOptions(task.window, 1.0, **fields)
-                timings = {}
-                j, _ = gradient(task, batch, opts, timings)
+                j, stats = gradient(task, batch, opts)
                 js[name] = j
                 rec = {"batch": b, "step": i + 1, "mode": name, "clipfrac": st["clipfrac"],
                        "rel_error": ((j - g).norm() / g.norm()).item(), "err2": (j - g).pow(2).sum().item(),
                        "cosine": torch.nn.functional.cosine_similarity(j, g, dim=0).item(),
                        "projection": (torch.dot(j, g) / g.pow(2).sum()).item(), "norm_ratio": (j.norm() / g.norm()).item()}
                 if opts.interior == "rollout":
-                    rec["refreshed"] = timings.get("rollout_refreshed", 0)
-                    rec["anchor_drift"] = timings.get("anchor_drift", 0.0)
+                    rec["refreshed"] = stats["rollout_refreshed"]
+                    rec["anchor_drift"] = stats["anchor_drift"]
                     if fields.get("max_drift", "default") is None:  # the rule itself, without the guard
                         rec["ratio_error"] = ratio_error(task, batch, opts)
                 twin = FORWARD_TWIN.get(name)

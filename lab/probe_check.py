@@ -5,7 +5,7 @@
     python lab/probe_check.py mini --preset mini-geneval      # ... at --preset mini-geneval (LoRA, GenEval-like)
 
 On the base model, for --batches independent rollout batches of --batch samples, per segment of
-the mode (the paper's windows by default): the probe's own figure, jagg_options.probe_segments on
+the mode (the paper's windows by default): the probe's own figure, jagg_probe.probe_segments on
 each batch alone (its two halves give the noise), and the same quantity from the independent
 batches, |j - g|^2 over the noise of one batch's exact gradient, mean |g_a - g_b|^2 / 2 over pairs
 of batches (lab/offpolicy_error.py's measure, per segment). One probe's figure scatters widely (its
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg_options  # noqa: E402
+import jagg_probe  # noqa: E402
 from offpolicy_error import MINI_PRESETS, MODES, MiniTask, ToyTask  # noqa: E402
 
 
@@ -108,16 +109,16 @@ def check(task, opts, batches, batch_size, generator, window_start=None, step_ba
         probed = step if probe_batch == step_batch else some(probe_batch)
 
         def probe(size, probed=probed, fns=fns):  # the probe on the samples probed, for a step of size samples
-            return jagg_options.probe_segments(lambda i: fns(probed[i]), task.params, batch.traj.subset(probed),
+            return jagg_probe.probe_segments(lambda i: fns(probed[i]), task.params, batch.traj.subset(probed),
                                                batch.adv[probed], task.loss_cfg, opts, train_batch=size)
 
         probes.append(probe(step_batch))
         if probe_batch < step_batch:  # |j - g|^2 on the probe's own samples: how the probe read before its fix
             old_way.append(probe(probe_batch))
         fn, ref_fn = fns(step)
-        pairs.append(list(jagg_options._segment_gradients(fn, task.params, batch.traj.subset(step), batch.adv[step],
+        pairs.append(list(jagg_probe.segment_gradients(fn, task.params, batch.traj.subset(step), batch.adv[step],
                                                           task.loss_cfg, opts, ref_fn)))
-    pooled_probes = jagg_options.pool_probes(probes)
+    pooled_probes = jagg_probe.pool_probes(probes)
     pooled, pooled_stderr = pooled_probes["error_to_noise"], pooled_probes["stderr"]
     rows = []
     for s, (start, stop) in enumerate(jagg_options.segment_bounds(batch.traj.z.shape[0], opts.window, opts.anchors)):

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
+import run_folder  # noqa: E402
 from bench import bench_modes, benchmark_trajectory, benchmark_window, report_benchmark, report_trajectory  # noqa: E402
 from charts import save_png, training_step_bars  # noqa: E402
 
@@ -170,7 +171,7 @@ def benchmark(cfg):
         print(f"\n-- JAGG or an SDE window: a window of K steps trained (--sde-window K), exact and with JAGG at W = K; "
               f"its rollout takes the same T = {T} network calls")
         result["sde_windows"] = report_sde_windows(result, t_sde)
-    jagg_options.write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
+    run_folder.write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
     save_png(os.path.join(cfg.out, "benchmark.png"), training_step_bars(
         {W: result}, 1.0, "s", f"SD3 '{size}' on {result['device']}: one GRPO training step "
                                f"(T = {T}, CFG {cfg.guidance_scale}, beta {cfg.beta}, B = {B})"))

@@ -49,7 +49,7 @@ def initial_reward(s):
 
 def probe_cosines(run):
     """A run's probe cosine per segment position: the kept runs' probe_cosine_by_position, or today's
-    probe (jagg_options.pool_probes' cosine); None without probes."""
+    probe (jagg_probe.pool_probes' cosine); None without probes."""
     return run.get("probe_cosine_by_position") or (run.get("probe") or {}).get("cosine")
 
 
@@ -118,7 +118,8 @@ def gain_along_run(run):
 def compare(runs):
     """One row per compare run, then the mean and the worst gain kept per mode."""
     sd = any("eval_curve" in load(run)["exact"] for run in runs)
-    print("| seed | mode | reward, exact | reward, JAGG | gain kept | backward | training step (rollouts incl.) "
+    print("| seed | mode | reward, exact | reward, JAGG | gain kept | gradient (kept runs: backward) "
+          "| training step (rollouts incl.) "
           "| probe cosine per segment |" + (" exact: eval noise (gain / noise) |" if sd else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if sd else ""))
     kept = {}
@@ -130,7 +131,7 @@ def compare(runs):
         print(f"| {s['config']['seed']} | {s['mode']} | {start:.3f} → {side(s, 'final_reward', 'exact'):.3f} "
               f"| {start:.3f} → {side(s, 'final_reward', 'jagg'):.3f} "
               f"| {'-' if ratio is None else f'{100 * ratio:.1f} %'} "
-              f"| {s['backward_speedup']:.2f}x | {s['train_speedup']:.2f}x | {cosines(probe_cosines(s['jagg']))} |"
+              f"| {s.get('grad_speedup', s.get('backward_speedup')):.2f}x | {s['train_speedup']:.2f}x | {cosines(probe_cosines(s['jagg']))} |"
               + (f" {noise(s['exact'])} |" if "eval_curve" in s["exact"] else ""))
     print()
     print("| mode | seeds | gain kept, mean (95 % interval) | gain kept, worst | ratio of mean gains (95 % interval) "
@@ -309,7 +310,7 @@ def curves(paths, last, png=""):
     # the settings that differ between the runs (their output folders aside), as flags
     differ = [k for k in runs[0]["config"] if k != "out" and len({json.dumps(r["config"].get(k)) for r in runs}) > 1]
     print(f"| run | mode | settings | start | highest (epoch) | mean of the last {last} evaluations | training (s) "
-          f"| backward (s) |")
+          f"| gradients (s; kept runs: backward) |")
     print("|---|---|---|---|---|---|---|---|")
     drawn = {}
     for path, s in zip(paths, runs):
@@ -319,7 +320,7 @@ def curves(paths, last, png=""):
         epoch, top = max(curve[1:] or curve, key=lambda c: c[1])
         flags = " ".join(f"--{k.replace('_', '-')} {s['config'][k]}" for k in differ) or "-"
         print(f"| {os.path.basename(os.path.normpath(path))} | {s['mode']} | {flags} | {curve[0][1]:.3f} | {top:.3f} ({epoch}) "
-              f"| {mean:.3f} ± {sd:.3f} | {s['train_seconds']:.0f} | {s['backward_seconds']:.0f} |")
+              f"| {mean:.3f} ± {sd:.3f} | {s['train_seconds']:.0f} | {s.get('grad_seconds', s.get('backward_seconds')):.0f} |")
         drawn[s["mode"] if s["mode"] not in drawn else path] = curve
     if png:
         from charts import chart, save_png

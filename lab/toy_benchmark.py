@@ -1,5 +1,5 @@
-"""The toy's benchmark (what `train_toy.py --benchmark` did before the layout change): exact vs JAGG on
-train_toy.py's base model, one process, medians of interleaved repeats.
+"""The toy's benchmark: exact vs JAGG on train_toy.py's base model, one process, medians of
+interleaved repeats.
 
     python lab/toy_benchmark.py                          # W = 4 and 8, B = 256: the toy tables of docs/benchmarks.md
     python lab/summarize.py toybench runs/toy_bench/benchmark.json   # the training-step table, in ms
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import train_toy  # noqa: E402
+import run_folder  # noqa: E402
 from bench import bench_modes, benchmark_trajectory, benchmark_window, report_benchmark, report_trajectory  # noqa: E402
 from charts import save_png, training_step_bars  # noqa: E402
 
@@ -32,11 +33,11 @@ from charts import save_png, training_step_bars  # noqa: E402
 def benchmark(args):
     """Exact vs JAGG at each --windows W on the toy DiT: returns {W: {"window", "exact", "jagg", speedups,
     and report_trajectory's objects}} (seconds)."""
-    cfg = train_toy.Config(seed=args.seed, base_ckpt=args.base_ckpt, beta=args.beta)  # the toy's own setting
-    base, _ = train_toy.base_model(cfg, rank=0)
+    cfg = train_toy.Args(seed=args.seed, base_ckpt=args.base_ckpt, beta=args.beta)  # the toy's own setting
+    base = train_toy.base_model(cfg)
     torch.manual_seed(args.seed)
     sigmas = jagg.sigma_schedule(cfg.num_steps, cfg.shift)  # [T+1]
-    labels = torch.arange(args.batch) % len(train_toy.PROMPTS)  # [B]
+    labels = torch.arange(args.batch) % len(train_toy.TARGETS)  # [B]
     velocity_fn = train_toy.make_velocity_fn(base, labels)
     ref = copy.deepcopy(base).requires_grad_(False)
     noise = torch.randn(args.batch, 2)  # [B, 2]
@@ -72,9 +73,9 @@ def main(argv=None):
     parser.add_argument("--base-ckpt", default="", help="a pretrained toy DiT; empty: train_toy.py's cached one")
     parser.add_argument("--out", default="runs/toy_bench", help="where benchmark.json and benchmark.png go")
     args = parser.parse_args(argv)
-    T = train_toy.Config().num_steps
+    T = train_toy.Args().num_steps
     problems = [(all(2 <= W <= T for W in args.windows), f"--windows must each be in [2, {T}], got {args.windows}"),
-                (args.batch >= len(train_toy.PROMPTS), f"--batch must be >= {len(train_toy.PROMPTS)}, got {args.batch}"),
+                (args.batch >= len(train_toy.TARGETS), f"--batch must be >= {len(train_toy.TARGETS)}, got {args.batch}"),
                 (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}"),
                 (args.beta >= 0, f"--beta must be >= 0, got {args.beta}"),
                 (args.max_graph_rows >= 0, f"--max-graph-rows must be >= 0, got {args.max_graph_rows}"),
@@ -82,7 +83,7 @@ def main(argv=None):
     if any(not ok for ok, _ in problems):
         raise SystemExit("error: " + next(message for ok, message in problems if not ok))
     results, cfg = benchmark(args)
-    jagg_options.write_json(os.path.join(args.out, "benchmark.json"),
+    run_folder.write_json(os.path.join(args.out, "benchmark.json"),
                             {"config": {**vars(args), "train_toy": dataclasses.asdict(cfg)}, "results": results})
     save_png(os.path.join(args.out, "benchmark.png"), training_step_bars(
         results, 1000, "ms", f"toy DiT: one GRPO training step (T = {cfg.num_steps}, B = {args.batch}), where the time goes"))

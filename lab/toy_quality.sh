@@ -9,14 +9,14 @@
 #   python lab/summarize.py retention runs/toy_quality              # the table: gain kept per mode, 95 % intervals,
 #                                                                   # paired difference to the paper's mode, worst seed
 #
-# The setting is train_toy.py's defaults (W = 4, T = 16, 80 epochs of 4 optimizer steps; the probe off).
+# The setting is train_toy.py's defaults, run by examples/toy_options.py (W = 4, T = 16, 80 epochs of 4 optimizer steps; the probe off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/toy_quality}
 seeds=${SEEDS:-$(seq -s ' ' 0 19)}
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 base=runs/cache/toy_dit_h64_d3_s2000_seed0.pt
-[ -f "$base" ] || python3 -c "import toy_dit; toy_dit.pretrain('$base', steps=2000, seed=0)"
+[ -f "$base" ] || python3 -c "import train_toy; train_toy.base_model(train_toy.Args())"
 mkdir -p "$out"
 # name and flags of each mode; the folders are OUT/<name>/seed<S>
 modes=(
@@ -35,7 +35,7 @@ for s in $seeds; do
     name=${m%%|*} flags=${m#*|}
     dir="$out/$name/seed$s"
     [ -f "$dir/summary.json" ] && continue
-    echo "mkdir -p $out/$name && python3 train_toy.py $flags --seed $s --base-ckpt $base --out $dir > $dir.log 2>&1 && tail -n 1 $dir.log" >> "$jobs_file"
+    echo "mkdir -p $out/$name && python3 examples/toy_options.py $flags --seed $s --base-ckpt $base --out $dir > $dir.log 2>&1 && tail -n 1 $dir.log" >> "$jobs_file"
   done
 done
 echo "$(wc -l < "$jobs_file") runs to do in $out"

@@ -1,4 +1,4 @@
-"""jagg_options.train_step under DistributedDataParallel: two CPU ranks (gloo), every training mode.
+"""grpo_step.train_step under DistributedDataParallel: two CPU ranks (gloo), every training mode.
 
 Each rank trains on its own rollouts. After two optimizer steps the ranks' parameters must be
 identical to the last bit, and equal (to float64 round-off) to one process trained on both
@@ -17,6 +17,8 @@ import torch.multiprocessing as mp
 
 import jagg
 import jagg_options
+import grpo_step
+import train_sd
 
 T, W, B, D = 10, 4, 3, 3  # steps, window, samples per rank, sample size
 # (anchors, interior, max_graph_rows, jagg_frac, beta, max_drift): every mode, bounded or not, routed
@@ -77,7 +79,7 @@ def train(model, ref, traj, adv, mode, no_sync=contextlib.nullcontext, steps=2):
     for step in range(steps):  # the second step is off-policy: rollout interiors are then approximate
         opts = jagg_options.JaggOptions(W, frac, anchors=anchors, interior=interior, route="probe", max_graph_rows=rows,
                                 max_drift=max_drift)
-        stats, _ = jagg_options.train_step(velocity_fn_of(model), opt, traj, adv, cfg, opts,
+        stats, _ = grpo_step.train_step(velocity_fn_of(model), opt, traj, adv, cfg, opts,
                                    max_grad_norm=1e9, ref_velocity_fn=velocity_fn_of(ref) if beta else None,
                                    no_sync=no_sync, probe_cosines=PROBE[anchors], step=step)
         skipped.append(stats["skipped"])
@@ -99,7 +101,7 @@ def worker(rank, world, init_file, out, nan_rank):
             traj, adv = rank_data(rank, nan=nan and rank == nan_rank)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the skipped step's warning
-                skipped = train(net, ref, traj, adv, mode, no_sync=jagg_options.no_sync_for(net, last=True),
+                skipped = train(net, ref, traj, adv, mode, no_sync=grpo_step.no_sync_for(net, last=True),
                                 steps=2 if not nan else 1)  # DDP's no_sync: jagg_options all-reduces
             results[f"{i}_{nan}"] = flat(model)
             results[f"{i}_{nan}_skipped"] = torch.tensor(skipped)
@@ -139,7 +141,7 @@ def test_ranks_stay_identical_and_equal_one_process_on_both_batches(ranks, i):
     # One process on both ranks' batches together: its loss is the mean over 2B samples, so its
     # gradient is the mean of the ranks' gradients, what DDP's all-reduce computes.
     (t0, a0), (t1, a1) = rank_data(0), rank_data(1)
-    both = jagg_options.cat_trajectories([t0, t1])
+    both = train_sd.cat_trajectories([t0, t1])
     model, ref = models()
     train(model, ref, both, torch.cat([a0, a1]), mode)
     assert not torch.equal(flat(model), flat(models()[0]))  # it did train

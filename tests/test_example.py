@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import jagg_options
+import jagg_probe
+import grpo_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +23,7 @@ def load_example():
 def test_example_raises_its_reward_and_routes_by_the_probe(monkeypatch):
     example = load_example()
     calls = {"probe": 0, "train_step": []}
-    probe, train_step = jagg_options.probe_segments, jagg_options.train_step
+    probe, train_step = jagg_probe.probe_segments, grpo_step.train_step
 
     def counting_probe(*args, **kwargs):
         calls["probe"] += 1
@@ -32,8 +34,8 @@ def test_example_raises_its_reward_and_routes_by_the_probe(monkeypatch):
         calls["train_step"].append(dict(kwargs, opts=args[5]))
         return train_step(*args, **kwargs)
 
-    monkeypatch.setattr(jagg_options, "probe_segments", counting_probe)
-    monkeypatch.setattr(jagg_options, "train_step", recording_train_step)
+    monkeypatch.setattr(jagg_probe, "probe_segments", counting_probe)
+    monkeypatch.setattr(grpo_step, "train_step", recording_train_step)
     history, routed = example.main(epochs=12)
     first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3
     assert last > first + 0.1, history  # the template trains, not merely runs

@@ -10,6 +10,7 @@ import torch
 
 import jagg
 import jagg_options
+import jagg_probe
 
 T, W, B, D = 10, 4, 6, 3
 SWITCH = 0.7  # sigma; steps 0-5 (sigma >= 0.75) run expert 1, steps 6-9 (sigma <= 0.667) expert 2
@@ -218,8 +219,8 @@ def test_the_probe_reads_segments_within_one_expert():
     model = TwoExperts(Affine(), Affine())
     traj, adv = straight_batch(model)
     params = list(model.parameters())
-    with_b = jagg_options.gradient_cosines(model.velocity_fn(), params, traj, adv, CFG, jagg_options.JaggOptions(W, boundaries=(6,)))
-    without = jagg_options.gradient_cosines(model.velocity_fn(), params, traj, adv, CFG, jagg_options.JaggOptions(W))
+    with_b = jagg_probe.gradient_cosines(model.velocity_fn(), params, traj, adv, CFG, jagg_options.JaggOptions(W, boundaries=(6,)))
+    without = jagg_probe.gradient_cosines(model.velocity_fn(), params, traj, adv, CFG, jagg_options.JaggOptions(W))
     assert len(with_b) == 3 and all(abs(c - 1) < 1e-12 for c in with_b), with_b
     assert abs(without[0] - 1) < 1e-12 and abs(without[2] - 1) < 1e-12 and without[1] < 1 - 1e-3, without
 

@@ -1,4 +1,4 @@
-"""jagg_options.train_step under FSDP2 (fully_shard, every layer, then the root): two CPU ranks
+"""grpo_step.train_step under FSDP2 (fully_shard, every layer, then the root): two CPU ranks
 (gloo), every training mode, and gradient accumulation through FSDP's own switch.
 
 Each rank trains on its own rollouts. After two optimizer steps the ranks' full parameters must be
@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 import jagg
 import jagg_options
+import grpo_step
+import train_sd
 from test_ddp import PROBE, W, flat, models, rank_data, spawned, velocity_fn_of
 
 GUARD = jagg_options.JaggOptions.max_drift
@@ -45,7 +47,7 @@ def sharded(model):
 
 def train(model, ref, batches, mode, steps=2):
     """steps optimizer steps, each accumulating the micro-batches `batches` [(traj, adv), ...]; a sharded
-    model's switch keeps all but the last micro-batch unreduced (jagg_options.no_sync_for)."""
+    model's switch keeps all but the last micro-batch unreduced (grpo_step.no_sync_for)."""
     anchors, interior, rows, frac, beta, max_drift, route = mode
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -56,12 +58,12 @@ def train(model, ref, batches, mode, steps=2):
         opt.zero_grad(set_to_none=True)
         losses = []
         for n, (traj, adv) in enumerate(batches):
-            stats, _ = jagg_options.accumulate_gradients(
+            stats, _ = grpo_step.accumulate_gradients(
                 velocity_fn_of(model), traj, adv, cfg, opts, ref_velocity_fn=velocity_fn_of(ref) if beta else None,
                 probe_cosines=PROBE[anchors] if route == "probe" else None,
-                no_sync=jagg_options.no_sync_for(model, last=n == len(batches) - 1))
+                no_sync=grpo_step.no_sync_for(model, last=n == len(batches) - 1))
             losses.append(stats["loss"])
-        out = jagg_options.optimizer_step(list(model.parameters()), opt, losses, micro_batches=len(batches),
+        out = grpo_step.optimizer_step(list(model.parameters()), opt, losses, micro_batches=len(batches),
                                           max_grad_norm=1e9, step=step)
         skipped.append(out["skipped"])
     return skipped
@@ -107,7 +109,7 @@ def ranks(tmp_path_factory):
 def test_fsdp_ranks_agree_and_equal_one_process_on_both_batches(ranks, i):
     mode = MODES[i]
     (t0, a0), (t1, a1) = rank_data(0), rank_data(1)
-    both = jagg_options.cat_trajectories([t0, t1])
+    both = train_sd.cat_trajectories([t0, t1])
     model, ref = models()
     train(model, ref, [(both, torch.cat([a0, a1]))], mode)  # one process, the mean over 2B samples
     assert not torch.equal(flat(model), flat(models()[0]))  # it did train
@@ -123,8 +125,8 @@ def test_fsdp_accumulation_equals_one_process_accumulating_alike(ranks):
     for i, mode in enumerate(MODES):
         (t0, a0), (t1, a1) = rank_data(0), rank_data(1)
         (m00, m01), (m10, m11) = split(t0, a0), split(t1, a1)
-        micro = [(jagg_options.cat_trajectories([m00[0], m10[0]]), torch.cat([m00[1], m10[1]])),
-                 (jagg_options.cat_trajectories([m01[0], m11[0]]), torch.cat([m01[1], m11[1]]))]
+        micro = [(train_sd.cat_trajectories([m00[0], m10[0]]), torch.cat([m00[1], m10[1]])),
+                 (train_sd.cat_trajectories([m01[0], m11[0]]), torch.cat([m01[1], m11[1]]))]
         model, ref = models()
         train(model, ref, micro, mode)
         torch.testing.assert_close(ranks[0][f"{i}_accumulated"], flat(model), rtol=0, atol=1e-12, msg=str(mode))

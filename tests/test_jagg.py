@@ -13,6 +13,9 @@ from torch.func import functional_call, jacrev
 
 import jagg
 import jagg_options
+import jagg_probe
+import grpo_step
+import train_sd
 
 pytestmark = pytest.mark.usefixtures("float64")  # conftest's: exactness shows as ~1e-16, not fp32's ~1e-7
 
@@ -222,10 +225,10 @@ def test_the_papers_function_equals_the_general_one_and_training_uses_it(monkeyp
                            (0.0, ["backward_exact"] * 3)):
         used.clear()
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        jagg_options.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(jagg_frac=frac))
+        grpo_step.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(jagg_frac=frac))
         assert used == expected, (frac, used)
     used.clear()
-    _, routed = jagg_options.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(jagg_frac=0.5))
+    _, routed = grpo_step.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(jagg_frac=0.5))
     assert used == ["backward_jagg_window" if r else "backward_exact" for r in routed] and sum(routed) == 1
 
 
@@ -517,11 +520,11 @@ def test_index_weights_reproduce_the_authors_two_pass_scheme():
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     windows = [authors_window_gradient(model, traj, adv, cfg, a, a + W) for a in range(0, T, W)]
     torch.testing.assert_close(got, sum(windows), rtol=1e-10, atol=1e-13)
-    cos = jagg_options.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(W, weights="index"))
+    cos = jagg_probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(W, weights="index"))
     for (a, b), c, gw in zip(jagg.window_bounds(T, W), cos, windows):
         _, exact = grads_of(model, jagg.backward_exact, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg))
         assert c == pytest.approx(cosine(gw, exact), abs=1e-10)
-    assert cos != pytest.approx(jagg_options.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(W)),
+    assert cos != pytest.approx(jagg_probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(W)),
                                 abs=1e-6)
 
 
@@ -639,7 +642,7 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     traj, adv = _toy_batch(model, T=8, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats, _ = jagg_options.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=6)
+    stats, _ = grpo_step.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=6)
     assert stats["skipped"] is False  # a normal step first, so the optimizer has state to keep
 
     def nan_at_one_step(z, t):  # a velocity that is NaN at one sampling time, as a bf16 overflow would be
@@ -649,7 +652,7 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
     with pytest.warns(RuntimeWarning, match="optimizer step 7 skipped: non-finite"):
-        stats, _ = jagg_options.train_step(nan_at_one_step, opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=7)
+        stats, _ = grpo_step.train_step(nan_at_one_step, opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=7)
     assert stats["skipped"] is True and not math.isfinite(stats["loss"])
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     for p, saved in zip(model.parameters(), state):
@@ -688,7 +691,7 @@ def test_probe_routing_keeps_the_nonlinear_segment_exact(anchors, T, band):
     traj = straight_trajectory(model, T=T, B=4)
     adv = torch.tensor([1.0, -0.5, 0.3, -0.8])
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    cos = jagg_options.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(4, anchors=anchors))
+    cos = jagg_probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(4, anchors=anchors))
     assert cos[band] < 0.99 and all(c == pytest.approx(1.0, abs=1e-9) for i, c in enumerate(cos) if i != band)
 
     _, stats, by_velocity = window_grad(model, traj, adv, cfg, 4, 1 / 3, anchors=anchors, route="velocity")
@@ -709,9 +712,9 @@ def test_probe_routing_keeps_the_nonlinear_segment_exact(anchors, T, band):
 
 
 def test_probe_average():
-    avg = jagg_options.probe_average(None, [0.5, 1.0], decay=0.75)
+    avg = jagg_probe.probe_average(None, [0.5, 1.0], decay=0.75)
     assert avg == [0.5, 1.0]
-    assert jagg_options.probe_average(avg, [1.0, 0.0], decay=0.75) == pytest.approx([0.625, 0.75])
+    assert jagg_probe.probe_average(avg, [1.0, 0.0], decay=0.75) == pytest.approx([0.625, 0.75])
 
 
 # ------------------------------------------------------------------ SDE, advantages, loss
@@ -908,7 +911,7 @@ def test_the_routing_score_ranks_window_positions_more_than_trajectories():
 
 @pytest.mark.parametrize("beta, frac", [(0.0, 1.0), (0.05, 0.5)])
 def test_default_options_train_bit_for_bit_what_the_paper_function_does(beta, frac):
-    """jagg_options.window_gradients with JaggOptions() (as train_step runs it, timed) and
+    """jagg_options.window_gradients with JaggOptions() (as the trainers run it) and
     jagg.paper_gradients: the same stats and the same gradient, to the last bit."""
     torch.manual_seed(9)
     model, ref = MLPFlow(), MLPFlow()
@@ -918,12 +921,10 @@ def test_default_options_train_bit_for_bit_what_the_paper_function_does(beta, fr
     paper, routed_p = jagg.paper_gradients(as_velocity_fn(model), traj, adv, cfg, 4, frac, as_velocity_fn(ref))
     g_paper = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    timings = {}
     ours, routed_o = jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, frac),
-                                                   as_velocity_fn(ref), timings)
+                                                   as_velocity_fn(ref))
     assert routed_p == routed_o and paper == ours
     assert all(torch.equal(a, p.grad) for a, p in zip(g_paper, model.parameters()))
-    assert timings["backward"] > 0 and timings["fwd_graph"] > 0 and ("fwd_ref" in timings) == (beta > 0)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.05])
@@ -995,7 +996,7 @@ def test_jagg_frac_zero_reproduces_exact_training(beta):
         model.load_state_dict(base.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         # W changes nothing for exact training: windows only group the steps.
-        stats, routed = jagg_options.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(W, frac),
+        stats, routed = grpo_step.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(W, frac),
                                         ref_velocity_fn=as_velocity_fn(ref))
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), stats, routed))
     (p0, s0, r0), (p1, _, _), (p2, s2, r2) = results
@@ -1012,10 +1013,10 @@ def test_gradient_cosines_are_one_for_linear_flow_and_below_one_otherwise():
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     model = MLPFlow()
     traj, adv = _toy_batch(model)
-    cos = jagg_options.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(window=4))
+    cos = jagg_probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(window=4))
     assert len(cos) == 2 and all(0.0 < c < 1.0 - 1e-9 for c in cos)
     assert all(p.grad is None for p in model.parameters())
-    cos2 = jagg_options.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(window=2))
+    cos2 = jagg_probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(window=2))
     assert all(c == pytest.approx(1.0, abs=1e-9) for c in cos2)
 
 
@@ -1030,12 +1031,12 @@ def test_a_loss_at_another_noise_level_than_the_rollouts_is_refused():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="drawn at noise_level 0.7 but the loss scores them at 1.0"):
-        jagg_options.train_step(as_velocity_fn(model), opt, traj, adv,
+        grpo_step.train_step(as_velocity_fn(model), opt, traj, adv,
                         jagg.LossConfig(noise_level=1.0, clip_range=0.2), jagg_options.JaggOptions(2, 1.0))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     other = jagg.Trajectory(**{f: getattr(traj, f) for f in jagg.Trajectory.TENSORS}, noise_level=1.0)
     with pytest.raises(ValueError, match="different noise levels"):
-        jagg_options.cat_trajectories([traj, other])
+        train_sd.cat_trajectories([traj, other])
 
 
 def test_bad_input_raises_clear_errors():
@@ -1068,9 +1069,9 @@ def test_bad_input_raises_clear_errors():
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="advantages must be"):
-        jagg_options.train_step(fn, opt, traj, adv[:-1], cfg, jagg_options.JaggOptions(4, 1.0))
+        grpo_step.train_step(fn, opt, traj, adv[:-1], cfg, jagg_options.JaggOptions(4, 1.0))
     with pytest.raises(ValueError, match="longer than the trajectory"):
-        jagg_options.train_step(fn, opt, traj, adv, cfg, jagg_options.JaggOptions(16, 1.0))
+        grpo_step.train_step(fn, opt, traj, adv, cfg, jagg_options.JaggOptions(16, 1.0))
     for kwargs, message in (({"anchors": "overlap"}, "anchors must be one of"),
                             ({"interior": "cache"}, "interior must be one of"),
                             ({"route": "random"}, "route must be one of"),
@@ -1078,7 +1079,7 @@ def test_bad_input_raises_clear_errors():
                             ({"route": "probe", "probe_cosines": [0.9]}, "one value per segment")):
         probe = {"probe_cosines": kwargs.pop("probe_cosines")} if "probe_cosines" in kwargs else {}
         with pytest.raises(ValueError, match=message):
-            jagg_options.train_step(fn, opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, **kwargs), **probe)
+            grpo_step.train_step(fn, opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, **kwargs), **probe)
     # Nothing was changed by the failed calls.
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
 
@@ -1200,8 +1201,8 @@ def test_probe_reports_the_error_in_units_of_the_batchs_own_noise(beta, options)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
     opts = jagg_options.JaggOptions(3, 1.0, **options)
     fns = lambda idx: (as_velocity_fn(model), as_velocity_fn(ref))  # noqa: E731  no conditioning to slice
-    out = jagg_options.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=32)
-    at_b = jagg_options.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=7)
+    out = jagg_probe.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=32)
+    at_b = jagg_probe.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=7)
     bounds = jagg_options.segment_bounds(7, 3, opts.anchors)
     assert len(out["cosine"]) == len(out["error_to_noise"]) == len(bounds)
 
@@ -1236,7 +1237,7 @@ def test_probe_reports_the_error_in_units_of_the_batchs_own_noise(beta, options)
         assert cos == pytest.approx(cosine(j, g), abs=1e-6)
         assert ratio == pytest.approx(error.item() / (sigma / 32).item(), rel=1e-4, abs=1e-9)
         assert ratio < math.inf
-        i = bounds.index((start, stop))  # the ratio's two parts, for pooling probes (jagg_options.pool_probes)
+        i = bounds.index((start, stop))  # the ratio's two parts, for pooling probes (jagg_probe.pool_probes)
         assert out["error"][i] == pytest.approx(error.item(), rel=1e-4, abs=1e-12)
         assert out["noise"][i] == pytest.approx((sigma / 32).item(), rel=1e-4)
         assert out["error"][i] < (j - g).square().sum().item()  # a step of 32 averages more of the error away than 7 do
@@ -1260,7 +1261,7 @@ def test_probe_figures_read_the_error_a_larger_step_carries():
         gs = mu_g + scale_g * torch.randn(B, P, generator=g, dtype=torch.float64)
         js = gs + mu_e + scale_e * torch.randn(B, P, generator=g, dtype=torch.float64)
         halves = (slice(0, 2), slice(2, 4))
-        _, _, error, noise = jagg_options.probe_figures(*(gs[h].mean(0) for h in halves), *(js[h].mean(0) for h in halves),
+        _, _, error, noise = jagg_probe.probe_figures(*(gs[h].mean(0) for h in halves), *(js[h].mean(0) for h in halves),
                                                         2, 2, N)
         errors.append(error), noises.append(noise)
     mean_error, mean_noise = sum(errors) / draws, sum(noises) / draws
@@ -1277,10 +1278,10 @@ def test_window_rollout_is_the_sde_inside_and_the_ode_outside():
     model = MLPFlow()
     fn, sigmas, noise = as_velocity_fn(model), jagg.sigma_schedule(8), torch.randn(5, 3)
     full = jagg.rollout(fn, noise, sigmas, 0.7, generator=torch.Generator().manual_seed(1))
-    whole, sample = jagg_options.window_rollout(fn, noise, sigmas, 0.7, 0, 8, generator=torch.Generator().manual_seed(1))
+    whole, sample = train_sd.window_rollout(fn, noise, sigmas, 0.7, 0, 8, generator=torch.Generator().manual_seed(1))
     assert all(torch.equal(getattr(full, n), getattr(whole, n)) for n in jagg.Trajectory.TENSORS)  # bit for bit
     assert torch.equal(sample, full.sample)
-    traj, sample = jagg_options.window_rollout(fn, noise, sigmas, 0.7, 2, 3, generator=torch.Generator().manual_seed(1))
+    traj, sample = train_sd.window_rollout(fn, noise, sigmas, 0.7, 2, 3, generator=torch.Generator().manual_seed(1))
     assert traj.z.shape == (3, 5, 3) and torch.equal(traj.t[:, 0], sigmas[2:5])
     z = noise.clone()
     with torch.no_grad():
@@ -1292,15 +1293,17 @@ def test_window_rollout_is_the_sde_inside_and_the_ode_outside():
             z = z + fn(z[None], sigmas[k].expand(1, 5))[0] * (sigmas[k + 1] - sigmas[k])
     torch.testing.assert_close(sample, z, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="does not fit"):
-        jagg_options.window_rollout(fn, noise, sigmas, 0.7, 6, 3)
+        train_sd.window_rollout(fn, noise, sigmas, 0.7, 6, 3)
 
 
-def test_window_placements_follow_flow_grpo_fast_and_mixgrpo():
-    starts = [jagg_options.window_start("random", e, 3, 1, 7) for e in range(1, 200)]
-    assert set(starts) == {1, 2, 3, 4} and starts == [jagg_options.window_start("random", e, 3, 1, 7) for e in range(1, 200)]
-    assert [jagg_options.window_start("slide", e, 3, 1, 7, every=2) for e in range(1, 12)] == [1, 1, 2, 2, 3, 3, 4, 4, 4, 4, 4]
+def test_window_placement_follows_flow_grpo_fast():
+    """Flow-GRPO-Fast's placement: the first step uniform in [low, high - K], drawn anew each epoch
+    and the same for the same epoch and seed (every rank draws alike)."""
+    starts = [train_sd.window_start(e, 3, 1, 7) for e in range(1, 200)]
+    assert set(starts) == {1, 2, 3, 4} and starts == [train_sd.window_start(e, 3, 1, 7) for e in range(1, 200)]
+    assert starts != [train_sd.window_start(e, 3, 1, 7, seed=1) for e in range(1, 200)]
     with pytest.raises(ValueError, match="does not fit in steps 0 to 2"):
-        jagg_options.window_start("slide", 1, 4, 0, 3)
+        train_sd.window_start(1, 4, 0, 3)
 
 
 @pytest.mark.parametrize("options, anchors", [({}, (0, 3)), ({"anchors": "shared", "interior": "rollout"}, (0, 3))])
@@ -1309,7 +1312,7 @@ def test_exact_and_jagg_inside_a_window_against_autograd_and_explicit_jacobians(
     and JAGG on it (W = 4, one segment) is the explicit interpolation of Jacobians."""
     torch.manual_seed(24)
     model = MLPFlow()
-    traj, sample = jagg_options.window_rollout(as_velocity_fn(model), torch.randn(6, 3), jagg.sigma_schedule(10), 0.7,
+    traj, sample = train_sd.window_rollout(as_velocity_fn(model), torch.randn(6, 3), jagg.sigma_schedule(10), 0.7,
                                                3, 4, generator=torch.Generator().manual_seed(2))
     adv = jagg.group_advantages(-sample.norm(dim=-1), torch.arange(6) // 3)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
@@ -1333,13 +1336,13 @@ def test_pool_probes_sums_errors_over_noises():
     small noise estimate would blow up; an unbiased part below 0 counts and is not clipped."""
     probes = [{"cosine": [0.8, 1.0], "error": [1.0, 0.0], "noise": [10.0, 0.0]},
               {"cosine": [0.6, 1.0], "error": [3.0, 0.0], "noise": [0.1, 0.0]}]
-    pooled = jagg_options.pool_probes(probes)
+    pooled = jagg_probe.pool_probes(probes)
     assert pooled["error_to_noise"] == pytest.approx([4.0 / 10.1, 0.0])
     assert pooled["cosine"] == pytest.approx([0.7, 1.0])
-    assert jagg_options.pool_probes([]) is None
+    assert jagg_probe.pool_probes([]) is None
     below = [{"cosine": [1.0], "error": [-0.5], "noise": [1.0]}, {"cosine": [1.0], "error": [2.0], "noise": [1.0]}]
-    assert jagg_options.pool_probes(below)["error_to_noise"] == pytest.approx([0.75])
-    assert jagg_options.pool_probes(below[:1])["error_to_noise"] == [-0.5]
+    assert jagg_probe.pool_probes(below)["error_to_noise"] == pytest.approx([0.75])
+    assert jagg_probe.pool_probes(below[:1])["error_to_noise"] == [-0.5]
 
 
 def test_pool_probes_gives_the_standard_error_of_the_pooled_figure():
@@ -1349,14 +1352,14 @@ def test_pool_probes_gives_the_standard_error_of_the_pooled_figure():
     probes = [{"cosine": [1.0, 1.0], "error": [a, 0.0], "noise": [b, 0.0]} for a, b in zip(e, v)]
     ratio = sum(e) / sum(v)
     expected = math.sqrt(4 / 3 * sum((a - ratio * b) ** 2 for a, b in zip(e, v))) / sum(v)
-    assert jagg_options.pool_probes(probes)["stderr"] == pytest.approx([expected, 0.0])
+    assert jagg_probe.pool_probes(probes)["stderr"] == pytest.approx([expected, 0.0])
     same = [{"cosine": [1.0], "error": [0.5 * b], "noise": [b]} for b in v]  # every probe reads 0.5
-    assert jagg_options.pool_probes(same)["stderr"] == pytest.approx([0.0], abs=1e-15)
-    assert jagg_options.pool_probes(probes[:1])["stderr"] == [None, None]
+    assert jagg_probe.pool_probes(same)["stderr"] == pytest.approx([0.0], abs=1e-15)
+    assert jagg_probe.pool_probes(probes[:1])["stderr"] == [None, None]
 
 
 def test_time_gradients_times_exact_against_the_options_and_leaves_their_gradient():
-    """jagg_options.time_gradients: both gradients timed (medians of the repeats), the rows with grad each
+    """jagg_probe.time_gradients: both gradients timed (medians of the repeats), the rows with grad each
     computes (T = 8, W = 4: exact 8 steps, JAGG 2 of each window's 4), and params left with the last call's
     gradient, which is window_gradients' of that method (so the timed work is the training work)."""
     torch.manual_seed(11)
@@ -1364,7 +1367,7 @@ def test_time_gradients_times_exact_against_the_options_and_leaves_their_gradien
     traj, adv = _toy_batch(model, T=8, B=4)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.0)
     opts, params = jagg_options.JaggOptions(4), list(model.parameters())
-    times = jagg_options.time_gradients(as_velocity_fn(model), params, traj, adv, cfg, opts, repeats=2)
+    times = jagg_probe.time_gradients(as_velocity_fn(model), params, traj, adv, cfg, opts, repeats=2)
     assert {m: t["grad_rows"] for m, t in times.items()} == {"exact": 8, "jagg": 2 * 2}
     assert all(0 < t["backward_s"] <= t["step_s"] for t in times.values())
     last = [p.grad.clone() for p in params]  # repeats = 2: the last round runs exact last (the order alternates)

@@ -1,5 +1,5 @@
 """The velocity_fn recipes of examples/diffusers_models.py (and train_sd.py's SD3 one) on tiny
-random diffusers transformers of each family: jagg_options.check_velocity_fn passes them and catches the
+random diffusers transformers of each family: jagg_probe.check_velocity_fn passes them and catches the
 two silent mistakes (a velocity not reshaped to z's shape, conditioning repeated in the wrong
 order); exact and JAGG both train; one window's JAGG gradient equals the explicit interpolation
 of Jacobians built row by row with autograd. Then what no check of velocity_fn alone can see:
@@ -19,6 +19,8 @@ from diffusers import SD3Transformer2DModel, UniPCMultistepScheduler, WanTransfo
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
+import jagg_probe  # noqa: E402
+import grpo_step  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import diffusers_models as recipes  # noqa: E402
@@ -121,28 +123,28 @@ FAMILIES = {"flux": flux, "qwen_image": qwen_image, "sd3": sd3, "wan": wan}
 def test_check_velocity_fn_passes_the_recipe_and_catches_both_mistakes(family):
     fn, _, z, sigmas = FAMILIES[family]()
     assert 1 - 1e-4 < sigmas[0] <= 1 and sigmas[-1] == 0 and len(sigmas) == 7
-    assert jagg_options.check_velocity_fn(fn, z, sigmas) < 1e-10
+    assert jagg_probe.check_velocity_fn(fn, z, sigmas) < 1e-10
     wrong_order, _, _, _ = FAMILIES[family](interleave=True)
     with pytest.raises(ValueError, match=r"repeat the conditioning as a block, c.repeat\(S\)"):
-        jagg_options.check_velocity_fn(wrong_order, z, sigmas)
+        jagg_probe.check_velocity_fn(wrong_order, z, sigmas)
     flat = lambda z_, t_: fn(z_, t_).flatten(0, 1)  # noqa: E731  [S*B, ...]: forgot .reshape(z.shape)
     with pytest.raises(ValueError, match=r"velocity_fn\(z .* returned .*end it with .reshape\(z.shape\)"):
-        jagg_options.check_velocity_fn(flat, z, sigmas)
+        jagg_probe.check_velocity_fn(flat, z, sigmas)
     with pytest.raises(ValueError, match="velocity_fn gave .*, not z's shape"):  # rollout refuses it too
         jagg.rollout(flat, z, sigmas, 0.7)
 
 
 def test_check_velocity_fn_passes_a_bf16_model_and_catches_dropout():
     fn, _, z, sigmas = flux(dtype=torch.bfloat16)
-    assert jagg_options.check_velocity_fn(fn, z, sigmas) < 2e-2  # bf16's tolerance: batched and single rows may round apart
+    assert jagg_probe.check_velocity_fn(fn, z, sigmas) < 2e-2  # bf16's tolerance: batched and single rows may round apart
     wrong_order, _, _, _ = flux(dtype=torch.bfloat16, interleave=True)
     with pytest.raises(ValueError, match=r"rtol 2e-02\): it is step-major"):
-        jagg_options.check_velocity_fn(wrong_order, z, sigmas)
+        jagg_probe.check_velocity_fn(wrong_order, z, sigmas)
     fn, _, z, sigmas = flux()
     torch.manual_seed(3)
     drop = torch.nn.Dropout(0.1).train()  # a model left in train mode
     with pytest.raises(ValueError, match="eval mode"):
-        jagg_options.check_velocity_fn(lambda z_, t_: drop(fn(z_, t_)), z, sigmas)
+        jagg_probe.check_velocity_fn(lambda z_, t_: drop(fn(z_, t_)), z, sigmas)
 
 
 def explicit_window_gradient(model, fn, z, t, step_loss):
@@ -203,7 +205,7 @@ def test_recipe_trains_exact_and_jagg_and_one_window_matches_explicit_jacobians(
             p.data.copy_(p0)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
         for _ in range(2):
-            stats, routed = jagg_options.train_step(fn, optimizer, traj, adv, cfg, opts)
+            stats, routed = grpo_step.train_step(fn, optimizer, traj, adv, cfg, opts)
             assert not stats["skipped"] and stats["grad_norm"] > 0
         assert any(routed) == (opts.jagg_frac > 0)
         assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), start))
@@ -217,7 +219,7 @@ def test_an_expert_chosen_once_per_call_is_caught():
     low = recipes.wan_velocity_fn(model[1], torch.randn(B, L, E, dtype=z.dtype), None, 1.0)
     per_call = lambda z_, t_: (high if t_[0, 0] * 1000 >= 875 else low)(z_, t_)  # noqa: E731  the mistake
     with pytest.raises(ValueError, match=r"differs from 3 one-step calls"):
-        jagg_options.check_velocity_fn(per_call, z, sigmas)
+        jagg_probe.check_velocity_fn(per_call, z, sigmas)
 
 
 # === Every flow scheduler's sigmas give a first SDE step of SD3's size ===

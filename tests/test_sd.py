@@ -22,6 +22,8 @@ import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import tiny_sd3  # noqa: E402
 import train_sd  # noqa: E402
+import grpo_step  # noqa: E402
+import run_folder  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 slow = pytest.mark.slow
@@ -216,7 +218,7 @@ def test_json_has_no_bare_nan_and_the_distributed_group_times_out(tmp_path, monk
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: calls.append(k) or 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        jagg_options.init_distributed()
+        grpo_step.init_distributed()
     assert calls[0]["timeout"].total_seconds() <= 600  # a stopped rank fails its peers in minutes, not gloo's 30
 
 
@@ -364,7 +366,7 @@ def test_the_run_folder_helpers_refuse_and_name_what_is_wrong(tmp_path):
     holding a run refused and cleared only on overwrite, a signal recorded rather than raised."""
     import signal
 
-    assert jagg_options.changed_flags({"lr": 0.1, "epochs": 4, "seed": 0}, {"lr": 0.2, "epochs": 9, "seed": 0},
+    assert run_folder.changed_flags({"lr": 0.1, "epochs": 4, "seed": 0}, {"lr": 0.2, "epochs": 9, "seed": 0},
                                       ("epochs",)) == ["--lr 0.2 differs from the run's 0.1"]
     out = tmp_path / "run"
     (out / "jagg").mkdir(parents=True)
@@ -372,11 +374,11 @@ def test_the_run_folder_helpers_refuse_and_name_what_is_wrong(tmp_path):
     (out / "notes.txt").write_text("mine")
     (out / "jagg" / ".tmp-killed").write_text("")
     with pytest.raises(ValueError, match=r"holds a run \(jagg/checkpoint.pt\): continue it with --resume"):
-        jagg_options.claim_folder(str(out), ("*.json", "*/*.pt"))
-    jagg_options.claim_folder(str(out), ("*.json", "*/*.pt"), overwrite=True).close()
+        run_folder.claim_folder(str(out), ("*.json", "*/*.pt"))
+    run_folder.claim_folder(str(out), ("*.json", "*/*.pt"), overwrite=True).close()
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [".lock", "jagg", "notes.txt"]
     before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN under a background shell
-    with jagg_options.stop_on_signals() as stop:
+    with run_folder.stop_on_signals() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)
     assert stop == ["SIGINT"] and signal.getsignal(signal.SIGINT) is before
@@ -599,7 +601,7 @@ def test_sde_window_trains_its_steps_alone_and_the_whole_trajectory_is_todays_ru
     rows = train_sd.main(run_args(tiny, tmp_path / "win", "--epochs", "2", "--window", "3", "--sde-window", "3",
                                   "--num-steps", "6", "--anchors", "shared", "--interior", "rollout", "--probe-every", "1"))
     starts = [r["rollout/sde_window_start"] for r in rows[1:]]
-    assert starts == [jagg_options.window_start("random", e, 3, 0, 5) for e in (1, 2)]  # Flow-GRPO-Fast's draw
+    assert starts == [train_sd.window_start(e, 3, 0, 5) for e in (1, 2)]  # Flow-GRPO-Fast's draw
     assert rows[1]["train/grad_rows"] == 2 * 2 and len(rows[1]["probe/grad_cosine"]) == 1  # one segment: 2 anchors
 
 

@@ -130,7 +130,9 @@ def test_toy_benchmark_times_every_mode_and_writes_what_summarize_reads(tmp_path
     import toy_benchmark
     import toy_dit
 
-    toy_dit.pretrain(str(tmp_path / "base.pt"), steps=5, seed=0, batch=64)
+    import train_toy
+
+    train_toy.save_base_model(toy_dit.pretrain(steps=5, seed=0, batch=64), str(tmp_path / "base.pt"))
     out = tmp_path / "bench"
     results = toy_benchmark.main(["--base-ckpt", str(tmp_path / "base.pt"), "--batch", "16", "--repeats", "1",
                                   "--out", str(out)])

@@ -27,7 +27,7 @@ def test_compare_two_runs_of_one_model_and_seed(tmp_path, capsys):
         train_sd.main(common + ["--method", method, "--out", str(out / method)])
     comparison = compare_runs.main([str(out / "exact"), str(out / "jagg"), "--out", str(out), "--no-samples"])
     for key in ("mode", "initial_reward", "final_reward", "reward_gain", "reward_gain_ratio", "train_speedup",
-                "backward_speedup", "grad_steps_ratio"):
+                "grad_speedup", "grad_rows_ratio"):
         assert key in comparison, key
     assert comparison["mode"] == "jagg_shared_rollout" and comparison["weights"] == "index"
     assert set(comparison["final_reward"]) == set(comparison["reward_gain"]) == {"exact", "jagg"}

@@ -290,6 +290,7 @@ def test_wallclock_takes_single_runs_and_names_learning_rates_when_they_differ(t
 
 # --- Both shapes of the runs' files: the kept runs' (made before issue 45's layout) and today's train_toy.py's
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 
 def test_the_kept_toy_retention_table_remakes_from_the_kept_files(capsys):
@@ -313,20 +314,26 @@ def test_the_kept_mini_sd3_compare_table_remakes_from_the_kept_files(capsys):
 
 @pytest.fixture(scope="module")
 def toy_runs(tmp_path_factory):
-    """Today's train_toy.py, tiny: OUT/<mode>/seed<S> for exact and the paper's JAGG (lab/toy_quality.sh's
-    layout) and probe-routed compare runs, from a toy DiT pretrained for a few steps."""
+    """Today's examples/toy_options.py (the runner of lab/toy_quality.sh), tiny: OUT/<mode>/seed<S> for
+    exact and the paper's JAGG (lab/toy_quality.sh's layout) and probe-routed compare runs, from a toy
+    DiT pretrained for a few steps."""
+    import importlib.util
+
     import toy_dit
     import train_toy
 
+    spec = importlib.util.spec_from_file_location("toy_options", os.path.join(ROOT, "examples", "toy_options.py"))
+    toy_options = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(toy_options)
     root = tmp_path_factory.mktemp("toy_runs")
     base = str(root / "base.pt")
-    toy_dit.pretrain(base, steps=20, seed=0, batch=64)
+    train_toy.save_base_model(toy_dit.pretrain(steps=20, seed=0, batch=64), base)
     quick = ["--base-ckpt", base, "--epochs", "2", "--num-steps", "8", "--group-size", "4", "--minibatches", "1",
              "--eval-samples", "16", "--eval-every", "2"]
     for seed in (0, 1):
         for mode, flags in (("exact", ["--method", "exact"]), ("paper", ["--method", "jagg"])):
-            train_toy.main([*quick, *flags, "--seed", str(seed), "--out", str(root / "quality" / mode / f"seed{seed}")])
-        train_toy.main([*quick, "--seed", str(seed), "--route", "probe", "--probe-every", "1",
+            toy_options.main([*quick, *flags, "--seed", str(seed), "--out", str(root / "quality" / mode / f"seed{seed}")])
+        toy_options.main([*quick, "--seed", str(seed), "--route", "probe", "--probe-every", "1",
                         "--jagg-frac", "0.5", "--out", str(root / f"route_seed{seed}")])
     return root
 

@@ -1,0 +1,136 @@
+"""A training run's folder: one run per folder, whole files, resumed only as the same run.
+
+Not JAGG's: what a long run (train_sd.py) needs around its training loop. Each error is a
+ValueError whose message is one line naming the file or flag and the fix; the trainer prints it
+and exits before any work.
+- claim_folder: one process holds the folder (a lock); a folder holding another run is refused.
+- atomic_write, write_json: a file is written beside its place and renamed over it, so a reader
+  or a killed run sees the old file or the new one, never half of one.
+- read_checkpoint, changed_flags: a checkpoint is read safely (weights_only) and a resumed run
+  must be the run that was saved.
+- stop_on_signals: Ctrl-C and SIGTERM end the run at a point where it can checkpoint.
+"""
+
+import contextlib
+import fcntl
+import glob
+import json
+import math
+import os
+import signal
+import tempfile
+
+import torch
+
+
+class WriteError(OSError):
+    """atomic_write could not write a file (a full disk, say); the file it would replace stands."""
+
+
+def atomic_write(path, data, mode="w"):
+    """Write data (a str, bytes, or a function of the open file) into a temporary file beside path,
+    then rename it over path: a reader, or a killed run, sees the old file or the new, never half.
+    An OSError becomes a WriteError whose message is one line naming path."""
+    folder, tmp = os.path.dirname(os.path.abspath(path)), None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+        with os.fdopen(fd, mode) as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+        os.chmod(tmp, 0o644)  # not mkstemp's 0600
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError):
+            raise WriteError(f"cannot write {path} ({e.strerror or e}); what was there before "
+                             "stands") from e
+        raise
+
+
+def json_text(obj, indent=None):
+    """JSON of obj with a non-finite number written as null: JSON has no NaN."""
+    def clean(o):
+        if isinstance(o, dict):
+            return {k: clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        return None if isinstance(o, float) and not math.isfinite(o) else o
+    return json.dumps(clean(obj), indent=indent, sort_keys=True, allow_nan=False)
+
+
+def write_json(path, obj):
+    atomic_write(path, json_text(obj, indent=2))
+
+
+def claim_folder(out, run_files, resume=False, overwrite=False, resume_flag="--resume"):
+    """Lock the folder out for this process (the lock holds until the returned file is closed) and
+    check it may take a run: one that another process holds, that cannot be written, or that holds
+    a run (any of run_files: paths inside out, glob patterns) without resume or overwrite is
+    refused. Removes the temporary files of a killed write; with overwrite, the old run's files."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        lock = open(os.path.join(out, ".lock"), "a+")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"--out {out!r} is in use by another run (it holds {out}/.lock): wait for "
+                         "it, or pick another folder") from None
+    except OSError as e:
+        raise ValueError(f"--out {out!r} cannot be created or written to ({e.strerror or e}); "
+                         "pass a writable folder") from None
+
+    def inside(pattern):
+        return glob.glob(os.path.join(glob.escape(out), pattern))
+    found = sorted({os.path.relpath(path, out) for name in run_files for path in inside(name)})
+    if found and not resume and not overwrite:
+        lock.close()
+        raise ValueError(f"--out {out!r} holds a run ({', '.join(found)}): continue it with "
+                         f"{resume_flag}, start afresh with --overwrite, or pick another folder")
+    for tmp in inside(".tmp-*") + inside("*/.tmp-*"):
+        os.remove(tmp)
+    for name in found if overwrite else ():
+        os.remove(os.path.join(out, name))
+    return lock
+
+
+def read_checkpoint(path, keys, owner, mmap=False):
+    """owner's checkpoint, a dict of tensors and plain data, read safely (weights_only), or one
+    line naming it when it is cut, foreign, or lacks one of keys."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        missing = set(keys) - set(ckpt if isinstance(ckpt, dict) else ())
+        if missing:
+            raise ValueError(f"it has no {', '.join(sorted(missing))}")
+    except Exception as e:
+        raise ValueError(f"cannot resume: {path} is not a whole {owner} checkpoint "
+                         f"({type(e).__name__}: {str(e)[:200]}); start afresh with "
+                         "--overwrite") from None
+    return ckpt
+
+
+def changed_flags(saved, flags, may_change=()):
+    """Why resuming with flags (a dict) would train another run than the saved flags did: one text
+    per flag not in may_change whose value differs; empty when none does."""
+    return [f"--{k.replace('_', '-')} {flags[k]} differs from the run's {v}"
+            for k, v in saved.items() if k in flags and k not in may_change and flags[k] != v]
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Inside, Ctrl-C (SIGINT) and SIGTERM are recorded in the yielded list instead of stopping the
+    process, so that a trainer ends its epoch, checkpoints and exits; a second one acts at once."""
+    received = []
+
+    def handler(signum, frame):
+        received.append(signal.Signals(signum).name)
+        again = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        signal.signal(signum, again)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
