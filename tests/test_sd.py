@@ -22,6 +22,7 @@ import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import tiny_sd3  # noqa: E402
 import train_sd  # noqa: E402
+from flows import MLPFlow, as_velocity_fn, explicit_anchor_gradient, reference_gradient, toy_batch  # noqa: E402
 import grpo_step  # noqa: E402
 import run_folder  # noqa: E402
 
@@ -403,6 +404,79 @@ def test_mode_names_derive_from_the_options():
     names = {jagg_options.JaggOptions(anchors=a, interior=i).mode_name(m) for m in ("exact", "jagg")
              for a in jagg_options.ANCHOR_MODES for i in jagg_options.INTERIOR_MODES}
     assert names == {"exact", "jagg", "jagg_shared", "jagg_rollout", "jagg_shared_rollout"}
+
+
+# ------------------------------------------------------------------ the SDE window (Flow-GRPO-Fast)
+
+
+@pytest.mark.usefixtures("float64")
+def test_window_rollout_is_the_sde_inside_and_the_ode_outside():
+    torch.manual_seed(23)
+    model = MLPFlow()
+    fn, sigmas, noise = as_velocity_fn(model), jagg.sigma_schedule(8), torch.randn(5, 3)
+    full = jagg.rollout(fn, noise, sigmas, 0.7, generator=torch.Generator().manual_seed(1))
+    whole, sample = train_sd.window_rollout(fn, noise, sigmas, 0.7, 0, 8, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(getattr(full, n), getattr(whole, n)) for n in jagg.Trajectory.TENSORS)  # bit for bit
+    assert torch.equal(sample, full.sample)
+    traj, sample = train_sd.window_rollout(fn, noise, sigmas, 0.7, 2, 3, generator=torch.Generator().manual_seed(1))
+    assert traj.z.shape == (3, 5, 3) and torch.equal(traj.t[:, 0], sigmas[2:5])
+    z = noise.clone()
+    with torch.no_grad():
+        for k in range(2):  # the ODE before the window: Euler, no noise drawn
+            z = z + fn(z[None], sigmas[k].expand(1, 5))[0] * (sigmas[k + 1] - sigmas[k])
+        torch.testing.assert_close(traj.z[0], z, rtol=1e-12, atol=1e-12)
+        z = traj.z_next[-1]
+        for k in range(5, 8):  # and after it, to the clean sample
+            z = z + fn(z[None], sigmas[k].expand(1, 5))[0] * (sigmas[k + 1] - sigmas[k])
+    torch.testing.assert_close(sample, z, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="does not fit"):
+        train_sd.window_rollout(fn, noise, sigmas, 0.7, 6, 3)
+
+
+def test_window_placement_follows_flow_grpo_fast():
+    """Flow-GRPO-Fast's placement: the first step uniform in [low, high - K], drawn anew each epoch
+    and the same for the same epoch and seed (every rank draws alike)."""
+    starts = [train_sd.window_start(e, 3, 1, 7) for e in range(1, 200)]
+    assert set(starts) == {1, 2, 3, 4} and starts == [train_sd.window_start(e, 3, 1, 7) for e in range(1, 200)]
+    assert starts != [train_sd.window_start(e, 3, 1, 7, seed=1) for e in range(1, 200)]
+    with pytest.raises(ValueError, match="does not fit in steps 0 to 2"):
+        train_sd.window_start(1, 4, 0, 3)
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("options, anchors", [({}, (0, 3)), ({"anchors": "shared", "interior": "rollout"}, (0, 3))])
+def test_exact_and_jagg_inside_a_window_against_autograd_and_explicit_jacobians(options, anchors):
+    """A window of 4 SDE steps in 10: exact training on it is autograd of the window's summed loss,
+    and JAGG on it (W = 4, one segment) is the explicit interpolation of Jacobians."""
+    torch.manual_seed(24)
+    model = MLPFlow()
+    traj, sample = train_sd.window_rollout(as_velocity_fn(model), torch.randn(6, 3), jagg.sigma_schedule(10), 0.7,
+                                               3, 4, generator=torch.Generator().manual_seed(2))
+    adv = jagg.group_advantages(-sample.norm(dim=-1), torch.arange(6) // 3)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+
+    def grad(frac):
+        model.zero_grad(set_to_none=True)
+        jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, frac, **options))
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    step_loss = jagg.make_step_loss(traj, adv, 0, 4, cfg)
+    _, expected_exact = reference_gradient(model, traj.z, traj.t, step_loss)
+    torch.testing.assert_close(grad(0.0), expected_exact, rtol=1e-10, atol=1e-12)
+    v_old = traj.v if options.get("interior") == "rollout" else None
+    expected = explicit_anchor_gradient(model, traj.z, traj.t, step_loss, anchors, v_old)
+    torch.testing.assert_close(grad(1.0), expected, rtol=1e-9, atol=1e-10)
+    assert (expected - expected_exact).norm() > 1e-6 * expected_exact.norm()
+
+
+
+def test_trajectories_drawn_at_different_noise_levels_do_not_join():
+    torch.manual_seed(21)
+    traj, _ = toy_batch(MLPFlow(), T=4, B=4)
+    other = jagg.Trajectory(**{f: getattr(traj, f) for f in jagg.Trajectory.TENSORS}, noise_level=1.0)
+    with pytest.raises(ValueError, match="different noise levels"):
+        train_sd.cat_trajectories([traj, other])
+    assert train_sd.cat_trajectories([traj, traj]).z.shape[1] == 8
 
 
 # ------------------------------------------------------------------ end to end (slow)

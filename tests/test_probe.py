@@ -1,0 +1,162 @@
+"""jagg_probe.py: the probe's cosine and its error in units of a step's noise against gradients
+computed here, pooling over probes against numpy, and the timing of exact against JAGG. The
+velocity_fn contract check is tested on every diffusers family in test_recipes.py."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import jagg
+import jagg_options
+import jagg_probe
+from flows import MLPFlow, as_velocity_fn, cosine, toy_batch
+
+pytestmark = pytest.mark.usefixtures("float64")  # conftest's: exactness shows as ~1e-16, not fp32's ~1e-7
+
+
+def test_probe_average():
+    avg = jagg_probe.probe_average(None, [0.5, 1.0], decay=0.75)
+    assert avg == [0.5, 1.0]
+    assert jagg_probe.probe_average(avg, [1.0, 0.0], decay=0.75) == pytest.approx([0.625, 0.75])
+
+
+def test_gradient_cosines_are_one_for_linear_flow_and_below_one_otherwise():
+    torch.manual_seed(8)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    model = MLPFlow()
+    traj, adv = toy_batch(model)
+    cos = jagg_probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(window=4))
+    assert len(cos) == 2 and all(0.0 < c < 1.0 - 1e-9 for c in cos)
+    assert all(p.grad is None for p in model.parameters())
+    cos2 = jagg_probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(window=2))
+    assert all(c == pytest.approx(1.0, abs=1e-9) for c in cos2)
+
+
+@pytest.mark.parametrize("beta, options", [(0.0, {}), (0.05, {"anchors": "shared", "interior": "rollout"})])
+def test_probe_reports_the_error_in_units_of_the_batchs_own_noise(beta, options):
+    """probe_segments against a direct computation in float64: the whole probe batch's exact and
+    JAGG gradients g, j per segment, the halves' g_h, j_h (samples 0, 2, .. and 1, 3, ..),
+    Sigma = |g_1 - g_2|^2 / (1/n_1 + 1/n_2), Sigma_e the same of the halves' errors j_h - g_h,
+    error = |j - g|^2 + Sigma_e (1/N - 1/B) (the error a step of N samples carries), error_to_noise
+    = error / (Sigma / N); at N = B the error is |j - g|^2 itself."""
+    torch.manual_seed(21)
+    model, ref = MLPFlow(), MLPFlow()
+    traj, adv = toy_batch(model, T=7, B=7)  # 7 samples: halves of 4 and 3
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
+    opts = jagg_options.JaggOptions(3, 1.0, **options)
+    fns = lambda idx: (as_velocity_fn(model), as_velocity_fn(ref))  # noqa: E731  no conditioning to slice
+    out = jagg_probe.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=32)
+    at_b = jagg_probe.probe_segments(fns, model.parameters(), traj, adv, cfg, opts, train_batch=7)
+    bounds = jagg_options.segment_bounds(7, 3, opts.anchors)
+    assert len(out["cosine"]) == len(out["error_to_noise"]) == len(bounds)
+
+    def grad(backward, idx, start, stop, **kwargs):
+        model.zero_grad(set_to_none=True)
+        sub, v_ref = traj.subset(idx), None
+        if beta > 0:  # the reference's interiors as the mode trains them: interpolated with rollout interiors
+            v_rollout = sub.v[start:stop] if "v_rollout" in kwargs else None
+            v_ref = jagg_options.reference_velocities(as_velocity_fn(ref), sub.z[start:stop], sub.t[start:stop],
+                                                      v_rollout=v_rollout)
+        backward(as_velocity_fn(model), sub.z[start:stop], sub.t[start:stop],
+                 jagg.make_step_loss(sub, adv[idx], start, stop, cfg, v_ref), **kwargs)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    every, halves = torch.arange(7), (torch.arange(0, 7, 2), torch.arange(1, 7, 2))
+    for (start, stop), cos, ratio in zip(bounds, out["cosine"], out["error_to_noise"]):
+        if stop - start < 2:
+            assert (cos, ratio) == (1.0, 0.0)
+            continue
+        rollout = {"v_rollout": traj.v[start:stop]} if opts.interior == "rollout" else {}
+        g = grad(jagg.backward_exact, every, start, stop)
+        j = grad(jagg_options.backward_jagg, every, start, stop, max_drift=opts.max_drift, **rollout,
+                 drift_fn=lambda k, v_k, s=start: jagg_options.ratio_drift(traj, cfg, s + k, v_k))
+        g_1, g_2 = (grad(jagg.backward_exact, idx, start, stop) for idx in halves)
+        j_1, j_2 = (grad(jagg_options.backward_jagg, idx, start, stop, max_drift=opts.max_drift,
+                         **({"v_rollout": traj.v[start:stop][:, idx]} if rollout else {}),
+                         drift_fn=lambda k, v_k, s=start, idx=idx: jagg_options.ratio_drift(traj.subset(idx), cfg, s + k, v_k))
+                    for idx in halves)
+        sigma = (g_1 - g_2).square().sum() / (1 / 4 + 1 / 3)
+        sigma_e = ((j_1 - g_1) - (j_2 - g_2)).square().sum() / (1 / 4 + 1 / 3)
+        error = (j - g).square().sum() + sigma_e * (1 / 32 - 1 / 7)
+        assert cos == pytest.approx(cosine(j, g), abs=1e-6)
+        assert ratio == pytest.approx(error.item() / (sigma / 32).item(), rel=1e-4, abs=1e-9)
+        assert ratio < math.inf
+        i = bounds.index((start, stop))  # the ratio's two parts, for pooling probes (jagg_probe.pool_probes)
+        assert out["error"][i] == pytest.approx(error.item(), rel=1e-4, abs=1e-12)
+        assert out["noise"][i] == pytest.approx((sigma / 32).item(), rel=1e-4)
+        assert out["error"][i] < (j - g).square().sum().item()  # a step of 32 averages more of the error away than 7 do
+        assert at_b["error"][i] == pytest.approx((j - g).square().sum().item(), rel=1e-4)
+    assert at_b["noise"] == pytest.approx([n * 32 / 7 for n in out["noise"]], rel=1e-9)
+
+
+def test_probe_figures_read_the_error_a_larger_step_carries():
+    """A probe of B = 4 samples asked about a step of N = 16: per-sample exact gradients g_i =
+    mu_g + noise and errors e_i = mu_e + noise (j_i = g_i + e_i) drawn many times. Averaged over the
+    draws, the error is |mu_e|^2 + tr(Sigma_e) / 16 (not the / 4 a probe's own |j - g|^2 has) and
+    the noise tr(Sigma_g) / 16."""
+    g = torch.Generator().manual_seed(5)
+    P, draws, B, N = 40, 4000, 4, 16
+    mu_g = torch.randn(P, generator=g, dtype=torch.float64)
+    mu_e = torch.randn(P, generator=g, dtype=torch.float64)
+    mu_e *= 0.5 / mu_e.norm()  # |mu_e|^2 = 0.25
+    scale_g, scale_e = 1.0, 0.5  # tr Sigma_g = P, tr Sigma_e = P / 4 = 10
+    errors, noises = [], []
+    for _ in range(draws):
+        gs = mu_g + scale_g * torch.randn(B, P, generator=g, dtype=torch.float64)
+        js = gs + mu_e + scale_e * torch.randn(B, P, generator=g, dtype=torch.float64)
+        halves = (slice(0, 2), slice(2, 4))
+        _, _, error, noise = jagg_probe.probe_figures(*(gs[h].mean(0) for h in halves), *(js[h].mean(0) for h in halves),
+                                                        2, 2, N)
+        errors.append(error), noises.append(noise)
+    mean_error, mean_noise = sum(errors) / draws, sum(noises) / draws
+    assert mean_error == pytest.approx(0.25 + P * scale_e ** 2 / N, rel=0.05)  # 0.875; a probe's own |j - g|^2: 2.75
+    assert mean_noise == pytest.approx(P * scale_g ** 2 / N, rel=0.05)
+    assert min(errors) < 0  # one probe's estimate can fall below 0: it is unbiased, so pooling keeps it
+
+
+def test_pool_probes_sums_errors_over_noises():
+    """Summed errors over summed noises, per segment position: not the mean of the ratios, which one
+    small noise estimate would blow up; an unbiased part below 0 counts and is not clipped."""
+    probes = [{"cosine": [0.8, 1.0], "error": [1.0, 0.0], "noise": [10.0, 0.0]},
+              {"cosine": [0.6, 1.0], "error": [3.0, 0.0], "noise": [0.1, 0.0]}]
+    pooled = jagg_probe.pool_probes(probes)
+    assert pooled["error_to_noise"] == pytest.approx([4.0 / 10.1, 0.0])
+    assert pooled["cosine"] == pytest.approx([0.7, 1.0])
+    assert jagg_probe.pool_probes([]) is None
+    below = [{"cosine": [1.0], "error": [-0.5], "noise": [1.0]}, {"cosine": [1.0], "error": [2.0], "noise": [1.0]}]
+    assert jagg_probe.pool_probes(below)["error_to_noise"] == pytest.approx([0.75])
+    assert jagg_probe.pool_probes(below[:1])["error_to_noise"] == [-0.5]
+
+
+def test_pool_probes_gives_the_standard_error_of_the_pooled_figure():
+    """The ratio of sums' standard error from the probes' scatter about it, computed here again; probes
+    that all agree have none, and one probe gives no estimate."""
+    e, v = [1.0, 3.0, -0.5, 2.0], [2.0, 1.0, 1.5, 2.5]
+    probes = [{"cosine": [1.0, 1.0], "error": [a, 0.0], "noise": [b, 0.0]} for a, b in zip(e, v)]
+    ratio = sum(e) / sum(v)
+    expected = math.sqrt(4 / 3 * sum((a - ratio * b) ** 2 for a, b in zip(e, v))) / sum(v)
+    assert jagg_probe.pool_probes(probes)["stderr"] == pytest.approx([expected, 0.0])
+    same = [{"cosine": [1.0], "error": [0.5 * b], "noise": [b]} for b in v]  # every probe reads 0.5
+    assert jagg_probe.pool_probes(same)["stderr"] == pytest.approx([0.0], abs=1e-15)
+    assert jagg_probe.pool_probes(probes[:1])["stderr"] == [None, None]
+
+
+def test_time_gradients_times_exact_against_the_options_and_leaves_their_gradient():
+    """jagg_probe.time_gradients: both gradients timed (medians of the repeats), the rows with grad each
+    computes (T = 8, W = 4: exact 8 steps, JAGG 2 of each window's 4), and params left with the last call's
+    gradient, which is window_gradients' of that method (so the timed work is the training work)."""
+    torch.manual_seed(11)
+    model = MLPFlow()
+    traj, adv = toy_batch(model, T=8, B=4)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.0)
+    opts, params = jagg_options.JaggOptions(4), list(model.parameters())
+    times = jagg_probe.time_gradients(as_velocity_fn(model), params, traj, adv, cfg, opts, repeats=2)
+    assert {m: t["grad_rows"] for m, t in times.items()} == {"exact": 8, "jagg": 2 * 2}
+    assert all(0 < t["backward_s"] <= t["step_s"] for t in times.values())
+    last = [p.grad.clone() for p in params]  # repeats = 2: the last round runs exact last (the order alternates)
+    for p in params:
+        p.grad = None
+    jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, dataclasses.replace(opts, jagg_frac=0.0))
+    assert all(torch.equal(a, p.grad) for a, p in zip(last, params))
