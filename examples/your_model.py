@@ -44,7 +44,7 @@ def make_velocity_fn(model, c):
         # repeat_interleave, which would pair each state with another sample's prompt.
         s, cs = t.reshape(S * B), c.repeat(S)  # [S*B], [S*B]
         v_c = model(x, s, cs)  # [S*B, *D]: the conditional branch carries the graph when training
-        with torch.no_grad():  # CFG's unconditional branch without graph (--cfg-grad cond in train_sd.py)
+        with torch.no_grad():  # CFG's unconditional branch without graph, as Flow-GRPO and train_sd.py
             v_u = model(x, s, torch.full_like(cs, PROMPTS))
         return (v_u + CFG_SCALE * (v_c - v_u)).reshape(z.shape)  # [S, B, *D]
     return velocity_fn

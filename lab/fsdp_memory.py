@@ -2,7 +2,7 @@
 mode's activations saved for backward, for one training step of the reduced SD3 transformer.
 
     for n in 1 2 4; do torchrun --standalone --nproc_per_node=$n lab/fsdp_memory.py --out runs/fsdp_memory; done
-    python lab/fsdp_memory.py --report runs/fsdp_memory      # the table in docs/benchmarks.md
+    python lab/fsdp_memory.py --report runs/fsdp_memory      # the table in lab/reports/benchmarks.md
 
     torchrun --standalone --nproc_per_node=8 lab/fsdp_memory.py --size sd35-medium --out runs/fsdp_gpu   # GPUs
 

@@ -2,7 +2,7 @@
 # JAGG's quality on the mini SD3 (lab/mini_sd3.py) on one GPU: lab/mini_quality.sh's table, with
 # lab/presets.py mini (lr 3e-4, CFG 2.5, Flow-GRPO's T = 10, noise level 0.7 and KL beta
 # 0.04) and, for geneval, the LoRA and global std that let exact GRPO raise it on the CPU
-# (docs/mini_sd3.md; full fine-tuning lowers it), with more samples and epochs than a CPU
+# (lab/reports/mini_sd3.md; full fine-tuning lowers it), with more samples and epochs than a CPU
 # affords: 16 prompts x 8 samples per epoch in optimizer steps of 32, the seeds side by side (the
 # mini transformer leaves a large GPU mostly idle), in bf16 autocast (train_sd.py's on a GPU; before the
 # layout change this script ran fp32). Not yet run on a GPU.
@@ -82,7 +82,7 @@ python3 lab/summarize.py compare $(for s in $seeds; do echo "$out/paper_seed$s";
 [ "$draws" -gt 0 ] || exit 0
 first=${seeds%% *}
 # the same fresh noise for a seed's three models, each seed its own (one noise for all seeds leaves a
-# part of a draw's luck common to them, which more seeds do not average out: docs/mini_sd3.md);
+# part of a draw's luck common to them, which more seeds do not average out: lab/reports/mini_sd3.md);
 # the base model in the first seed's file
 for seed in $seeds; do
   slot; python3 lab/eval_noise.py "$out/paper_seed$seed/exact" "$out/paper_seed$seed/jagg" "$out/shared_seed$seed/jagg" \

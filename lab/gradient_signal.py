@@ -111,7 +111,7 @@ def main(argv=None):
     parser.add_argument("--group", type=int, default=8, help="mini: samples per prompt in a batch (a divisor of --batch)")
     parser.add_argument("--reward", default="shapes", help="mini: train_sd.py's --reward (shapes, cover, ...)")
     parser.add_argument("--full-finetune", action="store_true", help="mini: every transformer weight instead of the LoRA")
-    parser.add_argument("--cfg-grad", choices=["cond", "both"], default="cond", help="mini: train_sd.py's --cfg-grad")
+    parser.add_argument("--cfg-grad", choices=["cond", "both"], default="cond", help="mini: the CFG gradient through the conditional branch (train_sd.py's) or both")
     parser.add_argument("--global-std", action="store_true", help="mini: advantages by the std of all rewards")
     parser.add_argument("--seed", type=int, default=0, help="seed of the rollouts")
     parser.add_argument("--out", default="", help="JSON file (default runs/gradient_signal_<model>.json)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# JAGG's quality on the mini SD3 (lab/mini_sd3.py), on a CPU: the table in docs/mini_sd3.md.
+# JAGG's quality on the mini SD3 (lab/mini_sd3.py), on a CPU: the table in lab/reports/mini_sd3.md.
 # Seeds 0-4; per seed exact GRPO once, then the paper's JAGG and shared anchors + rollout
 # interiors from the same model and seed, each compared with that exact run (lab/compare_runs.py);
 # two runs at a time, one thread each.
@@ -19,7 +19,7 @@
 #                      # evaluation's and the runs' own; DRAWS=16 later grows the same files to 16 draws
 #   python lab/summarize.py compare OUT/paper_seed[0-9] OUT/shared_seed[0-9]     # the table
 #   TABLE=window lab/mini_quality.sh darkness runs/mini_window_darkness
-#                      # JAGG or an SDE window (docs/sde_window.md): per seed exact and the paper's JAGG on
+#                      # JAGG or an SDE window (lab/reports/sde_window.md): per seed exact and the paper's JAGG on
 #                      # every step, and an SDE window of WINDOW (4) steps placed as Flow-GRPO-Fast does (a
 #                      # random start in steps 0 to WINDOW_RANGE_END - 1 (6)), trained exact and by JAGG at
 #                      # W = WINDOW, for WINDOW_EPOCHS (8/5 of the epochs: a window's epoch is cheaper); then
@@ -27,13 +27,13 @@
 #                      # LR_CONTROL=7.5e-4 adds every step's exact run at that learning rate (10/K times the
 #                      # default): does a larger update alone close the gap to the window?
 #
-# The setting is lab/presets.py mini, the one the sanity ladder in docs/mini_sd3.md found to
+# The setting is lab/presets.py mini, the one the sanity ladder in lab/reports/mini_sd3.md found to
 # learn: full fine-tuning at lr 3e-4, CFG 2.5 (at Flow-GRPO's 4.5 the darkness rose +0.15 in 15
 # epochs, short of the ladder's +0.2), Flow-GRPO's T = 10, noise level 0.7 and KL beta 0.04, all 10
 # steps trained, 4 prompts x 8 samples per epoch in optimizer steps of 8 (docs/flow_grpo.md lists
 # where that departs from Flow-GRPO's own setting). geneval runs mini-geneval, which adds
 # what exact GRPO needed to raise it: Flow-GRPO's LoRA (rank 32, alpha 64) and global std, and 8
-# prompts x 8 samples an epoch in optimizer steps of 16; with full fine-tuning it falls (docs/mini_sd3.md).
+# prompts x 8 samples an epoch in optimizer steps of 16; with full fine-tuning it falls (lab/reports/mini_sd3.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 reward=${1:?usage: lab/mini_quality.sh darkness|cover|geneval [OUT]}

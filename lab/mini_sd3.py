@@ -245,7 +245,7 @@ def score_cover(image, prompt):
     Why a mix: fine structure is the hard part at this size. GRPO moves what the first, noisy
     sampling steps decide (where and how large the colours are) much more than the last, nearly
     noiseless steps that sharpen a square's corners: score alone fell where coverage rose
-    (docs/mini_sd3.md)."""
+    (lab/reports/mini_sd3.md)."""
     return 0.5 * score(image, prompt) + 0.5 * coverage(image, prompt)
 
 
@@ -253,7 +253,7 @@ def score_cover(image, prompt):
 #
 # `score` decides a shape by a steep threshold on how much of its bounding box the colour fills:
 # a square whose corners GRPO's noisy steps round off, or a lumpy triangle, falls between two
-# fills and scores near 0 (0.00-0.09 on a run's samples, docs/mini_sd3.md), and training fell
+# fills and scores near 0 (0.00-0.09 on a run's samples, lab/reports/mini_sd3.md), and training fell
 # under it. GenEval asks a detector, which is tolerant of soft edges; the stand-in here is
 # overlap: each region of an asked colour is matched against the asked shape's template, fitted
 # to the region's centroid and size, and credited by their IoU. A rounded or blurred square

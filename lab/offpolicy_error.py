@@ -24,7 +24,7 @@ j on the same batch and parameters. It reports, per checkpoint, inner step and m
   clip range (1: an error the size of the clip), and refreshed: the segments the drift guard
   sent to forward interiors; clipfrac is exact's.
 
-Prints a table per checkpoint and writes all of it to --out (JSON). docs/offpolicy.md reads it.
+Prints a table per checkpoint and writes all of it to --out (JSON). lab/reports/offpolicy.md reads it.
 """
 
 import argparse
@@ -249,7 +249,7 @@ REPORT_MODES = ("paper", "shared", "rollout_unguarded", "rollout", "shared_rollo
 
 
 def report(path):
-    """The markdown table docs/offpolicy.md shows: per checkpoint and optimizer step after the
+    """The markdown table lab/reports/offpolicy.md shows: per checkpoint and optimizer step after the
     rollout, each mode's error to noise, relative error, projection and norm ratio (means over
     batches), the rule's interior ratio error and the guard's refreshed segments."""
     import json

@@ -1,4 +1,4 @@
-"""The mini SD3's documented settings as train_sd.py flags (docs/mini_sd3.md), the ones its tables use.
+"""The mini SD3's documented settings as train_sd.py flags (lab/reports/mini_sd3.md), the ones its tables use.
 
     python train_sd.py $(python lab/presets.py mini) --method exact --out runs/mini/exact   # any flag after wins
     python lab/presets.py mini-geneval                                                   # prints the flags

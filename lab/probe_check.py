@@ -1,4 +1,4 @@
-"""Does the probe's error_to_noise read what independent batches measure? docs/probe_check.md.
+"""Does the probe's error_to_noise read what independent batches measure? lab/reports/probe_check.md.
 
     python lab/probe_check.py toy --batches 8 --batch 16     # train_toy.py's base model and setting
     python lab/probe_check.py mini --batches 8 --batch 16    # the mini SD3 at train_sd.py --preset mini

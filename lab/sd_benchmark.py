@@ -1,5 +1,5 @@
-"""Every training mode of the SD3 transformer timed and weighed: the tables of docs/benchmarks.md and
-docs/sde_window.md (train_sd.py --benchmark times the flags' one mode against exact; this times them all).
+"""Every training mode of the SD3 transformer timed and weighed: the tables of lab/reports/benchmarks.md and
+lab/reports/sde_window.md (train_sd.py --benchmark times the flags' one mode against exact; this times them all).
 
     python lab/sd_benchmark.py --window 4                                   # the reduced SD3 on a CPU
     python lab/sd_benchmark.py --size sd35-medium --resolution 512 --window 4 --max-graph-rows 2   # on a GPU
@@ -9,7 +9,7 @@ docs/sde_window.md (train_sd.py --benchmark times the flags' one mode against ex
 One window's gradient on the conditional branch (the backward JAGG shrinks), then one whole training step
 in every mode as train_sd.py runs it: the trained steps of --num-steps (Flow-GRPO's 9 of 10), CFG with the
 no-graph unconditional branch, the KL reference at --beta, and one rollout of the batch; then each SDE
-window (lab/../docs/sde_window.md). Interleaved, medians of repeats; activations saved for backward
+window (lab/reports/sde_window.md). Interleaved, medians of repeats; activations saved for backward
 weighed (bench.saved_bytes_peak); benchmark.json and benchmark.png in --out.
 """
 

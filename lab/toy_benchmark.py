@@ -1,7 +1,7 @@
 """The toy's benchmark: exact vs JAGG on train_toy.py's base model, one process, medians of
 interleaved repeats.
 
-    python lab/toy_benchmark.py                          # W = 4 and 8, B = 256: the toy tables of docs/benchmarks.md
+    python lab/toy_benchmark.py                          # W = 4 and 8, B = 256: the toy tables of lab/reports/benchmarks.md
     python lab/summarize.py toybench runs/toy_bench/benchmark.json   # the training-step table, in ms
     python lab/summarize.py window runs/toy_bench/benchmark.json     # one window's gradient, in ms
 

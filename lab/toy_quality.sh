@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The toy's retention table (docs/quality.md): exact GRPO, five JAGG modes and a control (exact at
+# The toy's retention table (lab/reports/quality.md): exact GRPO, five JAGG modes and a control (exact at
 # 0.9x the learning rate), seeds 0-19, every run from the seed-0 base model, two runs at a time with
 # one thread each (about 40 s a run, 140 runs: about an hour on 2 idle cores). A run that has
 # finished before is skipped, so an interrupted table resumes.

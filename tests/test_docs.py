@@ -1,6 +1,8 @@
-"""The README and the docs/ pages: every relative link and picture resolves to a file in the repository."""
+"""The README, the guides in docs/ and the lab's pages: every relative link and picture resolves, every
+command of the repository's scripts parses with values in range, and every --flag they name exists."""
 
 import glob
+import importlib.util
 import os
 import re
 import shlex
@@ -8,32 +10,33 @@ import shlex
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+GUIDES = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+LAB_PAGES = [os.path.join(ROOT, "lab", "README.md"), *sorted(glob.glob(os.path.join(ROOT, "lab", "reports", "*.md")))]
+PAGES = GUIDES + LAB_PAGES
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
 
 
 def relative_links(page):
     with open(page) as f:
-        targets = LINK.findall(f.read())
-    return [t.split("#")[0] for t in targets if not re.match(r"[a-z]+:", t) and not t.startswith("#")]
+        return [t for t in LINK.findall(f.read()) if "://" not in t and not t.startswith("#")]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: os.path.relpath(p, ROOT))
 def test_relative_links_resolve(page):
-    links = relative_links(page)
-    missing = [t for t in links if not os.path.exists(os.path.join(os.path.dirname(page), t))]
-    assert not missing, f"{os.path.relpath(page, ROOT)} links to files that do not exist: {missing}"
+    for target in relative_links(page):
+        path = os.path.normpath(os.path.join(os.path.dirname(page), target.split("#")[0]))
+        assert os.path.exists(path), f"{os.path.relpath(page, ROOT)} links to missing {target}"
 
 
 def test_the_link_check_sees_links():
     """The check above would pass vacuously if the pattern found nothing."""
     assert len(relative_links(os.path.join(ROOT, "README.md"))) >= 5
-    assert len(PAGES) >= 5
+    assert len(GUIDES) >= 4 and len(LAB_PAGES) >= 5
 
 
 def script_commands(text, script):
-    """The arguments of each `script` command in a text (train_toy.py or train_sd.py), up to a backtick, a comment,
-    a pipe or the line's end (a shell variable is dropped with the flag it is the value of)."""
+    """The arguments of each `script` command in a text, up to a backtick, a comment, a pipe or the
+    line's end (a shell variable is dropped with the flag it is the value of)."""
     commands = []
     for match in re.findall(script.replace(".", r"\.") + r"(?=[\s`]|$)([^`#|>\n]*)", text):
         try:
@@ -52,6 +55,13 @@ def script_commands(text, script):
     return commands
 
 
+def toy_options():
+    spec = importlib.util.spec_from_file_location("toy_options", os.path.join(ROOT, "examples", "toy_options.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def parses(script, args):
     """Raises SystemExit unless args are the script's flags with values in their declared ranges."""
     if script in ("train_toy.py", "toy_options.py"):
@@ -59,7 +69,7 @@ def parses(script, args):
 
         parse = toy_options().parse_args if script == "toy_options.py" else train_toy.parse_args
         args = [*args, "--out", os.path.join(ROOT, "runs", "never-written")]
-        if "--base-ckpt" in args:  # a file a script writes first
+        if "--base-ckpt" in args:  # a file the commands' script writes first
             del args[args.index("--base-ckpt") : args.index("--base-ckpt") + 2]
         parse(args)
         return
@@ -76,25 +86,15 @@ def parses(script, args):
         raise SystemExit(f"error: {e}")
 
 
-COMMAND_PAGES = [*PAGES, os.path.join(ROOT, "lab", "README.md"), *sorted(glob.glob(os.path.join(ROOT, "lab", "*.sh")))]
-
-
-def toy_options():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("toy_options", os.path.join(ROOT, "examples", "toy_options.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+COMMAND_PAGES = [*PAGES, *sorted(glob.glob(os.path.join(ROOT, "lab", "*.sh")))]
 
 
 @pytest.mark.parametrize("script", ["train_toy.py", "toy_options.py", "train_sd.py"])
-def test_script_commands_in_the_readme_docs_and_lab_parse(script):
-    """A command a reader copies runs: every train_toy.py / train_sd.py command in the README, docs/, lab/README.md
-    and lab/*.sh (and lab/toy_quality.sh's modes) uses flags that exist, with values in range: a renamed flag (the
-    toy's --steps -> --epochs) fails here, not at the reader's."""
-    if script == "train_sd.py":
-        pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
+def test_script_commands_in_the_pages_parse(script):
+    """A command a reader copies runs: every train_toy.py, examples/toy_options.py and train_sd.py
+    command in the README, docs/, lab/'s pages and lab/*.sh (and lab/toy_quality.sh's modes) uses
+    flags that exist, with values in range: a renamed flag fails here, not at the reader's."""
+    pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
     found = 0
     for page in COMMAND_PAGES:
         with open(page) as f:
@@ -116,10 +116,68 @@ def test_the_command_check_sees_bad_flags():
     """The check above would pass vacuously if the pattern found nothing or parse accepted anything."""
     assert script_commands("`python train_toy.py --steps 80 --out $dir` and torchrun x train_toy.py --window 1 # W",
                            "train_toy.py") == [["--steps", "80"], ["--window", "1"]]
-    for args in (["--steps", "80"], ["--window", "1"]):
+    for args in (["--steps", "80"], ["--window", "1"], ["--anchors", "shared"]):
         with pytest.raises(SystemExit):
             parses("train_toy.py", args)
+    parses("toy_options.py", ["--anchors", "shared"])
     pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
     for args in (["--window", "1"], ["--epochs", "0"], ["--no-such-flag"]):
         with pytest.raises(SystemExit):
             parses("train_sd.py", args)
+
+
+# Flags of other programs the pages quote (torchrun, pip, pytest).
+OTHER_TOOLS = {"--nproc_per_node", "--standalone", "--nnodes", "--index-url", "--no-deps", "--target", "--durations",
+               "--only-binary"}
+
+
+def flags_of(path):
+    """The flags a script's argparse parser takes (read from its source: add_argument("--x"), and a
+    dataclass's fields for the trainers), with --no-x for the booleans."""
+    with open(path) as f:
+        text = f.read()
+    flags = set(re.findall(r'add_argument\(\s*"(--[a-z][\w-]*)"', text))
+    if "@dataclass" in text:  # a parser built from a dataclass's fields: a flag each
+        flags |= {"--" + f.replace("_", "-") for f in re.findall(r"^    (\w+): \w+ = ", text, re.M)}
+        flags |= {"--no-" + f.replace("_", "-") for f in re.findall(r"^    (\w+): bool = ", text, re.M)}
+    return flags
+
+
+def known_flags(lab):
+    scripts = ["train_toy.py", "train_sd.py", "examples/toy_options.py", "examples/your_model.py"]
+    if lab:
+        scripts += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "lab", "*.py")))
+    flags = set(OTHER_TOOLS) | {"--help"}
+    for script in scripts:
+        flags |= flags_of(os.path.join(ROOT, script))
+    return flags
+
+
+def prose_flags(text, lab=False):
+    """Every --flag inside a `code span` of a page (commands and flags named in sentences alike), but
+    those of a span that names a lab/ script unless lab (they are checked against lab's flags)."""
+    spans = [s for s in re.findall(r"`([^`\n]+)`", text) if lab == ("lab/" in s)]
+    return {flag for span in spans for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", span)}
+
+
+@pytest.mark.parametrize("page", PAGES + [os.path.join(ROOT, "examples", "your_model.py")],
+                         ids=lambda p: os.path.relpath(p, ROOT))
+def test_every_flag_a_page_names_exists(page):
+    """A flag named in prose (`--cfg-grad`, say) goes stale when the script drops it, and no command
+    parses it: every `--flag` in a code span names a flag of the repository's scripts (of lab/'s
+    scripts too, on lab/'s pages), or of torchrun, pip or pytest."""
+    with open(page) as f:
+        text = f.read()
+    if page.endswith(".py"):  # a script's comments name flags without backticks
+        text = "`" + "` `".join(re.findall(r"#.*", text)) + "`"
+    unknown = prose_flags(text) - known_flags(lab=page in LAB_PAGES)
+    unknown |= prose_flags(text, lab=True) - known_flags(lab=True)
+    assert not unknown, f"{os.path.relpath(page, ROOT)} names flags no script has: {sorted(unknown)}"
+
+
+def test_the_flag_check_sees_stale_flags():
+    assert prose_flags("run `train_sd.py --cfg-grad cond` or `--window 4`; not -- nor --x in prose") == {
+        "--cfg-grad", "--window"}
+    assert "--window" in known_flags(lab=False) and "--no-ema" in known_flags(lab=False)
+    assert "--cfg-grad" not in known_flags(lab=False) and "--anchors" in known_flags(lab=False)
+    assert "--full-finetune" in known_flags(lab=True) and "--exact-from" not in known_flags(lab=True)

@@ -295,7 +295,7 @@ ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 def test_the_kept_toy_retention_table_remakes_from_the_kept_files(capsys):
     """lab/results/quality/toy holds the old train_toy.py's summaries (grad_steps, config steps): the
-    table docs/quality.md cites comes out of them, as lab/README.md says."""
+    table lab/reports/quality.md cites comes out of them, as lab/README.md says."""
     summarize.retention(str(RESULTS / "quality" / "toy"))
     out = capsys.readouterr().out
     assert "20 seeds (0-19); exact GRPO's gain +0.501" in out
