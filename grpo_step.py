@@ -19,8 +19,9 @@ reduce-scatter in the backward is linear, so it stays correct in any order of fo
 backwards; its own switch (fsdp_no_sync) keeps the gradients unreduced through an optimizer step's
 micro-batches before the last.
 
-The step API: accumulate_gradients per micro-batch, then optimizer_step, which averages, clips
-and steps; train_step is the two for a single batch.
+The step API: accumulate_gradients per micro-batch, then optimizer_step, which averages, clips,
+steps and clears the gradient it consumed, so that a forgotten zero_grad cannot leak one step's
+gradient into the next; train_step is the two for a single batch.
 """
 
 import contextlib
@@ -141,7 +142,9 @@ def optimizer_step(params, optimizer, losses, *, micro_batches=1, max_grad_norm=
     """The optimizer step after accumulate_gradients on micro_batches batches (losses: theirs): the
     gradient becomes their mean (Flow-GRPO's accumulation) and the mean over ranks, is clipped,
     and the optimizer steps unless it or a loss is not finite; then the step is skipped on every
-    rank and a warning names step, the caller's step number. Returns {"grad_norm", "skipped"}."""
+    rank and a warning names step, the caller's step number. Either way it then clears the
+    gradient it consumed (set to None): the next step starts from zero whether or not the caller
+    calls zero_grad. Returns {"grad_norm", "skipped"}."""
     params = list(params)
     average_gradients(params, micro_batches)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
@@ -149,10 +152,12 @@ def optimizer_step(params, optimizer, losses, *, micro_batches=1, max_grad_norm=
     if finite:
         optimizer.step()
     else:
-        optimizer.zero_grad(set_to_none=True)
         warnings.warn(f"optimizer step {'?' if step is None else step} skipped: non-finite loss "
                       f"({losses}) or gradient norm ({grad_norm}); parameters and optimizer "
                       "state left as they were", RuntimeWarning, stacklevel=2)
+    for p in params:
+        p.grad = None  # consumed: the next step's gradient starts from zero
+    optimizer.zero_grad(set_to_none=True)  # parameters of the optimizer that params left out too
     return {"grad_norm": grad_norm, "skipped": not finite}
 
 
