@@ -1,21 +1,24 @@
 """velocity_fn recipes for the diffusers transformers people train with GRPO: what jagg.py needs
-from SD3 / SD3.5, Flux, Qwen-Image and Wan 2.1 / 2.2 (video). tests/test_recipes.py builds each at
-a tiny random size, checks it with jagg_probe.check_velocity_fn, trains it exact and with JAGG, checks
-one window's JAGG gradient against explicit Jacobians, and checks that jagg.rollout at noise level
-0 with the recipe and scheduler_sigmas gives the final latents of the family's own diffusers
-pipeline (same latents, same embeddings, same guidance).
+from SD3 / SD3.5, Flux, Qwen-Image, Wan 2.1 / 2.2 and LTX-Video. tests/test_recipes.py builds each
+at a tiny random size, checks it with jagg_probe.check_velocity_fn, trains it exact and with JAGG,
+checks one window's JAGG gradient against explicit Jacobians, and checks with
+jagg_probe.check_against_pipeline that the recipe with scheduler_sigmas, rolled out at noise
+level 0, gives the final latents of the family's own diffusers pipeline (same latents, same
+embeddings, same guidance).
 
 jagg.py's contract: velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], t = sigma (1 = noise),
-v = noise - data. All four families are rectified flows with that sign (their pipelines step
+v = noise - data. All five families are rectified flows with that sign (their pipelines step
 z += (sigma_next - sigma) * v with FlowMatchEulerDiscreteScheduler); they differ in these:
 
-| family | transformer | time input | latents, *D | conditioning, repeated over S as a block | sigmas |
-|---|---|---|---|---|---|
-| SD3 / SD3.5 | SD3Transformer2DModel | sigma * 1000 | [C, H, W] | prompt_embeds [B, L, E], pooled [B, P]; CFG | static shift (3.0): scheduler_sigmas |
-| Flux | FluxTransformer2DModel | sigma (x 1000 inside) | packed [H/2 * W/2, 4C] | prompt_embeds, pooled; txt_ids [L, 3] and img_ids [seq, 3], not repeated; guidance [B] if distilled (dev), no CFG | shifted by the image's token count: scheduler_sigmas(..., seq) |
-| Qwen-Image | QwenImageTransformer2DModel | sigma (x 1000 inside) | packed [H/2 * W/2, 4C] | prompt_embeds [B, L, E] and its mask [B, L]; img_shapes, one per row; true CFG rescaled to the conditional norm per token | shifted by the image's token count |
-| Wan 2.1 / 2.2 | WanTransformer3DModel | sigma * 1000 | video [C, F, H, W] | UMT5 prompt_embeds [B, L, E], no mask, no pooled; CFG with negative embeddings; 2.2 A14B: two experts, chosen per row at t >= boundary_ratio * 1000 | UniPC flow sigmas (flow_shift 3 or 5), first 1 - 1e-6 |
+| family | time input | latents, *D | packed | mask | extra inputs | sigmas |
+|---|---|---|---|---|---|---|
+| SD3 / SD3.5 | sigma * 1000 | [C, H, W] | no | none | pooled [B, P]; CFG | static shift (3.0) |
+| Flux | sigma (x 1000 inside) | [H/2 * W/2, 4C] | 2x2 patches | none | pooled; txt_ids [L, 3], img_ids [seq, 3] (not repeated); guidance [B] if distilled (dev), no CFG | shifted by H/2 * W/2 tokens |
+| Qwen-Image | sigma (x 1000 inside) | [H/2 * W/2, 4C] | 2x2 patches | prompt [B, L] | img_shapes, one per row; true CFG rescaled to the conditional norm per token | shifted by H/2 * W/2 tokens |
+| Wan 2.1 / 2.2 | sigma * 1000 | [C, F, H, W] | no | none | UMT5 embeds only; CFG; 2.2 A14B: two experts, chosen per row at t >= boundary_ratio * 1000 | UniPC flow sigmas (flow_shift 3 or 5), first 1 - 1e-6 |
+| LTX-Video | sigma * 1000 | [F * H * W, C] | patch size 1: one token a latent voxel | prompt [B, L] | F, H, W; frame_rate in the rotary scale; CFG | shifted by F * H * W tokens |
 
+In every recipe the conditioning (embeddings, masks, pooled) repeats over S as a block.
 SD3's recipe is train_sd.make_velocity_fn (with classifier-free guidance and bf16 autocast).
 Flux-dev is guidance-distilled: it takes the guidance scale as an input, one forward, no CFG.
 Qwen-Image and Wan run their unconditional branch without graph, as train_sd.py's SD3 recipe does.
@@ -29,11 +32,16 @@ import torch
 
 def scheduler_sigmas(scheduler, num_steps, image_seq_len=None):
     """The sigmas your pipeline samples at, [T + 1] from 1 to 0, from its own scheduler (pass the
-    pipeline's pipe.scheduler). With dynamic shifting (Flux, Qwen-Image) the shift depends on the
-    image's token count image_seq_len, as their pipelines compute it; SD3's and Wan's shifts are
-    static. Wan's UniPCMultistepScheduler(use_flow_sigmas=True) starts at 1 - 1e-6, which
-    jagg.sde_step takes as the first step, as it takes 1."""
+    pipeline's pipe.scheduler). With dynamic shifting (Flux, Qwen-Image, LTX-Video) the shift
+    depends on image_seq_len, the token count the pipeline shifts by: an image's packed tokens
+    (H/2 * W/2 latent pixels: Flux, Qwen-Image), a video's latent frames x height x width
+    (LTX-Video's F * H * W); SD3's and Wan's shifts are static. Wan's
+    UniPCMultistepScheduler(use_flow_sigmas=True) starts at 1 - 1e-6, which jagg.sde_step takes as
+    the first step, as it takes 1."""
     config = scheduler.config
+    if config.get("use_dynamic_shifting") and image_seq_len is None:
+        raise ValueError("this scheduler shifts its sigmas by the token count: pass image_seq_len, an "
+                         "image's packed tokens (H/2 * W/2) or a video's latent F * H * W")
     if config.get("use_dynamic_shifting"):
         # The pipelines' calculate_shift: mu linear in the token count between two anchors.
         slope = (config.get("max_shift", 1.15) - config.get("base_shift", 0.5)) / (
@@ -104,6 +112,39 @@ def qwen_image_velocity_fn(transformer, prompt_embeds, prompt_mask, height, widt
             # QwenImagePipeline's rescale: each token's guided velocity takes the conditional one's norm.
             v = guided * (v.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
         return v.reshape(z.shape)  # [S, B, seq, 4C]
+
+    return velocity_fn
+
+
+def ltx_velocity_fn(transformer, prompt_embeds, prompt_mask, num_frames, height, width, negative=None,
+                    guidance_scale=3.0, frame_rate=25, temporal_compression=8, spatial_compression=32):
+    """LTX-Video (LTXVideoTransformer3DModel): z [S, B, F*H*W, C] packed latents (patch size 1: one
+    token per latent voxel) of num_frames x height x width latent voxels; prompt_embeds [B, L, E]
+    and prompt_mask [B, L] (T5's, 1 for a token) of the B samples, both repeated over S as a block;
+    negative: (embeds, mask) of the negative prompt, for CFG at guidance_scale > 1. The time input
+    is sigma * 1000. frame_rate enters the rotary position scale, (temporal_compression /
+    frame_rate, spatial_compression, spatial_compression): pass LTXPipeline's frame_rate and its
+    pipe.vae_temporal_compression_ratio and pipe.vae_spatial_compression_ratio. The sigmas shift
+    by the video's F * H * W latent tokens (scheduler_sigmas). Not reproduced: LTXPipeline's
+    guidance_rescale (0 by default), which breaks the exactness of even a bias-only model."""
+    rope_scale = (temporal_compression / frame_rate, spatial_compression, spatial_compression)
+
+    def velocity_fn(z, t):
+        S, B = t.shape
+        x = z.reshape(S * B, *z.shape[2:])  # [S*B, F*H*W, C], step-major: row s * B + b
+        timestep = (t.reshape(S * B) * 1000).to(x.dtype)  # [S*B]: LTX takes sigma * 1000
+
+        def forward(embeds, mask):
+            return transformer(hidden_states=x, encoder_hidden_states=embeds.repeat(S, 1, 1), timestep=timestep,
+                               encoder_attention_mask=mask.repeat(S, 1), num_frames=num_frames, height=height,
+                               width=width, rope_interpolation_scale=rope_scale, return_dict=False)[0]
+
+        v = forward(prompt_embeds, prompt_mask)  # [S*B, F*H*W, C]
+        if negative is not None and guidance_scale > 1:
+            with torch.no_grad():  # the unconditional branch without graph, as train_sd.py's SD3 recipe
+                v_u = forward(*negative)
+            v = v_u + guidance_scale * (v - v_u)
+        return v.to(z.dtype).reshape(z.shape)  # [S, B, F*H*W, C]
 
     return velocity_fn
 

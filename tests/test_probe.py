@@ -160,3 +160,54 @@ def test_time_gradients_times_exact_against_the_options_and_leaves_their_gradien
         p.grad = None
     jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, dataclasses.replace(opts, jagg_frac=0.0))
     assert all(torch.equal(a, p.grad) for a, p in zip(last, params))
+
+
+class TimedFlow(torch.nn.Module):
+    """A model whose time input is sigma * 1000, as SD3's: v = net(z, m / 1000), m the time input."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = MLPFlow()
+
+    def forward(self, z, m):
+        return self.net(z, m / 1000)
+
+
+@pytest.mark.parametrize("wrong, cause", [
+    (lambda t: t, "passes the model sigma where the model takes sigma \\* 1000"),
+    (lambda t: t * 1e6, "passes the model sigma \\* 1000 where the model takes sigma"),
+    (lambda t: (1 - t) * 1000, r"its time runs backwards \(1 - sigma"),
+    (lambda t: 1 - t, "its time runs backwards and is not scaled by 1000"),
+])
+def test_the_pipeline_check_names_a_wrong_time_convention(wrong, cause):
+    """Latents of a 'pipeline' that runs the model at sigma * 1000; velocity_fns that pass it other
+    times are each refused with their cause, the right one passes."""
+    torch.manual_seed(31)
+    model, noise, sigmas = TimedFlow(), torch.randn(4, 3), jagg.sigma_schedule(6)
+
+    def fn_of(time):
+        def velocity_fn(z, t):
+            S, B = t.shape
+            return model(z.reshape(S * B, -1), time(t).reshape(S * B)).reshape(z.shape)
+        return velocity_fn
+    pipeline = jagg_probe.ode_rollout(fn_of(lambda t: t * 1000), noise, sigmas)
+    assert jagg_probe.check_against_pipeline(fn_of(lambda t: t * 1000), noise, sigmas, pipeline) < 1e-12
+    with pytest.raises(ValueError, match=cause):
+        jagg_probe.check_against_pipeline(fn_of(wrong), noise, sigmas, pipeline)
+
+
+def test_the_pipeline_check_names_another_shift_and_unexplained_differences():
+    torch.manual_seed(32)
+    model, noise = MLPFlow(), torch.randn(4, 3)
+    fn = as_velocity_fn(model)
+    pipeline = jagg_probe.ode_rollout(fn, noise, jagg.sigma_schedule(6, shift=3.0))
+    with pytest.raises(ValueError, match="the sigmas are not the pipeline's, which are these shifted by 3"):
+        jagg_probe.check_against_pipeline(fn, noise, jagg.sigma_schedule(6, shift=1.0), pipeline)
+    with pytest.raises(ValueError, match="no change of the time input or of the shift explains it"):
+        jagg_probe.check_against_pipeline(fn, noise, jagg.sigma_schedule(6, shift=3.0), pipeline + 0.1)
+    with pytest.raises(ValueError, match="sigmas must fall from noise to data"):
+        jagg_probe.check_against_pipeline(fn, noise, jagg.sigma_schedule(6).flip(0), pipeline)
+    # the ODE rollout is jagg.rollout at noise level 0, the pipelines' Euler step
+    with torch.no_grad():
+        rolled = jagg.rollout(fn, noise, jagg.sigma_schedule(6, shift=3.0), 0.0).sample
+    torch.testing.assert_close(rolled, pipeline, rtol=1e-12, atol=1e-12)

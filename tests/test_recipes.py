@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, QwenImageTransformer2DModel  # noqa: E402
-from diffusers import SD3Transformer2DModel, UniPCMultistepScheduler, WanTransformer3DModel  # noqa: E402
+from diffusers import LTXVideoTransformer3DModel, SD3Transformer2DModel, UniPCMultistepScheduler  # noqa: E402
+from diffusers import WanTransformer3DModel  # noqa: E402
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
@@ -116,7 +117,32 @@ def wan(dtype=torch.float64, interleave=False):
     return fn, model, z, sigmas  # timesteps 1000 (1 - 1e-6), 937.5 | 857, 750, 600, 375: both experts run
 
 
-FAMILIES = {"flux": flux, "qwen_image": qwen_image, "sd3": sd3, "wan": wan}
+# LTX-Video's scheduler_config.json: a dynamic shift by the video's latent tokens, the last sigma 0.1.
+LTX = dict(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+           max_image_seq_len=4096, shift_terminal=0.1)
+
+
+def tiny_ltx(seed, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return LTXVideoTransformer3DModel(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2,
+                                      attention_head_dim=8, cross_attention_dim=16, num_layers=1,
+                                      caption_channels=E).to(dtype).eval()
+
+
+def ltx(dtype=torch.float64, interleave=False):
+    """LTX-Video: 2 latent frames of 2 x 2, packed to 8 tokens of 8 channels; T5 embeds with a mask; CFG."""
+    model = tiny_ltx(12, dtype)
+    embeds, mask = torch.randn(B, L, E, dtype=dtype), torch.ones(B, L, dtype=dtype)
+    mask[1, 2:] = 0  # a shorter prompt, padded
+    negative = (torch.randn(B, L, E, dtype=dtype), torch.ones(B, L, dtype=dtype))
+    if interleave:
+        embeds, mask = _interleaved(embeds), _interleaved(mask)
+    fn = recipes.ltx_velocity_fn(model, embeds, mask, 2, 2, 2, negative=negative, guidance_scale=3.0)
+    z = torch.randn(B, 8, 8, dtype=dtype)  # [B, F*H*W, C]
+    return fn, model, z, recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(**LTX), 6, 8)
+
+
+FAMILIES = {"flux": flux, "qwen_image": qwen_image, "sd3": sd3, "wan": wan, "ltx": ltx}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -271,9 +297,18 @@ def rollout_ode(fn, latents, sigmas):
         return jagg.rollout(fn, latents, sigmas, 0.0).sample  # noise level 0: the deterministic ODE
 
 
-def assert_reproduces(pipeline_latents, fn, wrong_time_fn, latents, sigmas):
+def assert_reproduces(pipeline_latents, fn, wrong_time_fn, latents, sigmas, cause):
+    """The recipe ends where the pipeline does; a wrong time convention does not, and
+    jagg_probe.check_against_pipeline passes the one and names the cause of the other."""
     torch.testing.assert_close(rollout_ode(fn, latents, sigmas), pipeline_latents, rtol=0, atol=ATOL)
     assert (rollout_ode(wrong_time_fn, latents, sigmas) - pipeline_latents).abs().max() > 1000 * ATOL
+    assert jagg_probe.check_against_pipeline(fn, latents, sigmas, pipeline_latents, rtol=1e-5) < 1e-5
+    with pytest.raises(ValueError, match=cause):
+        jagg_probe.check_against_pipeline(wrong_time_fn, latents, sigmas, pipeline_latents, rtol=1e-5)
+
+
+SIGMA_FOR_1000 = r"passes the model sigma where the model takes sigma \* 1000"  # SD3, Wan, LTX
+X1000_INSIDE = r"passes the model sigma \* 1000 where the model takes sigma"  # Flux, Qwen-Image
 
 
 def test_sd3_recipe_reproduces_stable_diffusion_3_pipeline():
@@ -295,7 +330,7 @@ def test_sd3_recipe_reproduces_stable_diffusion_3_pipeline():
                    num_inference_steps=T_PIPE, guidance_scale=4.5, output_type="latent").images
     fn = train_sd.make_velocity_fn(model, (embeds, pooled), (neg_embeds, neg_pooled), 4.5, use_bf16=False)
     sigmas = recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0), T_PIPE)
-    assert_reproduces(out, fn, lambda z, t: fn(z, t / 1000), latents, sigmas)  # wrong: sigma where SD3 wants x1000
+    assert_reproduces(out, fn, lambda z, t: fn(z, t / 1000), latents, sigmas, SIGMA_FOR_1000)
 
 
 def test_flux_recipe_reproduces_flux_pipeline():
@@ -313,7 +348,7 @@ def test_flux_recipe_reproduces_flux_pipeline():
                    num_inference_steps=T_PIPE, guidance_scale=3.5, output_type="latent").images
     fn = recipes.flux_velocity_fn(model, embeds, pooled, recipes.flux_image_ids(8, 8), guidance=3.5)
     sigmas = recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0, **DYNAMIC), T_PIPE, latents.shape[1])
-    assert_reproduces(out, fn, lambda z, t: fn(z, t * 1000), latents, sigmas)  # wrong: x1000 where Flux does it inside
+    assert_reproduces(out, fn, lambda z, t: fn(z, t * 1000), latents, sigmas, X1000_INSIDE)
 
 
 def test_qwen_image_recipe_reproduces_qwen_image_pipeline_with_true_cfg():
@@ -334,7 +369,7 @@ def test_qwen_image_recipe_reproduces_qwen_image_pipeline_with_true_cfg():
                    num_inference_steps=T_PIPE, output_type="latent").images
     fn = recipes.qwen_image_velocity_fn(model, embeds, mask, 8, 8, negative=(neg_embeds, neg_mask), true_cfg_scale=4.0)
     sigmas = recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(**QWEN), T_PIPE, latents.shape[1])
-    assert_reproduces(out, fn, lambda z, t: fn(z, t * 1000), latents, sigmas)  # wrong: x1000 where Qwen does it inside
+    assert_reproduces(out, fn, lambda z, t: fn(z, t * 1000), latents, sigmas, X1000_INSIDE)
 
 
 def wan_pipeline(scheduler, two_experts):
@@ -365,7 +400,7 @@ def test_wan_recipe_reproduces_wan_pipeline(two_experts):
     experts = dict(transformer_2=pipe.transformer_2, boundary_ratio=0.875, guidance_scale_2=3.0) if two_experts else {}
     fn = recipes.wan_velocity_fn(pipe.transformer, embeds, neg_embeds, 4.0, **experts)
     sigmas = recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0), 4)
-    assert_reproduces(out, fn, lambda z, t: fn(z, t / 1000), latents, sigmas)  # wrong: sigma, as for Flux
+    assert_reproduces(out, fn, lambda z, t: fn(z, t / 1000), latents, sigmas, SIGMA_FOR_1000)
     if two_experts:  # one expert throughout is wrong too
         one = recipes.wan_velocity_fn(pipe.transformer, embeds, neg_embeds, 4.0)
         assert (rollout_ode(one, latents, sigmas) - out).abs().max() > 1000 * ATOL
@@ -389,4 +424,40 @@ def test_wan_recipe_on_unipc_sigmas_differs_from_wan_pipeline_only_by_its_solver
                                  boundary_ratio=0.875, guidance_scale_2=3.0)
     sigmas = recipes.scheduler_sigmas(UniPCMultistepScheduler(**WAN_UNIPC, flow_shift=3.0), 4)
     truncated = lambda z, t: fn(z, torch.floor(t * 1000) / 1000)  # noqa: E731  UniPC's int64 timesteps
-    assert_reproduces(out, truncated, lambda z, t: fn(z, t / 1000), latents, sigmas)
+    assert_reproduces(out, truncated, lambda z, t: truncated(z, t / 1000), latents, sigmas, SIGMA_FOR_1000)
+
+
+def test_ltx_recipe_reproduces_ltx_pipeline_and_the_check_names_what_breaks_it():
+    """LTXPipeline's loop (CFG 3.0, a padded prompt, frame_rate 25, its dynamic shift by the video's
+    2 x 2 x 2 latent tokens); the check names a time passed as sigma, sigmas of another shift, and
+    finds a frame rate other than the pipeline's unexplained by the time or the shift."""
+    from diffusers import LTXPipeline
+
+    model = tiny_ltx(13)
+    pipe = LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**LTX), vae=None, text_encoder=None, tokenizer=None,
+                       transformer=model)
+    pipe.set_progress_bar_config(disable=True)
+    torch.manual_seed(14)
+    embeds, neg_embeds = torch.randn(B, L, E), torch.randn(B, L, E)
+    mask, neg_mask = torch.ones(B, L, dtype=torch.long), torch.ones(B, L, dtype=torch.long)
+    mask[0, 3:], neg_mask[2, 1:] = 0, 0
+    latents = torch.randn(B, 8, 8)  # [B, F*H*W, C]: 9 frames of 64 x 64 pixels are 2 x 2 x 2 latent voxels
+    with torch.no_grad():
+        out = pipe(prompt_embeds=embeds, prompt_attention_mask=mask, negative_prompt_embeds=neg_embeds,
+                   negative_prompt_attention_mask=neg_mask, height=64, width=64, num_frames=9, frame_rate=25,
+                   latents=latents, num_inference_steps=T_PIPE, guidance_scale=3.0, output_type="latent").frames
+    assert pipe.vae_temporal_compression_ratio == 8 and pipe.vae_spatial_compression_ratio == 32
+
+    def recipe(frame_rate=25):
+        return recipes.ltx_velocity_fn(model, embeds, mask, 2, 2, 2, negative=(neg_embeds, neg_mask),
+                                       guidance_scale=3.0, frame_rate=frame_rate)
+    fn = recipe()
+    sigmas = recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(**LTX), T_PIPE, 2 * 2 * 2)
+    assert_reproduces(out, fn, lambda z, t: fn(z, t / 1000), latents, sigmas, SIGMA_FOR_1000)
+    shifted = jagg_probe.shifted(sigmas, 1 / 3)  # a static shift a third of the pipeline's
+    with pytest.raises(ValueError, match="the sigmas are not the pipeline's, which are these shifted by 3"):
+        jagg_probe.check_against_pipeline(fn, latents, shifted, out, rtol=1e-5)
+    with pytest.raises(ValueError, match="no change of the time input or of the shift explains it"):
+        jagg_probe.check_against_pipeline(recipe(frame_rate=24), latents, sigmas, out, rtol=1e-5)
+    with pytest.raises(ValueError, match="pass image_seq_len, an image's packed tokens"):
+        recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(**LTX), T_PIPE)
