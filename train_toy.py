@@ -66,8 +66,9 @@ def parse_args(argv=None, cls=Args, description=__doc__):
     parser = argparse.ArgumentParser(description=description.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in fields(cls):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
-                            default=f.default, help=f.metadata["help"])
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+                            help=f.metadata["help"], **kind)
     a = cls(**vars(parser.parse_args(argv)))
     finite = all(math.isfinite(getattr(a, f.name)) for f in fields(a) if f.type is float)
     rules = [  # (flag, holds, what it must be)

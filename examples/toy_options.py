@@ -84,9 +84,10 @@ def parse_args(argv=None):
 
 def train(args, base, method, gradient=None, rollout=None):
     """train_toy.train with the flags' options and the probe. Returns (rows, model).
-    gradient(velocity_fn, minibatch, advantages, ref_velocity_fn) -> (stats, routed) and
-    rollout(velocity_fn, noise, sigmas, generator) -> (traj, samples): what the lab's baselines
-    compute instead of window_gradients and jagg.rollout (None: these)."""
+    gradient(fns, minibatch, advantages) -> (stats, routed), fns(idx) -> (velocity_fn,
+    ref_velocity_fn) of the minibatch's samples idx; rollout(velocity_fn, noise, sigmas, generator,
+    epoch) -> (traj, samples): what the lab's baselines compute instead of window_gradients and
+    jagg.rollout (None: these)."""
     opts = jagg_opts(args, method)
     model = copy.deepcopy(base)
     ref = copy.deepcopy(base).requires_grad_(False)  # the KL's frozen reference (beta > 0)
@@ -110,7 +111,7 @@ def train(args, base, method, gradient=None, rollout=None):
             traj = jagg.rollout(policy, noise, sigmas, args.noise_level, g)
             samples = traj.sample  # [B, 2]
         else:
-            traj, samples = rollout(policy, noise, sigmas, g)
+            traj, samples = rollout(policy, noise, sigmas, g, epoch)
         rewards = train_toy.reward_fn(samples, labels)  # [B]
         advantages = jagg.group_advantages(rewards, labels, clip=args.adv_clip)  # [B]
         perm = torch.randperm(B, generator=g)  # the minibatches, and the probe's samples
@@ -134,12 +135,13 @@ def train(args, base, method, gradient=None, rollout=None):
                 group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
             optimizer.zero_grad(set_to_none=True)
             grad_start = time.perf_counter()
-            fn, ref_fn = velocity_fns(model, idx)
             if gradient is None:
+                fn, ref_fn = velocity_fns(model, idx)
                 s, r = jagg_options.window_gradients(fn, traj.subset(idx), advantages[idx],
                                                      loss_cfg, opts, ref_fn, probe_avg)
             else:
-                s, r = gradient(fn, traj.subset(idx), advantages[idx], ref_fn)
+                s, r = gradient(lambda i, idx=idx: velocity_fns(model, idx[i]), traj.subset(idx),
+                                advantages[idx])
             grad_seconds += time.perf_counter() - grad_start
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
@@ -177,9 +179,9 @@ def summarize(args, method, rows, initial_reward, final_reward):
     return s
 
 
-def main(argv=None, gradient=None, rollout=None):
-    """train_toy.main's runs, with the options; gradient and rollout: train()'s."""
-    args = parse_args(argv)
+def run(args, gradient=None, rollout=None, mode=None):
+    """train_toy.main's runs, with the options. gradient and rollout: train()'s, for the JAGG side;
+    mode: its name in the summary (None: the options' mode)."""
     print("config: " + run_folder.json_text(asdict(args)))
     run_folder.write_json(os.path.join(args.out, "config.json"), asdict(args))
     base = train_toy.base_model(args)
@@ -192,6 +194,8 @@ def main(argv=None, gradient=None, rollout=None):
                             rollout if jagg_side else None)
         final_reward = train_toy.evaluate(model, args)[0]
         s = summaries[method] = summarize(args, method, rows, initial_reward, final_reward)
+        if mode is not None and jagg_side:
+            s["mode"] = mode
         run_folder.write_json(os.path.join(folder, "summary.json"), s)
         metrics = "".join(run_folder.json_text(r) + "\n" for r in rows)
         run_folder.atomic_write(os.path.join(folder, "metrics.jsonl"), metrics)
@@ -206,6 +210,10 @@ def main(argv=None, gradient=None, rollout=None):
         print(f"{summaries['jagg']['mode']} kept {100 * (c['reward_gain_ratio'] or 0):.0f} % of "
               f"exact GRPO's reward gain with {c['grad_rows_ratio']:.2f}x fewer rows with grad")
     return summaries
+
+
+def main(argv=None):
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

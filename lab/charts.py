@@ -9,7 +9,6 @@ from PIL import Image, ImageDraw, ImageFont
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jagg_options  # noqa: E402
 import run_folder  # noqa: E402
 
 COLORS = {"exact": (40, 90, 200), "jagg": (230, 120, 20), "base": (150, 150, 150)}
@@ -99,6 +98,54 @@ def chart(series, title, x_label, y_label, size=(780, 420), lines=True, marks=No
         ly = top + 6 + 22 * i  # the legend, beside the plot
         d.rectangle([right + 16, ly + 2, right + 30, ly + 14], fill=color)
         d.text((right + 36, ly), str(name), fill="black", font=small)
+    return img
+
+
+def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference=None):
+    """Points with 95 % intervals: points {name: (x, y, y_low, y_high, group)}, a dot each with its
+    vertical interval, coloured by group (the legend beside the plot names the groups) and labelled
+    with its name; reference: a y drawn as a dashed line (100 %, say)."""
+    img = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(img)
+    small, large = font(12), font(15)
+    groups = list(dict.fromkeys(p[4] for p in points.values()))
+    left, right, top, bottom = 70, size[0] - 230, 54, size[1] - 52
+    xs = [p[0] for p in points.values()]
+    ys = [v for p in points.values() for v in p[1:4]] + ([reference] if reference is not None else [])
+    x_ticks, x0, x1 = nice_ticks(min(xs), max(xs))
+    y_ticks, y0, y1 = nice_ticks(min(ys), max(ys))
+
+    def px(x, y):
+        return (left + (x - x0) / (x1 - x0) * (right - left), bottom - (y - y0) / (y1 - y0) * (bottom - top))
+
+    d.rectangle([left, top, right, bottom], outline="black")
+    for yv in y_ticks:
+        _, yp = px(x0, yv)
+        d.line([left + 1, yp, right - 1, yp], fill=(232, 232, 232))
+        d.text((left - 8, yp), tick_label(yv, y_ticks), fill="black", font=small, anchor="rm")
+    for xv in x_ticks:
+        xp, _ = px(xv, y0)
+        d.line([xp, bottom, xp, bottom + 4], fill="black")
+        d.text((xp, bottom + 8), tick_label(xv, x_ticks), fill="black", font=small, anchor="mt")
+    if reference is not None:
+        _, yp = px(x0, reference)
+        for xp in range(left, right, 12):
+            d.line([xp, yp, min(xp + 6, right), yp], fill=(120, 120, 120))
+    d.text(((left + right) / 2, 8), title, fill="black", font=large, anchor="mt")
+    d.text(((left + right) / 2, size[1] - 8), x_label, fill="black", font=small, anchor="md")
+    d.text((8, top - 22), y_label, fill="black", font=small)
+    for name, (x, y, low, high, group) in points.items():
+        color = PALETTE[groups.index(group) % len(PALETTE)]
+        (cx, cy), (_, ly), (_, hy) = px(x, y), px(x, low), px(x, high)
+        d.line([cx, ly, cx, hy], fill=color, width=2)
+        d.line([cx - 4, ly, cx + 4, ly], fill=color, width=2)
+        d.line([cx - 4, hy, cx + 4, hy], fill=color, width=2)
+        d.ellipse([cx - 4, cy - 4, cx + 4, cy + 4], fill=color)
+        d.text((cx + 7, cy), name, fill="black", font=small, anchor="lm")
+    for i, group in enumerate(groups):
+        ly = top + 6 + 22 * i
+        d.rectangle([right + 16, ly + 2, right + 30, ly + 14], fill=PALETTE[i % len(PALETTE)])
+        d.text((right + 36, ly), group, fill="black", font=small)
     return img
 
 

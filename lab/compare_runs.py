@@ -18,7 +18,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
 import run_folder  # noqa: E402
 from charts import chart, compare_grid, save_png  # noqa: E402

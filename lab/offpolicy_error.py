@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import jagg_probe  # noqa: E402
+import train_sd  # noqa: E402
 import grpo_step  # noqa: E402
 from run_folder import write_json  # noqa: E402
 

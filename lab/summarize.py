@@ -10,6 +10,7 @@
     python lab/summarize.py paired runs/noise_seed*.json                  # lab/eval_noise.py's draws: the spread's sources
     python lab/summarize.py retention runs/toy_quality                    # lab/toy_quality.sh: every mode over seeds
     python lab/summarize.py wallclock OUT/paper_seed0 OUT/window_seed0 ... [--png F]  # JAGG or an SDE window
+    python lab/summarize.py equal_cost runs/toy_equal_cost [--png F]      # lab/toy_equal_cost.sh: at equal cost
 """
 
 import argparse
@@ -623,10 +624,78 @@ def retention(folder):
               f"| {paired_text} | {100 * kept[m][worst]:.1f} % (seed {worst}) |")
 
 
+# The equal-cost comparison (lab/toy_equal_cost.sh, lab/mini_equal_cost.sh): each mode against exact
+# GRPO of the same seed. Its cost twice: the rows with grad, counted, and the training time
+# (rollouts included), measured in the same runs.
+EQUAL_COST_GROUPS = {"exact": "exact GRPO", "jagg": "JAGG", "random": "random steps (DanceGRPO)",
+                     "first": "first steps (Flow-GRPO)", "window": "SDE window (Flow-GRPO-Fast)",
+                     "velocity": "routing: free score", "late": "routing: late windows",
+                     "probe": "routing: the probe"}
+
+
+def equal_cost_group(mode):
+    """The kind of a mode's name: jagg_w4 -> JAGG, random8 -> random steps, jagg_random8_w4 ->
+    JAGG (on random windows), window8_jagg_w4 -> SDE window, velocity0.5 -> routing, ..."""
+    if mode.startswith("jagg_random"):
+        return "JAGG on random windows (eff_grpo)"
+    for prefix, group in EQUAL_COST_GROUPS.items():
+        if mode.startswith(prefix):
+            return group
+    return mode
+
+
+def equal_cost(folder, png=""):
+    """OUT/<mode>/seed<S>/summary.json of every mode (or, kept, OUT/<mode>/seed<S>.json): per mode
+    over the seeds every mode finished, its rows with grad and training time as shares of exact's
+    (time: the mean of the per-seed ratios), the gain kept (JAGG's reward gain over exact's of the
+    same seed: mean with its 95 % t interval), the ratio of mean gains with its interval, and the
+    paired difference of the gain kept to the paper's JAGG (jagg_w4); png: the picture."""
+    modes = sorted(m for m in os.listdir(folder) if os.path.isdir(os.path.join(folder, m)))
+
+    def finished(m, name):
+        path = os.path.join(folder, m, name)
+        return name.startswith("seed") and (os.path.isfile(os.path.join(path, "summary.json"))
+                                            or name.endswith(".json"))
+
+    runs = {m: {int(s[4:].removesuffix(".json")): load(os.path.join(folder, m, s))
+                for s in os.listdir(os.path.join(folder, m)) if finished(m, s)} for m in modes}
+    modes = [m for m in modes if runs[m]]
+    seeds = sorted(set.intersection(*(set(r) for r in runs.values())))
+    exact = {s: runs["exact"][s] for s in seeds}
+    print(f"{len(seeds)} seeds; exact GRPO's gain {mean_interval([exact[s]['reward_gain'] for s in seeds])[0]:+.3f}")
+    print()
+    print("| mode | rows with grad, of exact's | training time, of exact's | gain kept, mean (95 % interval) "
+          "| ratio of mean gains (95 % interval) | minus jagg_w4's gain kept, paired (95 % interval) |")
+    print("|---|---|---|---|---|---|")
+    points, order = {}, sorted(modes, key=lambda m: (m != "exact", -runs[m][seeds[0]]["grad_rows"], m))
+    for m in order:
+        rows = runs[m][seeds[0]]["grad_rows"] / exact[seeds[0]]["grad_rows"]
+        time_mean, time_half = mean_interval([runs[m][s]["train_seconds"] / exact[s]["train_seconds"] for s in seeds])
+        kept = [runs[m][s]["reward_gain"] / exact[s]["reward_gain"] for s in seeds]
+        mean, half = mean_interval(kept)
+        ratio, rhalf, _ = ratio_interval([(exact[s]["reward_gain"], runs[m][s]["reward_gain"]) for s in seeds])
+        paired = "-"
+        if "jagg_w4" in runs and m != "jagg_w4":
+            diff, dhalf = mean_interval([k - runs["jagg_w4"][s]["reward_gain"] / exact[s]["reward_gain"]
+                                         for k, s in zip(kept, seeds)])
+            paired = f"{100 * diff:+.1f} ({100 * (diff - dhalf):+.1f} to {100 * (diff + dhalf):+.1f}) points"
+        print(f"| {m} | {100 * rows:.0f} % | {100 * time_mean:.0f} % (±{100 * time_half:.0f}) "
+              f"| {100 * mean:.1f} % ({100 * (mean - half):.1f}-{100 * (mean + half):.1f} %) "
+              f"| {100 * ratio:.1f} % ({100 * (ratio - rhalf):.1f}-{100 * (ratio + rhalf):.1f} %) | {paired} |")
+        points[m] = (100 * time_mean, 100 * mean, 100 * (mean - half), 100 * (mean + half), equal_cost_group(m))
+    if png:
+        from charts import interval_scatter, save_png
+
+        save_png(png, interval_scatter(points, f"reward gain kept against training time, {len(seeds)} seeds",
+                                       "training time, % of exact GRPO's (rollouts included)",
+                                       "gain kept, % of exact's (95 % interval)", reference=100.0))
+    return points
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window", "curves", "gains",
-                                          "paired", "retention", "wallclock"],
+                                          "paired", "retention", "wallclock", "equal_cost"],
                         help="which table: compare runs, routing runs, SD benchmark (training step, settings side by "
                              "side, or window level), toy benchmark, single runs' evaluation curves, one "
                              "method's gain over seeds, eval_noise.py's paired draws of exact and JAGG, "
@@ -657,6 +726,8 @@ def main():
         retention(args.paths[0])
     elif args.table == "wallclock":
         wallclock(args.paths, args.png)
+    elif args.table == "equal_cost":
+        equal_cost(args.paths[0], args.png)
     else:
         window_level(args.paths)
 

@@ -6,7 +6,6 @@ import os
 import pytest
 import torch
 
-import jagg_options
 import jagg_probe
 import grpo_step
 

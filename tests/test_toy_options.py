@@ -7,7 +7,6 @@ import json
 import os
 
 import pytest
-import torch
 
 import toy_dit
 import train_toy

@@ -1,0 +1,186 @@
+"""At equal cost, whose gradient is closer to exact GRPO's: JAGG's, or the cheap alternatives'?
+
+    python lab/equal_cost_error.py toy --checkpoints 0 40 --batches 4    # lab/reports/equal_cost.md
+    python lab/equal_cost_error.py mini --checkpoints 0 7 --batches 3 --batch-sizes 16 64
+    python lab/equal_cost_error.py report runs/equal_cost_error_toy.json
+
+For each checkpoint (epochs of exact GRPO from the base model, trained as lab/offpolicy_error.py
+does) and batch size, --batches independent rollout batches; on each, exact GRPO's gradient g on
+all its steps, and every method's estimate j on the same batch and parameters: JAGG (W = 4 and 8),
+DanceGRPO's random steps and Flow-GRPO's first steps at the same rows with grad, JAGG on random
+windows (eff_grpo). Reported per method: the relative error |j - g| / |g| and cos(j, g), means over
+the batches with a 95 % interval. A random subset's error is variance and falls with the batch;
+JAGG's is mostly a bias and falls far less; where the two cross, the cheap alternative wins.
+The SDE window is left out: it samples other trajectories, so it has no estimate of the same g.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jagg  # noqa: E402
+import jagg_options  # noqa: E402
+import jagg_probe  # noqa: E402
+from offpolicy_error import MiniTask, ToyTask, train_exact  # noqa: E402
+from run_folder import write_json  # noqa: E402
+from toy_baselines import first_steps_gradients, subset_gradients  # noqa: E402
+
+
+def methods(T, W=4):
+    """name -> gradient(batch, cfg, generator): each adds its estimate to .grad. Rows with grad per
+    sample: JAGG at W = 4 and the K = T / 2 alternatives T / 2; at W = 8 and K = T / 4, T / 4."""
+    half, quarter = T // 2, T // 4
+
+    def jagg_w(window):
+        def gradient(batch, cfg, g):
+            fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
+            opts = jagg_options.JaggOptions(window, 1.0)
+            return jagg_options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn)
+        return gradient
+
+    def random(k):
+        def gradient(batch, cfg, g):
+            return subset_gradients(batch.fns, batch.traj, batch.adv, cfg, [(s, s + 1) for s in range(T)], k, g)
+        return gradient
+
+    def first(k):
+        def gradient(batch, cfg, g):
+            return first_steps_gradients(batch.fns, batch.traj, batch.adv, cfg, k)
+        return gradient
+
+    def jagg_random(k):
+        def gradient(batch, cfg, g):
+            windows = [(a, a + W) for a in range(0, T - T % W, W)]
+            return subset_gradients(batch.fns, batch.traj, batch.adv, cfg, windows, k // W, g, by_jagg=True)
+        return gradient
+
+    out = {"jagg_w4": jagg_w(4), f"random{half}": random(half), f"first{half}": first(half)}
+    if T % W == 0 and half % W == 0:
+        out[f"jagg_random{half}_w4"] = jagg_random(half)
+    if T >= 8:
+        out.update({"jagg_w8": jagg_w(8), f"random{quarter}": random(quarter), f"first{quarter}": first(quarter)})
+    return out
+
+
+def flat_gradient(task, gradient, batch, g):
+    for p in task.params:
+        p.grad = None
+    gradient(batch, task.loss_cfg, g)
+    out = jagg_probe.flat_grad(task.params)
+    for p in task.params:
+        p.grad = None
+    return out
+
+
+def exact_gradient(batch, cfg, g):
+    fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
+    return jagg_options.window_gradients(fn, batch.traj, batch.adv, cfg, jagg_options.JaggOptions(2, 0.0), ref_fn)
+
+
+def measure(task, sizes, batches, generator):
+    """{size: {method: [(rel_error, cosine) per batch]}} at the task's current parameters."""
+    T = None
+    out = {}
+    for size in sizes:
+        out[size] = {}
+        for _ in tqdm(range(batches), desc=f"batches of {size}", leave=False):
+            batch = task.draw(size, generator)
+            T = batch.traj.z.shape[0]
+            exact = flat_gradient(task, exact_gradient, batch, generator)
+            for name, gradient in methods(T).items():
+                j = flat_gradient(task, gradient, batch, generator)
+                rel = ((j - exact).norm() / exact.norm()).item()
+                cos = torch.nn.functional.cosine_similarity(j, exact, dim=0).item()
+                out[size].setdefault(name, []).append((rel, cos))
+    return out
+
+
+def t95(df):
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, df))
+
+
+def mean_interval(xs):
+    n, mean = len(xs), sum(xs) / len(xs)
+    if n < 2:
+        return mean, 0.0
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    return mean, t95(n - 1) * sd / math.sqrt(n)
+
+
+def report(path):
+    """The markdown table of a run: per checkpoint and method, the relative error at each batch size
+    (mean ± 95 % interval over the batches), and the cosine at the largest."""
+    with open(path) as f:
+        data = json.load(f)
+    lines = []
+    for c, result in data["checkpoints"].items():
+        sizes = list(result)
+        lines += [f"{data['setting']}, epoch {c} of exact GRPO, {data['args']['batches']} batches per size: "
+                  "|j - g| / |g| (mean ± 95 % interval); cosine at the largest batch", "",
+                  "| method | " + " | ".join(f"B = {s}" for s in sizes) + f" | cosine, B = {sizes[-1]} |",
+                  "|---" * (len(sizes) + 2) + "|"]
+        for name in result[sizes[0]]:
+            cells = []
+            for s in sizes:
+                mean, half = mean_interval([r for r, _ in result[s][name]])
+                cells.append(f"{mean:.3f} ± {half:.3f}")
+            cos, chalf = mean_interval([c_ for _, c_ in result[sizes[-1]][name]])
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {cos:.3f} ± {chalf:.3f} |")
+        lines.append("")
+    print("\n".join(lines))
+    return lines
+
+
+def main(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "report":
+        return report(argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model_kind", choices=["toy", "mini"], help="which model and setting (or: report JSON)")
+    parser.add_argument("--checkpoints", type=int, nargs="+", default=[0, 40],
+                        help="epochs of exact GRPO from the base model at which to measure (increasing)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64, 256],
+                        help="samples per batch (a multiple of 4 for the toy, of the group 8 for mini)")
+    parser.add_argument("--batches", type=int, default=4, help="independent batches per size (>= 2)")
+    parser.add_argument("--train-batch", type=int, default=64, help="samples per epoch of the exact training")
+    parser.add_argument("--inner-steps", type=int, default=4, help="optimizer steps per epoch of the training")
+    parser.add_argument("--model", default="mini", help="mini: a saved mini pipeline folder, or mini (the cached one)")
+    parser.add_argument("--resolution", type=int, default=0, help="mini: image size (0: the model's own)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the training and the rollouts")
+    parser.add_argument("--out", default="", help="JSON file (default runs/equal_cost_error_<model>.json)")
+    args = parser.parse_args(argv)
+    if args.batches < 2:
+        parser.error(f"--batches must be >= 2 (an interval needs two), got {args.batches}")
+    if sorted(set(args.checkpoints)) != args.checkpoints or args.checkpoints[0] < 0:
+        parser.error(f"--checkpoints must be increasing epochs >= 0, got {args.checkpoints}")
+    group = 8 if args.model_kind == "mini" else 4
+    if any(b % group or b < group for b in args.batch_sizes + [args.train_batch]):
+        parser.error(f"--batch-sizes and --train-batch must be multiples of {group}, got {args.batch_sizes}, "
+                     f"{args.train_batch}")
+    task = MiniTask(args) if args.model_kind == "mini" else ToyTask(args)
+    g = torch.Generator().manual_seed(args.seed)
+    optimizer = torch.optim.AdamW(task.params, lr=task.lr)
+    results, done = {}, 0
+    for c in args.checkpoints:
+        train_exact(task, optimizer, c - done, args.train_batch, args.inner_steps, g)
+        done = c
+        results[str(c)] = measure(task, args.batch_sizes, args.batches,
+                                  torch.Generator().manual_seed(args.seed * 7919 + c))
+    path = args.out or os.path.join("runs", f"equal_cost_error_{args.model_kind}.json")
+    write_json(path, {"args": vars(args), "setting": task.setting, "checkpoints": results})
+    return report(path)
+
+
+if __name__ == "__main__":
+    main()

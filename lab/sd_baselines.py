@@ -1,0 +1,63 @@
+"""train_sd.py with DanceGRPO's random steps in place of its gradient: a baseline for the mini SD3.
+
+    python lab/sd_baselines.py --random-steps 6 -- $(python lab/presets.py mini) --method exact --out DIR
+    lab/mini_equal_cost.sh [OUT]          # every baseline and JAGG on the mini SD3: lab/reports/equal_cost.md
+
+train_sd.py already trains Flow-GRPO's first steps (--timestep-fraction) and Flow-GRPO-Fast's SDE
+window (--sde-window); DanceGRPO's shuffle is not a JAGG option and stays here, in the lab. Each
+micro-batch back-propagates its own random --random-steps of the trained steps, exactly, the loss
+their mean: unbiased for exact GRPO's. DanceGRPO draws per sample; train_sd.py's velocity_fn serves
+a whole micro-batch, so here its samples share one draw (the same expectation, a larger variance;
+lab/toy_baselines.py draws per sample on the toy). Run with --method exact: the options' JAGG is
+not used. The draws are seeded by --seed; a resumed run draws anew.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jagg  # noqa: E402
+import jagg_options  # noqa: E402
+import train_sd  # noqa: E402
+
+WINDOW_GRADIENTS = jagg_options.window_gradients  # the original, which the baseline calls on its steps
+
+
+def random_steps(count, generator):
+    """A window_gradients that trains a random count of traj's steps, exactly, their mean as the loss."""
+    def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=None, probe_cosines=None):
+        T = traj.z.shape[0]
+        steps = sorted(torch.randperm(T, generator=generator)[:count].tolist())
+        sub = jagg.Trajectory(**{name: getattr(traj, name)[steps] for name in jagg.Trajectory.TENSORS},
+                              noise_level=traj.noise_level)  # their order kept; exact needs no neighbours
+        exact = jagg_options.JaggOptions(window=2, jagg_frac=0.0)  # every step exact: W only groups them
+        return WINDOW_GRADIENTS(velocity_fn, sub, advantages, cfg, exact, ref_velocity_fn)
+    return window_gradients
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ours, theirs = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--random-steps", type=int, required=True, help="K, the steps each micro-batch trains")
+    args = parser.parse_args(ours)
+    cfg = train_sd.validate(train_sd.parse(theirs))  # train_sd.py's own checks, before any work
+    if not 2 <= args.random_steps <= cfg.trained_steps():
+        parser.error(f"--random-steps must be in [2, {cfg.trained_steps()}] (the trained steps), "
+                     f"got {args.random_steps}")
+    if cfg.method != "exact":
+        parser.error("give train_sd.py --method exact: the baseline replaces its gradient")
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 17)
+    jagg_options.window_gradients = random_steps(args.random_steps, generator)
+    try:
+        return train_sd.main(theirs)
+    finally:
+        jagg_options.window_gradients = WINDOW_GRADIENTS
+
+
+if __name__ == "__main__":
+    main()

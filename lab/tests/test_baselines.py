@@ -1,0 +1,187 @@
+"""lab/toy_baselines.py: each cheap alternative's gradient against one written out here by hand
+(autograd of the loss each trainer states), DanceGRPO's random steps unbiased for exact GRPO's
+gradient, eff_grpo's JAGG on random windows the paper's JAGG window by window, and the runner."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
+
+import jagg  # noqa: E402
+import jagg_options  # noqa: E402
+import toy_baselines  # noqa: E402
+from flows import MLPFlow, as_velocity_fn, toy_batch  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    """float64 throughout, so that agreement shows as round-off (~1e-16), not fp32's ~1e-7."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def flat(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def by_hand(model, traj, adv, cfg, steps_of):
+    """Autograd of sum_n sum_{k in steps_of[n]} l_{n,k} / (B m): l the clipped surrogate of sample n at
+    step k, written here from jagg.sde_step's log-probability; m the steps each sample trains."""
+    model.zero_grad(set_to_none=True)
+    fn, B = as_velocity_fn(model), traj.z.shape[1]
+    m = len(steps_of[0])
+    total = 0.0
+    for n in range(B):
+        for k in steps_of[n]:
+            v = fn(traj.z[k : k + 1, n : n + 1], traj.t[k : k + 1, n : n + 1])[0]  # [1, d]
+            log_prob = jagg.sde_step(v, traj.z[k, n : n + 1], traj.t[k, n : n + 1], traj.t_next[k, n : n + 1],
+                                     cfg.noise_level, prev_sample=traj.z_next[k, n : n + 1])[1]
+            ratio = torch.exp(log_prob - traj.log_prob[k, n])
+            clipped = ratio.clamp(1 - cfg.clip_range, 1 + cfg.clip_range)
+            total = total + torch.maximum(-adv[n] * ratio, -adv[n] * clipped).sum() / (B * m)
+    total.backward()
+    return flat(model)
+
+
+def fns_of(model):
+    return lambda idx: (as_velocity_fn(model), None)
+
+
+def test_random_steps_are_the_loss_danceGRPO_states_and_unbiased():
+    torch.manual_seed(3)
+    model = MLPFlow()
+    traj, adv = toy_batch(model, T=6, B=5)
+    cfg = jagg.LossConfig(0.7, 0.2)
+    steps = [(k, k + 1) for k in range(6)]
+    g = torch.Generator().manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    stats, _ = toy_baselines.subset_gradients(fns_of(model), traj, adv, cfg, steps, 2, g)
+    got = flat(model)
+    g = torch.Generator().manual_seed(1)
+    chosen = [torch.randperm(6, generator=g)[:2].tolist() for _ in range(5)]  # the same draws, in order
+    torch.testing.assert_close(got, by_hand(model, traj, adv, cfg, chosen), rtol=1e-10, atol=1e-12)
+    assert stats["grad_rows"] == pytest.approx(2.0)  # 2 steps of each sample
+    # Every step drawn: exact GRPO's gradient (the mean over the steps), as window_gradients computes it.
+    model.zero_grad(set_to_none=True)
+    toy_baselines.subset_gradients(fns_of(model), traj, adv, cfg, steps, 6, g)
+    every = flat(model)
+    model.zero_grad(set_to_none=True)
+    jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(3, 0.0))
+    torch.testing.assert_close(every, flat(model), rtol=1e-10, atol=1e-12)
+    # Unbiased: the mean over all C(6, 2) pairs, drawn by every sample alike, is exact's gradient.
+    import itertools
+
+    pairs = list(itertools.combinations(range(6), 2))
+    mean = sum(by_hand(model, traj, adv, cfg, [list(p)] * 5) for p in pairs) / len(pairs)
+    torch.testing.assert_close(mean, every, rtol=1e-10, atol=1e-12)
+
+
+def test_first_steps_are_flow_grpos_loss():
+    torch.manual_seed(4)
+    model = MLPFlow()
+    traj, adv = toy_batch(model, T=6, B=4)
+    cfg = jagg.LossConfig(0.7, 0.2)
+    model.zero_grad(set_to_none=True)
+    stats, _ = toy_baselines.first_steps_gradients(fns_of(model), traj, adv, cfg, 4)
+    torch.testing.assert_close(flat(model), by_hand(model, traj, adv, cfg, [[0, 1, 2, 3]] * 4), rtol=1e-10,
+                               atol=1e-12)
+    assert stats["grad_rows"] == 4
+
+
+def test_jagg_on_random_windows_is_the_papers_jagg_window_by_window():
+    """eff_grpo's: each sample's own windows, JAGG on each; with every window drawn it is the paper's
+    JAGG on the whole batch, and with some, the sum of the paper's JAGG on each sample's windows."""
+    torch.manual_seed(5)
+    model = MLPFlow()
+    traj, adv = toy_batch(model, T=8, B=4)
+    cfg = jagg.LossConfig(0.7, 0.2)
+    windows = [(0, 4), (4, 8)]
+    g = torch.Generator().manual_seed(2)
+    model.zero_grad(set_to_none=True)
+    stats, _ = toy_baselines.subset_gradients(fns_of(model), traj, adv, cfg, windows, 1, g, by_jagg=True)
+    got = flat(model)
+    assert stats["grad_rows"] == pytest.approx(2.0)  # one window of each sample: 2 rows
+    g = torch.Generator().manual_seed(2)
+    chosen = [torch.randperm(2, generator=g)[:1].item() for _ in range(4)]
+    expected = 0
+    for n, w in enumerate(chosen):  # sample n alone, its window by the paper's JAGG, weighted 1 / (B m)
+        one = traj.subset([n])
+        start, stop = windows[w]
+        model.zero_grad(set_to_none=True)
+        step_loss = jagg.make_step_loss(one, adv[[n]], start, stop, cfg)
+        jagg.backward_jagg_window(as_velocity_fn(model), one.z[start:stop], one.t[start:stop],
+                                  lambda i, v: step_loss(i, v) * 8 / (4 * 4))
+        expected = expected + flat(model)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    model.zero_grad(set_to_none=True)
+    toy_baselines.subset_gradients(fns_of(model), traj, adv, cfg, windows, 2, g, by_jagg=True)
+    every = flat(model)
+    model.zero_grad(set_to_none=True)
+    jagg.paper_gradients(as_velocity_fn(model), traj, adv, cfg, window=4)
+    torch.testing.assert_close(every, flat(model), rtol=1e-10, atol=1e-12)
+
+
+def test_the_runner_trains_each_baseline_at_its_cost(tmp_path):
+    for baseline, flags, rows in (("random", [], 4), ("first", [], 4), ("window", [], 4),
+                                  ("jagg_random", [], 2), ("window", ["--window-jagg"], 2)):
+        out = tmp_path / f"{baseline}{len(flags)}"
+        toy_baselines.main(["--baseline", baseline, "--trained-steps", "4", *flags, "--method", "jagg",
+                            "--epochs", "2", "--group-size", "4", "--pretrain-steps", "5", "--eval-every", "1",
+                            "--eval-samples", "8", "--out", str(out)])
+        s = json.load(open(out / "summary.json"))
+        assert s["grad_rows"] == pytest.approx(rows * 4 * 2), (baseline, flags, s["grad_rows"])  # 4 steps, 2 epochs
+        assert s["mode"].startswith(baseline)
+    with pytest.raises(SystemExit, match="--trained-steps must be a multiple of --window 4"):
+        toy_baselines.main(["--baseline", "jagg_random", "--trained-steps", "6", "--out", str(tmp_path / "x")])
+
+
+def test_the_mini_sd3s_random_steps_are_one_draw_per_micro_batch():
+    """lab/sd_baselines.py's stand-in for window_gradients: the micro-batch's drawn steps, exactly, the
+    loss their mean, against autograd of that loss written out; it draws anew at each call."""
+    import sd_baselines
+
+    torch.manual_seed(6)
+    model = MLPFlow()
+    traj, adv = toy_batch(model, T=6, B=4)
+    cfg = jagg.LossConfig(0.7, 0.2)
+    gradient = sd_baselines.random_steps(3, torch.Generator().manual_seed(4))
+    model.zero_grad(set_to_none=True)
+    stats, _ = gradient(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions())
+    steps = sorted(torch.randperm(6, generator=torch.Generator().manual_seed(4))[:3].tolist())
+    got = flat(model)
+    torch.testing.assert_close(got, by_hand(model, traj, adv, cfg, [steps] * 4), rtol=1e-10, atol=1e-12)
+    assert stats["grad_rows"] == 3
+    model.zero_grad(set_to_none=True)
+    gradient(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions())
+    assert not torch.equal(flat(model), got)  # another draw
+
+
+def test_equal_cost_table_pairs_each_mode_with_exact_of_its_seed(tmp_path, capsys):
+    """summarize.py equal_cost on folders written here: the gain kept per seed is the mode's gain
+    over exact's of the same seed, the rows and times shares of exact's, and the picture is drawn."""
+    import summarize
+
+    gains = {"exact": [0.5, 0.4, 0.6], "jagg_w4": [0.45, 0.4, 0.54], "random8": [0.25, 0.3, 0.3]}
+    for mode, values in gains.items():
+        for seed, gain in enumerate(values):
+            rows, seconds = {"exact": (160, 10.0), "jagg_w4": (80, 6.0), "random8": (80, 9.0)}[mode]
+            folder = tmp_path / mode / f"seed{seed}"
+            folder.mkdir(parents=True)
+            (folder / "summary.json").write_text(json.dumps(
+                {"reward_gain": gain, "grad_rows": rows, "train_seconds": seconds + seed}))
+    points = summarize.equal_cost(str(tmp_path), str(tmp_path / "equal_cost.png"))
+    out = capsys.readouterr().out
+    assert "| jagg_w4 | 50 % |" in out and "| random8 | 50 % |" in out and "| exact | 100 % | 100 % (±0) |" in out
+    kept = [0.9, 1.0, 0.9]  # jagg_w4's gains over exact's, seed by seed
+    assert points["jagg_w4"][1] == pytest.approx(100 * sum(kept) / 3)
+    assert points["random8"][1] == pytest.approx(100 * (0.5 + 0.75 + 0.5) / 3)
+    assert points["jagg_w4"][0] == pytest.approx(100 * (6 / 10 + 7 / 11 + 8 / 12) / 3)  # the time, of exact's
+    assert points["random8"][4] == "random steps (DanceGRPO)" and (tmp_path / "equal_cost.png").stat().st_size > 1000

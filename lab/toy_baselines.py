@@ -1,0 +1,181 @@
+"""The field's cheap alternatives to JAGG, trained on the toy at a cost we choose: fewer steps with grad.
+
+    python lab/toy_baselines.py --baseline random --trained-steps 8 --out runs/b    # DanceGRPO's
+    python lab/toy_baselines.py --baseline first --trained-steps 8 --out runs/b     # Flow-GRPO's
+    python lab/toy_baselines.py --baseline window --trained-steps 8 --out runs/b    # Flow-GRPO-Fast's
+    python lab/toy_baselines.py --baseline jagg_random --trained-steps 8 --out runs/b  # eff_grpo's
+    lab/toy_equal_cost.sh [OUT]                 # every baseline and JAGG, 20 seeds: lab/reports/equal_cost.md
+
+GRPO trainers for flow models already back-propagate fewer steps than they sample; at the same
+number of rows with grad, does JAGG beat them? Each baseline trains --trained-steps of the T steps
+of each sample (the rest still sampled), on examples/toy_options.py's loop and train_toy.py's task
+(--method jagg runs the baseline; --method compare runs exact GRPO first, then it):
+- random: each sample's own random set of steps, every epoch anew, each back-propagated exactly
+  (DanceGRPO: timestep_fraction of a per-sample shuffle). Its loss is the mean over each sample's
+  trained steps, so its gradient is unbiased for exact GRPO's (the mean over all steps).
+- first: the first steps of every trajectory, in order (Flow-GRPO's timestep_fraction): biased, it
+  never trains the late steps.
+- window: an SDE window (Flow-GRPO-Fast): the steps from a random start, drawn each epoch, are
+  sampled by the SDE and trained; the rest run the ODE and are not. Exact, or JAGG with
+  --window-jagg (W = --window).
+- jagg_random: the paper's JAGG on each sample's own random set of windows, --trained-steps of its
+  steps in whole windows of --window (the authors' early code, eff_grpo's run_jagg.sh: W = 4 on 60 %
+  of the windows): 2 rows with grad per window trained.
+- late: not a cheaper alternative but a routing rule to hold the free score against: the
+  --jagg-frac share of the windows JAGG takes is the latest (lowest-noise) ones, always; the rest
+  exact. --trained-steps is not used.
+Rows with grad per sample, as JAGG counts them: random, first and window K; jagg_random 2 per window.
+"""
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jagg  # noqa: E402
+import jagg_options  # noqa: E402
+import train_sd  # noqa: E402
+import train_toy  # noqa: E402
+from train_toy import arg  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("toy_options", os.path.join(ROOT, "examples", "toy_options.py"))
+toy_options = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(toy_options)
+
+BASELINES = ("random", "first", "window", "jagg_random", "late")
+
+
+@dataclass
+class Args(toy_options.Args):
+    baseline: str = arg("random", "random, first, window or jagg_random (the docstring says each)")
+    trained_steps: int = arg(8, "K, the steps of each sample back-propagated (whole windows for jagg_random)")
+    window_jagg: bool = arg(False, "--baseline window: train the window's steps by JAGG at --window")
+
+
+def parse_args(argv=None):
+    """Args from the command line: train_toy.py's and examples/toy_options.py's flags, and the
+    baseline's; a bad value stops here in one line naming it."""
+    args = train_toy.parse_args(argv, Args, __doc__)
+    T, K, W = args.num_steps, args.trained_steps, args.window
+    rules = [("baseline", args.baseline in BASELINES, "one of " + ", ".join(BASELINES)),
+             ("trained_steps", 1 <= K <= T, f"in [1, --num-steps {T}]"),
+             ("trained_steps", args.baseline != "jagg_random" or (K % W == 0 and T % W == 0),
+              f"a multiple of --window {W}, which must divide --num-steps {T}, with jagg_random"),
+             ("window_jagg", not args.window_jagg or (args.baseline == "window" and W <= K),
+              f"only with --baseline window and --window <= --trained-steps {K}")]
+    for name, holds, must in rules:
+        if not holds:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be {must}, got {getattr(args, name)!r}")
+    return args
+
+
+def subset_gradients(fns, traj, advantages, cfg, segments, count, generator, by_jagg=False):
+    """Each sample's own random `count` of the equal-length segments [(start, stop), ...] of traj,
+    drawn with generator, each trained exactly step by step (by JAGG with by_jagg): the samples that
+    drew a segment form one sub-batch. The loss is the mean over each sample's trained steps and
+    over the samples, which both DanceGRPO and eff_grpo use, so with exact steps its expectation over
+    the draws is exact GRPO's loss. fns(idx) -> (velocity_fn, ref_velocity_fn) of samples idx.
+    Adds to .grad; returns (stats, chosen [B, count]) with stats as window_gradients' (grad_rows: per
+    sample, rows with grad as JAGG counts them)."""
+    T, B = traj.z.shape[:2]
+    length = segments[0][1] - segments[0][0]
+    jagg._check(all(b - a == length for a, b in segments), "the segments must be of equal length")
+    chosen = torch.stack([torch.randperm(len(segments), generator=generator)[:count] for _ in range(B)])
+    steps_each = count * length  # m, the steps each sample trains
+    log, loss, rows = [], 0.0, 0.0
+    for j, (start, stop) in enumerate(segments):
+        idx = (chosen == j).any(dim=1).nonzero().flatten()  # the samples that drew segment j
+        if len(idx) == 0:
+            continue
+        sub = traj.subset(idx)
+        velocity_fn, ref_fn = fns(idx)
+        z, t = sub.z[start:stop], sub.t[start:stop]  # [L, b, *D], [L, b]
+        v_ref = None
+        if cfg.beta > 0:
+            with torch.no_grad():
+                v_ref = ref_fn(z, t)
+        per_step = jagg.make_step_loss(sub, advantages[idx], start, stop, cfg, v_ref, log)
+        # make_step_loss: the mean over the b samples, over T; we want sum_b / (B * m)
+        scale = len(idx) * T / (B * steps_each)
+
+        def step_loss(i, v, per_step=per_step, scale=scale):
+            return per_step(i, v) * scale
+        jagg_here = by_jagg and length >= 3
+        backward = jagg.backward_jagg_window if jagg_here else jagg.backward_exact
+        loss += backward(velocity_fn, z, t, step_loss)
+        rows += (2 if jagg_here else length) * len(idx) / B
+    stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
+    stats.update(loss=loss, grad_rows=rows, routed_frac=float(by_jagg))
+    return stats, []
+
+
+def first_steps_gradients(fns, traj, advantages, cfg, count):
+    """Flow-GRPO's: exact GRPO on the first count steps of every trajectory (an SDE window's: all of
+    them), the loss their mean. Adds to .grad; returns (stats, [])."""
+    velocity_fn, ref_fn = fns(torch.arange(traj.z.shape[1]))
+    sub, log = traj.first_steps(count), []
+    v_ref = None
+    if cfg.beta > 0:
+        with torch.no_grad():
+            v_ref = ref_fn(sub.z, sub.t)  # [K, B, *D]
+    loss = jagg.backward_exact(velocity_fn, sub.z, sub.t,
+                               jagg.make_step_loss(sub, advantages, 0, count, cfg, v_ref, log))
+    stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
+    return {**stats, "loss": loss, "grad_rows": count, "routed_frac": 0.0}, []
+
+
+def window_rollout(args):
+    """Flow-GRPO-Fast's SDE window of K steps, from a start drawn each epoch in [0, T - K]."""
+    def rollout(velocity_fn, noise, sigmas, generator, epoch):
+        start = train_sd.window_start(epoch, args.trained_steps, 0, args.num_steps, seed=args.seed)
+        return train_sd.window_rollout(velocity_fn, noise, sigmas, args.noise_level, start,
+                                       args.trained_steps, generator)
+    return rollout
+
+
+def hooks(args):
+    """(gradient, rollout, mode) for examples/toy_options.run: the baseline's pieces."""
+    T, K, W = args.num_steps, args.trained_steps, args.window
+    cfg = jagg.LossConfig(args.noise_level, args.clip_range, args.beta)
+    g = torch.Generator().manual_seed(args.seed * 1000 + 7)  # the draws of steps, apart from the rollouts'
+    if args.baseline == "random":
+        def gradient(fns, traj, advantages):
+            return subset_gradients(fns, traj, advantages, cfg, [(k, k + 1) for k in range(T)], K, g)
+        return gradient, None, f"random{K}"
+    if args.baseline == "jagg_random":
+        def gradient(fns, traj, advantages):
+            windows = [(a, a + W) for a in range(0, T, W)]
+            return subset_gradients(fns, traj, advantages, cfg, windows, K // W, g, by_jagg=True)
+        return gradient, None, f"jagg_random{K}_w{W}"
+    if args.baseline == "late":  # a fixed ranking by position: route="probe" ranks by the values given
+        opts = jagg_options.JaggOptions(W, args.jagg_frac, route="probe")
+
+        def gradient(fns, traj, advantages):
+            velocity_fn, ref_fn = fns(torch.arange(traj.z.shape[1]))
+            positions = list(range(len(jagg.window_bounds(T, W))))  # later windows rank higher
+            return jagg_options.window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_fn, positions)
+        return gradient, None, f"late{args.jagg_frac:g}"
+    if args.baseline == "first":
+        def gradient(fns, traj, advantages):
+            return first_steps_gradients(fns, traj, advantages, cfg, K)
+        return gradient, None, f"first{K}"
+    if args.window_jagg:  # the window trained by window_gradients with the flags' JAGG options
+        return None, window_rollout(args), f"window{K}_jagg_w{W}"
+
+    def gradient(fns, traj, advantages):  # the window's K steps, exactly
+        return first_steps_gradients(fns, traj, advantages, cfg, K)
+    return gradient, window_rollout(args), f"window{K}"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    gradient, rollout, mode = hooks(args)
+    return toy_options.run(args, gradient, rollout, mode)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
