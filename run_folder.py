@@ -3,12 +3,14 @@
 Not JAGG's: what a long run (train_sd.py) needs around its training loop. Each error is a
 ValueError whose message is one line naming the file or flag and the fix; the trainer prints it
 and exits before any work.
-- claim_folder: one process holds the folder (a lock); a folder holding another run is refused.
+- claim_folder: one process holds the folder (a lock, which processes it forks do not keep); a
+  folder holding another run is refused.
 - atomic_write, write_json: a file is written beside its place and renamed over it, so a reader
   or a killed run sees the old file or the new one, never half of one.
 - read_checkpoint, changed_flags: a checkpoint is read safely (weights_only) and a resumed run
   must be the run that was saved.
-- stop_on_signals: Ctrl-C and SIGTERM end the run at a point where it can checkpoint.
+- stop_on_signals: Ctrl-C, SIGTERM (a cluster's preemption) and SIGHUP (a closed terminal) end
+  the run at a point where it can stop cleanly.
 """
 
 import contextlib
@@ -18,6 +20,7 @@ import json
 import math
 import os
 import signal
+import sys
 import tempfile
 
 import torch
@@ -45,9 +48,11 @@ def atomic_write(path, data, mode="w"):
     except BaseException as e:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, OSError):
-            raise WriteError(f"cannot write {path} ({e.strerror or e}); what was there before "
-                             "stands") from e
+        # torch.save reports a full disk as a RuntimeError ("... failed writing file ...")
+        full = isinstance(e, RuntimeError) and "writing file" in str(e)
+        if isinstance(e, OSError) or full:
+            why = getattr(e, "strerror", None) or ("the disk is full" if full else e)
+            raise WriteError(f"cannot write {path} ({why}); what was there before stands") from e
         raise
 
 
@@ -66,34 +71,59 @@ def write_json(path, obj):
     atomic_write(path, json_text(obj, indent=2))
 
 
-def claim_folder(out, run_files, resume=False, overwrite=False, resume_flag="--resume"):
+def claim_folder(out, run_files, resume=False, overwrite=False, resume_command=None):
     """Lock the folder out for this process (the lock holds until the returned file is closed) and
     check it may take a run: one that another process holds, that cannot be written, or that holds
     a run (any of run_files: paths inside out, glob patterns) without resume or overwrite is
-    refused. Removes the temporary files of a killed write; with overwrite, the old run's files."""
+    refused, naming resume_command, the command that continues that run (None: it cannot be).
+    Removes the temporary files of a killed write; with overwrite, the old run's files. The lock
+    file holds this process's id; a process it forks (a reward's workers) closes its copy."""
+    path = os.path.join(out, ".lock")
     try:
         os.makedirs(out, exist_ok=True)
-        lock = open(os.path.join(out, ".lock"), "a+")
+        lock = open(path, "a+")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise ValueError(f"--out {out!r} is in use by another run (it holds {out}/.lock): wait for "
-                         "it, or pick another folder") from None
+        lock.seek(0)
+        holder = lock.read().strip()  # "pid (command line)" of the run that locked it
+        lock.close()
+        pid = holder.split()[0] if holder else ""
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            raise ValueError(f"--out {out!r} is locked by a process that the ended process {pid} "
+                             f"started (a reward's worker, say): find it with `fuser {path}`, end "
+                             "it, or pick another folder") from None
+        holder = f"process {holder}" if holder else "another process"
+        raise ValueError(f"--out {out!r} is in use by {holder} (it holds {path}): wait for it, or "
+                         "pick another folder") from None
     except OSError as e:
         raise ValueError(f"--out {out!r} cannot be created or written to ({e.strerror or e}); "
                          "pass a writable folder") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()} ({' '.join(sys.argv)[:200]})\n")
+    lock.flush()
+    os.register_at_fork(after_in_child=lock.close)  # a fork would hold the lock past this run
 
     def inside(pattern):
         return glob.glob(os.path.join(glob.escape(out), pattern))
     found = sorted({os.path.relpath(path, out) for name in run_files for path in inside(name)})
     if found and not resume and not overwrite:
-        lock.close()
-        raise ValueError(f"--out {out!r} holds a run ({', '.join(found)}): continue it with "
-                         f"{resume_flag}, start afresh with --overwrite, or pick another folder")
+        release(lock)
+        go_on = f"continue it with {resume_command}, " if resume_command else ""
+        raise ValueError(f"--out {out!r} holds a run ({', '.join(found)}): {go_on}start afresh "
+                         "with --overwrite, or pick another folder")
     for tmp in inside(".tmp-*") + inside("*/.tmp-*"):
         os.remove(tmp)
     for name in found if overwrite else ():
         os.remove(os.path.join(out, name))
     return lock
+
+
+def release(lock):
+    """Free a folder claim_folder locked: its lock file emptied (no process id left), then closed."""
+    lock.seek(0)
+    lock.truncate()
+    lock.close()
 
 
 def read_checkpoint(path, keys, owner, mmap=False):
@@ -105,9 +135,13 @@ def read_checkpoint(path, keys, owner, mmap=False):
         if missing:
             raise ValueError(f"it has no {', '.join(sorted(missing))}")
     except Exception as e:
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        if "Weights only load failed" in str(e):  # torch's advice to unpickle it would run its code
+            why = "it holds more than tensors and plain data: not ours, or tampered with"
         raise ValueError(f"cannot resume: {path} is not a whole {owner} checkpoint "
-                         f"({type(e).__name__}: {str(e)[:200]}); start afresh with "
-                         "--overwrite") from None
+                         f"({type(e).__name__}: {why}); the run cannot go on from it: start it "
+                         "again in another --out, or here with --overwrite (which deletes its "
+                         "files)") from None
     return ckpt
 
 
@@ -120,15 +154,17 @@ def changed_flags(saved, flags, may_change=()):
 
 @contextlib.contextmanager
 def stop_on_signals():
-    """Inside, Ctrl-C (SIGINT) and SIGTERM are recorded in the yielded list instead of stopping the
-    process, so that a trainer ends its epoch, checkpoints and exits; a second one acts at once."""
+    """Inside, Ctrl-C (SIGINT), SIGTERM and SIGHUP are recorded in the yielded list instead of
+    stopping the process, so that a trainer stops where it can stop cleanly; a second signal of
+    the same kind acts at once (Ctrl-C: KeyboardInterrupt)."""
     received = []
 
     def handler(signum, frame):
         received.append(signal.Signals(signum).name)
         again = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
         signal.signal(signum, again)
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield received
     finally:

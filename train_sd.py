@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import importlib
 import io
 import json
@@ -55,13 +56,15 @@ class Config:
                       "diffusers StableDiffusion3Pipeline: hub id or folder")
     prompts: str = flag("", "text file, one prompt a line; empty: a small built-in list")
     reward: str = flag("jpeg_compressibility",
-                       "a name in REWARDS, module:function, or a CLIP folder (PickScore)")
+                       "a name in REWARDS; module:function, imported at start (its module's "
+                       "code runs, even when the run is then refused) and importable from "
+                       "here; or a CLIP folder (PickScore)")
     resolution: int = flag(0, "image size in pixels, a multiple of 16; 0: 512 (Flow-GRPO's), or "
                               "the model's if smaller")
     out: str = flag("runs/sd", "output folder, one run's: config.json, metrics.jsonl, "
                                "samples_*.png, weights, checkpoint.pt")
-    resume: str = flag("", "continue the run in this folder; only --epochs (more), --eval-every "
-                           "and --out may change")
+    resume: str = flag("", "continue the run in this folder with its flags; only --epochs (more), "
+                           "--eval-every, --checkpoint-every and --out may change")
     overwrite: bool = flag(False, "start afresh in an --out that holds a run, deleting its files")
     seed: int = flag(0, "random seed; each rank adds its rank to the sampling seed", ">= 0")
     method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg",
@@ -100,7 +103,9 @@ class Config:
                                               "save memory")
     ema: bool = flag(True, "keep an EMA of the trained weights: evaluated and saved (Flow-GRPO's)")
     eval_every: int = flag(10, "every N epochs and at the last: evaluate on fixed prompts and "
-                               "noise, checkpoint", ">= 1")
+                               "noise", ">= 1")
+    checkpoint_every: int = flag(1, "every N epochs and at the last: checkpoint (a stop or a kill "
+                                    "loses the epochs since)", ">= 1")
     eval_samples: int = flag(8, "samples per evaluation: the prompt list in order, cycled", ">= 1")
     fsdp: bool = flag(False, "under torchrun, shard the transformer with FSDP2 (else DDP)")
     window: int = flag(4, "W, sampling steps per window (the paper's) or per segment between "
@@ -141,7 +146,8 @@ class Config:
 # Flow-GRPO's settings that nothing here varies: fixed, and saved in config.json beside the flags.
 FIXED = dict(adv_clip=5.0, weight_decay=1e-4, max_grad_norm=1.0, ema_decay=0.9, ema_every=8,
              probe_decay=0.5)
-RESUMABLE = ("epochs", "eval_every", "out", "resume", "overwrite", "benchmark")  # may change
+RESUMABLE = ("epochs", "eval_every", "checkpoint_every", "out", "resume", "overwrite",
+             "benchmark")  # what --resume may change
 DEFAULT_PROMPTS = ["a photo of a cat sitting on a windowsill",
                    "a red bicycle leaning against a brick wall", "a bowl of ramen with chopsticks",
                    "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
@@ -149,8 +155,9 @@ DEFAULT_PROMPTS = ["a photo of a cat sitting on a windowsill",
                    "a bunch of sunflowers in a vase"]
 
 
-def parse(argv=None):
-    """Config from the command line: each field a --flag with its help (booleans get --no-...)."""
+def parser_of(defaults=True):
+    """The command line's parser: each Config field a --flag with its help (booleans get --no-...);
+    without defaults, a flag not given is left out of what it parses."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
@@ -158,18 +165,36 @@ def parse(argv=None):
             kind = dict(action=argparse.BooleanOptionalAction)
         else:
             kind = dict(type=f.type, choices=f.metadata["choices"])
-        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+        default = f.default if defaults else argparse.SUPPRESS
+        parser.add_argument("--" + f.name.replace("_", "-"), default=default,
                             help=f.metadata["help"], **kind)
-    return Config(**vars(parser.parse_args(argv)))
+    return parser
+
+
+def parse(argv=None):
+    """Config from the command line."""
+    return Config(**vars(parser_of().parse_args(argv)))
+
+
+def given_flags(argv=None):
+    """The fields whose flags argv names: --resume takes the others from the run."""
+    return set(vars(parser_of(defaults=False).parse_args(argv)))
 
 
 def fail(message):  # one line, no traceback
     raise SystemExit(f"error: {message}")
 
 
-def validate(cfg):
+def validate(cfg, given=None):
     """Every bad value ends the run here in one line naming it, before any model loads. Returns
-    cfg resolved (the resolution read from the model folder, --out where --resume is)."""
+    cfg resolved: the resolution read from the model folder, --out where --resume is, and with
+    --resume the run's own flags for those not given (given: the fields the command line named;
+    None: all of them)."""
+    if cfg.resume and os.path.isfile(checkpoint_path(cfg.resume)) and given is not None:
+        saved = read_checkpoint(cfg.resume, mmap=True)["config"]
+        keep = {k: v for k, v in saved.items() if k in Config.__dataclass_fields__
+                and k not in given and k not in ("out", "resume", "overwrite", "benchmark")}
+        cfg = dataclasses.replace(cfg, **keep)
     floats = [(n, v) for n, v in dataclasses.asdict(cfg).items() if isinstance(v, float)]
     finite = [(math.isfinite(v), n, "a finite number") for n, v in floats]
     for ok, name, must in finite + cfg.ranges():  # every float finite, then in its declared range
@@ -205,28 +230,33 @@ def validate(cfg):
          "--resume continues a run, --overwrite deletes it: give one"),
         (not cfg.resume or os.path.isfile(checkpoint_path(cfg.resume)),
          f"--resume {cfg.resume!r} holds no checkpoint ({checkpoint_path(cfg.resume)}): give a "
-         "run's folder"),
+         f"run's folder; a run stopped before its first checkpoint starts again with --out "
+         f"{cfg.resume} --overwrite"),
         (not cfg.resume or cfg.out in (Config.out, cfg.resume),
          f"--resume writes where the run is: drop --out {cfg.out!r} or give --out {cfg.resume!r}")]
     for ok, message in checks:
         if not ok:
             fail(message)
     cfg = dataclasses.replace(cfg, out=cfg.resume or cfg.out, resolution=check_model(cfg))
+    if not cfg.benchmark:
+        load_reward(cfg.reward, check_only=True)
+        read_prompts(cfg)  # a missing, binary or empty file ends here
     if cfg.resume:  # the checkpoint's resolved flags: any that changes what is trained is refused
         saved = read_checkpoint(cfg.resume, mmap=True)
         flags = dataclasses.asdict(cfg)
         if not cfg.resolution:  # a hub id's resolution is known once it loads: the run's
             flags["resolution"] = saved["config"]["resolution"]
-        differ = run_folder.changed_flags(saved["config"], flags, RESUMABLE)
+        # --model and --prompts are compared by what they hold (run_identity), not as strings
+        differ = run_folder.changed_flags(saved["config"], flags, RESUMABLE + ("model", "prompts"))
         if differ:
-            fail(f"--resume: {', '.join(differ)}; give the run's (only --epochs, --eval-every and "
-                 "--out may change)")
+            fail(f"--resume: {', '.join(differ)}; give the run's, or leave the flag out (only "
+                 "--epochs, --eval-every, --checkpoint-every and --out may change)")
         if cfg.epochs < saved["epoch"]:
             fail(f"--resume: --epochs {cfg.epochs} is below the checkpoint's epoch "
                  f"{saved['epoch']}: give --epochs >= {saved['epoch']}")
-    if not cfg.benchmark:
-        load_reward(cfg.reward, check_only=True)
-        read_prompts(cfg)  # a missing, binary or empty file ends here
+        differ = changed_identity(saved["identity"], run_identity(cfg))
+        if differ:
+            fail(f"--resume: {differ[0]}; resuming would train another run than the one saved")
     return cfg
 
 
@@ -259,9 +289,12 @@ def claim_out(cfg):
     holding a run."""
     run_files = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt", "*.safetensors",
                  "samples_*.png")
+    resume = None  # how to continue the run the folder holds, if it has a checkpoint
+    if os.path.isfile(checkpoint_path(cfg.out)):
+        resume = f"python train_sd.py --resume {cfg.out}"
     try:
         return run_folder.claim_folder(cfg.out, () if cfg.benchmark else run_files, cfg.resume,
-                                       cfg.overwrite, f"--resume {cfg.out}")
+                                       cfg.overwrite, resume)
     except ValueError as e:
         fail(e)
 
@@ -291,6 +324,10 @@ def check_model(cfg):
     if cfg.benchmark and cfg.resolution:
         return cfg.resolution
     tc = read_json(os.path.join(path, "transformer", "config.json"))
+    if tc.get("_class_name", "SD3Transformer2DModel") != "SD3Transformer2DModel":
+        fail(f"--model {cfg.model!r} holds a {tc['_class_name']}: train_sd.py trains an SD3 "
+             "transformer (SD3Transformer2DModel); another family replaces its model block "
+             "(examples/diffusers_models.py has the recipes)")
     vc = read_json(os.path.join(path, "vae", "config.json"))
     factor = 2 ** (len(vc.get("block_out_channels", [0] * 4)) - 1)  # the VAE's, as diffusers'
     size = cfg.resolution or min(512, tc["sample_size"] * factor)
@@ -358,6 +395,31 @@ def latent_shape(pipe, transformer, resolution):
     """One sample's latents, *D = [C, h, w], for images of resolution pixels."""
     h = resolution // pipe.vae_scale_factor
     return (transformer.config.in_channels, h, h)
+
+
+def fit_prompts(pipe, prompts):
+    """The prompts cut, once, to the tokens the pipeline's longest text encoder takes (T5's 256, or
+    CLIP's 77 without T5), with one warning: a longer line would cost time and memory at every
+    encoding, and a warning each time, for nothing. CLIP sees a prompt's first 77 tokens."""
+    import logging
+    tokenizer, limit = pipe.tokenizer, pipe.tokenizer.model_max_length  # CLIP's 77
+    if pipe.tokenizer_3 is not None:
+        tokenizer, limit = pipe.tokenizer_3, 256  # T5's, as encode passes it
+    out, cut = [], 0
+    for prompt in prompts:
+        capped = prompt[: 16 * limit]  # no token is 16 characters: enough to tokenize, bounded
+        ids = tokenizer(capped, add_special_tokens=False, verbose=False).input_ids
+        if len(ids) >= limit or len(capped) < len(prompt):
+            prompt = tokenizer.decode(ids[: limit - 1], skip_special_tokens=True)
+            cut += 1
+        out.append(prompt)
+    if cut:
+        print(f"warning: {cut} prompt(s) longer than the {limit} tokens the text encoder takes "
+              "were cut to them, once, here")
+    # diffusers warns at every encoding of a prompt longer than CLIP's 77 tokens: said here once
+    sd3 = "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3"
+    logging.getLogger(sd3).setLevel(logging.ERROR)
+    return out
 
 
 @torch.no_grad()
@@ -540,14 +602,27 @@ def pickscore(folder, device):
     return reward_fn
 
 
-def rewards_of(reward_fn, images, prompts):
-    """[B] rewards; NaN for a broken sample (decode's info["finite"] False): it is never scored."""
+def rewards_of(reward_fn, images, prompts, name="the reward"):
+    """[B] rewards; NaN for a broken sample (decode's info["finite"] False): it is never scored.
+    The contract of a reward_fn, checked at every call: one number per image it is given, in
+    their order (a list, an array or a tensor [n] or [n, 1]); anything else ends the run in one
+    line naming name. A NaN or inf it gives is kept: the caller counts and excludes it."""
     ok = [im.info.get("finite", True) for im in images]
     rewards = torch.full((len(images),), math.nan)  # [B]
     if any(ok):
+        n = sum(ok)
         scored = reward_fn([im for im, k in zip(images, ok) if k],
                            [p for p, k in zip(prompts, ok) if k])
-        rewards[torch.tensor(ok)] = torch.as_tensor(scored, dtype=torch.float32).reshape(-1)
+        try:
+            values = torch.as_tensor(scored, dtype=torch.float32)
+        except Exception:  # strings, None, ragged lists
+            values = None
+        if values is None or values.ndim not in (1, 2) or values.numel() != n or (
+                values.ndim == 2 and values.shape[1] != 1):
+            got = type(scored).__name__ if values is None else f"shape {tuple(values.shape)}"
+            fail(f"--reward {name} returned {got} for {n} images: it must return {n} numbers, "
+                 "one per image, in their order")
+        rewards[torch.tensor(ok)] = values.reshape(-1)
     return rewards
 
 
@@ -614,17 +689,25 @@ def cat_trajectories(trajs):
     return jagg.Trajectory(**tensors, noise_level=trajs[0].noise_level)
 
 
+class Stopped(Exception):
+    """A stop signal reached every rank mid-epoch: the epoch's work since its checkpoint is lost."""
+
+
 @torch.no_grad()
-def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_start=None):
+def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_start=None,
+           stop_now=None):
     """Roll out the prompts in chunks of --train-batch in eval mode (with window_start, an SDE
     window of --sde-window steps from there, the ODE elsewhere; without, the SDE throughout).
-    Returns (traj [T, B, ...], cond, uncond, images)."""
+    Returns (traj [T, B, ...], cond, uncond, images). stop_now() -> True between chunks raises
+    Stopped."""
     start, size = 0, len(sigmas) - 1  # jagg.rollout's
     if window_start is not None:
         start, size = window_start, cfg.sde_window
     shape = latent_shape(pipe, transformer, cfg.resolution)  # [C, h, w]
     trajs, conds, unconds, images = [], [], [], []
     for s in range(0, len(prompts), cfg.train_batch):
+        if stop_now is not None and stop_now():
+            raise Stopped
         chunk = prompts[s : s + cfg.train_batch]
         cond, uncond = encode(pipe, chunk, sigmas.device)
         noise = torch.randn(len(chunk), *shape, generator=generator, device=sigmas.device)
@@ -646,13 +729,13 @@ def evaluation_prompts(cfg, prompts_all):
 
 
 def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
-                    noise_seed=None):
+                    noise_seed=None, name="the reward"):
     """(images, rewards [N]) of the prompts, each with its own noise, fixed by --seed (or by
     noise_seed)."""
     seed = cfg.seed + 12345 if noise_seed is None else noise_seed
     g = torch.Generator(device=sigmas.device).manual_seed(seed)
     images = sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16)[3]
-    return images, rewards_of(reward_fn, images, prompts)
+    return images, rewards_of(reward_fn, images, prompts, name)
 
 
 def sample_grid(images, prompts, rewards, cell=96):
@@ -698,28 +781,88 @@ def checkpoint_path(run):
     return os.path.join(run, "checkpoint.pt")
 
 
+def model_identity(model):
+    """A model folder by what it holds, not by the string typed: its resolved path and a hash of its
+    json files (model_index, configs, the tokenizers') and of its weight files' names and sizes.
+    A hub id: the id itself (resolved only once it loads)."""
+    path = os.path.expanduser(model)
+    if not os.path.isdir(path):
+        return {"path": model, "hash": None}
+    digest = hashlib.sha256()
+    for folder, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            file = os.path.join(folder, name)
+            digest.update(os.path.relpath(file, path).encode())
+            if name.endswith(".json"):
+                with open(file, "rb") as f:
+                    digest.update(f.read())
+            else:  # weights and the rest: their size (reading gigabytes would take minutes)
+                digest.update(str(os.path.getsize(file)).encode())
+    return {"path": os.path.realpath(path), "hash": digest.hexdigest()}
+
+
+def run_identity(cfg):
+    """What makes a run the run it is beyond its flags, saved in its checkpoint and compared on
+    resume: the number of processes (a group's samples span the ranks, so another count trains
+    another run), the model (model_identity), the prompts (a hash of the list) and FIXED."""
+    prompts = hashlib.sha256(json.dumps(read_prompts(cfg)).encode()).hexdigest()
+    return {"processes": int(os.environ.get("WORLD_SIZE", 1)), "model": model_identity(cfg.model),
+            "prompts": prompts, "fixed": dict(FIXED)}
+
+
+def changed_identity(saved, now):
+    """Why a resumed run would not be the saved run: one text per difference; empty when none."""
+    out = []
+    if saved["processes"] != now["processes"]:
+        how = f"torchrun --nproc_per_node {saved['processes']}"
+        if saved["processes"] == 1:
+            how = "one process, without torchrun"
+        out.append(f"the run trained on {saved['processes']} process(es) and this one has "
+                   f"{now['processes']}: resume it with {how}")
+    if saved["model"]["hash"] != now["model"]["hash"] or (
+            saved["model"]["hash"] is None and saved["model"]["path"] != now["model"]["path"]):
+        out.append(f"--model is {now['model']['path']}, not the model the run trained "
+                   f"({saved['model']['path']}): give that one")
+    if saved["prompts"] != now["prompts"]:
+        out.append("the prompts are not the run's (its --prompts file changed, or it is another "
+                   "one): restore the run's")
+    for key in sorted(set(saved["fixed"]) | set(now["fixed"])):
+        if saved["fixed"].get(key) != now["fixed"].get(key):
+            out.append(f"train_sd.py's FIXED {key} is {now['fixed'].get(key)}, the run's "
+                       f"{saved['fixed'].get(key)}: restore it")
+    return out
+
+
 def whole(tensors):  # {name: tensor} gathered whole (FSDP's shards), in fp32 on the CPU
     return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
             .contiguous() for n, t in tensors.items()}
 
 
-def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average):
-    """Every rank gathers the state (FSDP's shards); rank 0 writes it as one file, atomically,
-    then the weights. Tensors and plain data only, so that it is read with weights_only; the
-    optimizer state keyed by name."""
+def save_weights(out, state, lora_rank):
+    """The trained weights for users (the EMA if kept), as safetensors, whole or not at all."""
     from safetensors.torch import save
+    weights = state["ema"] or state["weights"]
+    atomic_write(weights_path(out, lora_rank), lambda f: f.write(save(weights)), "wb")
+
+
+def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe_average,
+                    identity):
+    """Every rank gathers the state (FSDP's shards); rank 0 writes the weights, then the checkpoint
+    as one file, each atomically. The checkpoint comes last: a kill or a full disk between the two
+    leaves the older checkpoint, which a resumed run trains on from (its weights rewritten), never
+    a checkpoint newer than its weights. Tensors and plain data only, so that it is read with
+    weights_only; the optimizer state keyed by name."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = dict(epoch=epoch, config=config, rows=rows, probe_average=probe_average,
-                 weights=whole(trainable(transformer)), ema=ema and whole(ema),
+                 weights=whole(trainable(transformer)), ema=ema and whole(ema), identity=identity,
                  optimizer=get_optimizer_state_dict(transformer, optimizer, options=options))
     if not dist.is_initialized() or dist.get_rank() == 0:
+        save_weights(out, state, config["lora_rank"])
         atomic_write(checkpoint_path(out), lambda f: torch.save(state, f), "wb")
-        weights = state["ema"] or state["weights"]
-        atomic_write(weights_path(out, config["lora_rank"]), lambda f: f.write(save(weights)), "wb")
 
 
 def read_checkpoint(run, mmap=False):  # save_checkpoint's dict, or one line naming it
-    keys = ("epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer")
+    keys = ("epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer", "identity")
     try:
         return run_folder.read_checkpoint(checkpoint_path(run), keys, "train_sd.py", mmap)
     except ValueError as e:
@@ -767,17 +910,19 @@ def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs 
 
 
 def train(cfg, stop=()):
-    """One run; stop: the signals received, which end it after their epoch, checkpointed.
-    Returns (rows, summary)."""
+    """One run; stop: the signals received (run_folder.stop_on_signals), which end it at the next
+    optimizer step or rollout chunk, every rank alike: at an epoch's end after its checkpoint,
+    mid-epoch without one (its work is redone on resume). Returns (rows, summary)."""
     rank, world = grpo_step.init_distributed(always=cfg.fsdp)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
     device = pick_device()
     use_bf16 = device.type == "cuda"  # bf16 autocast on a GPU
     if use_bf16:
         torch.cuda.set_device(device)
-    prompts_all, reward_fn = read_prompts(cfg), load_reward(cfg.reward, device)
+    reward_fn = load_reward(cfg.reward, device)
     dtype = torch.bfloat16 if use_bf16 else torch.float32
     pipe, transformer = load_pipeline(cfg, device, dtype)
+    prompts_all = fit_prompts(pipe, read_prompts(cfg))
     resolution = cfg.resolution or default_resolution(pipe, transformer)  # a hub id's, now
     cfg = dataclasses.replace(cfg, resolution=resolution)
     ref_transformer = None  # the KL reference under full fine-tuning: frozen, in the pipe's dtype
@@ -803,7 +948,25 @@ def train(cfg, stop=()):
                                  options=StateDictOptions(full_state_dict=True))
         if ema is not None:
             ema = {n: as_param(ckpt["ema"][n], p) for n, p in trainable(transformer).items()}
+        if rank == 0:  # the weights file is the checkpoint's, whatever a kill left there
+            save_weights(cfg.out, ckpt, cfg.lora_rank)
     start_epoch, rows, probe_avg = ckpt["epoch"], ckpt["rows"], ckpt["probe_average"]
+    checkpointed = start_epoch if cfg.resume else None  # the epoch of the newest checkpoint
+    identity = run_identity(cfg)
+    launcher = "python train_sd.py"
+    if world > 1:
+        launcher = f"torchrun --nproc_per_node {world} train_sd.py"
+
+    def stop_now():  # a signal on any rank stops every rank at the same point
+        return bool(grpo_step.all_gather_cat(torch.tensor([len(stop)], device=device)).sum())
+
+    def stopped(where):  # the line a stopped run ends with: a command that goes on from here
+        signal = stop[0] if stop else "a signal to another rank"
+        if checkpointed is None:
+            return (f"stopped by {signal} {where}, before the first checkpoint: start again with "
+                    "the same command and --overwrite")
+        return (f"stopped by {signal} {where}; the checkpoint of epoch {checkpointed} stands: go "
+                f"on with {launcher} --resume {cfg.out}")
     config = {**dataclasses.asdict(cfg), "fixed": FIXED}
     if rank == 0:
         write_json(os.path.join(cfg.out, "config.json"), config)
@@ -837,7 +1000,7 @@ def train(cfg, stop=()):
             trained = {n: p.detach().clone() for n, p in trainable(transformer).items()}
             load_weights(transformer, ema)
         images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn,
-                                          use_bf16)
+                                          use_bf16, name=cfg.reward)
         if ema is not None:
             load_weights(transformer, trained)
         if rank == 0:
@@ -845,8 +1008,14 @@ def train(cfg, stop=()):
             atomic_write(os.path.join(cfg.out, f"samples_{epoch:04d}.png"),
                          lambda f: grid.save(f, format="PNG"), "wb")
             ok = rewards.isfinite()  # [N]: a broken sample has no reward, and is counted
+            broken = sum(not im.info.get("finite", True) for im in images)
             row["eval/reward"] = rewards[ok].mean().item()
-            row["eval/nonfinite_samples"] = int((~ok).sum())
+            row["eval/nonfinite_samples"] = int((~ok).sum())  # broken, or a NaN or inf reward
+            row["eval/nonfinite_rewards"] = int((~ok).sum()) - broken
+            if row["eval/nonfinite_rewards"]:
+                print(f"warning: epoch {epoch}'s evaluation: {row['eval/nonfinite_rewards']} of "
+                      f"{len(images)} rewards were not finite; eval/reward is the mean of the "
+                      f"other {int(ok.sum())}")
             if hasattr(reward_fn, "eval_metrics"):  # a custom reward's own evaluation figures
                 metrics = reward_fn.eval_metrics(images, eval_prompts)
                 row.update({f"eval/{k}": v for k, v in metrics.items()})
@@ -866,7 +1035,7 @@ def train(cfg, stop=()):
     # one would. The prompts are the same on every rank, the noise differs: a prompt's group
     # spans the ranks.
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
-        # --- rollouts: sample, decode, reward
+        # --- rollouts: sample, decode, reward; a stop signal ends the epoch at once (Stopped)
         epoch_start = time.perf_counter()
         epoch_seed = cfg.seed * 1_000_003 + epoch
         prompt_gen = torch.Generator().manual_seed(epoch_seed)
@@ -878,9 +1047,14 @@ def train(cfg, stop=()):
         if cfg.sde_window:  # the same on every rank
             start = window_start(epoch, cfg.sde_window, 0, cfg.sde_range_end or cfg.num_steps - 1,
                                  seed=cfg.seed)
-        traj, cond, uncond, images = sample(pipe, transformer, prompts, cfg, sigmas, noise_gen,
-                                            use_bf16, start)
-        rewards = rewards_of(reward_fn, images, prompts).to(device)  # [B]; NaN: a broken sample
+        try:
+            traj, cond, uncond, images = sample(pipe, transformer, prompts, cfg, sigmas, noise_gen,
+                                                use_bf16, start, stop_now)
+        except Stopped:
+            fail(stopped(f"in epoch {epoch}'s rollouts"))
+        rewards = rewards_of(reward_fn, images, prompts, cfg.reward).to(device)  # [B]; NaN: none
+        broken = sum(not im.info.get("finite", True) for im in images)  # images that did not decode
+        broken = grpo_step.all_gather_cat(torch.tensor([broken], device=device)).sum().item()
         # --- advantages over groups gathered from every rank, a broken sample dropped from its
         # group; then this rank's slice
         all_rewards = grpo_step.all_gather_cat(rewards)  # [world * B]
@@ -892,7 +1066,12 @@ def train(cfg, stop=()):
         row = {"epoch": epoch, "method": cfg.method, "mode": opts.mode_name(cfg.method),
                "train/lr": cfg.lr, "rollout/reward_mean": all_rewards[ok].mean().item(),
                "rollout/reward_std": all_rewards[ok].std().item(),
-               "rollout/nonfinite_samples": int((~ok).sum())}
+               "rollout/nonfinite_samples": int((~ok).sum())}  # broken, or a NaN or inf reward
+        row["rollout/nonfinite_rewards"] = int((~ok).sum()) - broken
+        if row["rollout/nonfinite_rewards"] and rank == 0:
+            print(f"warning: epoch {epoch}: {row['rollout/nonfinite_rewards']} of "
+                  f"{len(all_rewards)} rewards were not finite; those samples are left out of the "
+                  "advantages")
         if start is not None:
             row["rollout/sde_window_start"] = start
         perm = torch.randperm(len(prompts), generator=prompt_gen)
@@ -952,6 +1131,9 @@ def train(cfg, stop=()):
                 decay = min(step / (9 + step), FIXED["ema_decay"])  # Flow-GRPO's, s = step - 1
                 for n, p in trainable(transformer).items():
                     ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
+            if i + 1 < len(steps) and stop_now():  # a stop mid-epoch: its steps are redone later
+                fail(stopped(f"in epoch {epoch}, after {i + 1} of its {len(steps)} optimizer "
+                             "steps"))
         # --- logging and the checkpoint
         row.update(epoch_figures(stats))
         row["time/train_seconds"] = time.perf_counter() - epoch_start  # not the evaluation
@@ -967,19 +1149,18 @@ def train(cfg, stop=()):
                   f"{row['train/clipfrac']:.3f} approx_kl {row['train/approx_kl']:.2e} routed "
                   f"{row['train/routed_frac']:.2f} grad {row['time/grad_seconds']:.1f} s{skipped}",
                   flush=True)
-        signals = grpo_step.all_gather_cat(torch.tensor([len(stop)], device=device))
-        stopping = bool(signals.sum())  # every rank alike
-        last = epoch % cfg.eval_every == 0 or epoch == cfg.epochs
-        if evaluates and last:
+        stopping = stop_now()  # every rank alike
+        if evaluates and (epoch % cfg.eval_every == 0 or epoch == cfg.epochs) and not stopping:
             evaluate(epoch, row)
-        if last or stopping:
-            save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, config, probe_avg)
+        if epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs or stopping:
+            save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, config, probe_avg,
+                            identity)
+            checkpointed = epoch
         if rank == 0:
             metrics = "".join(run_folder.json_text(r) + "\n" for r in rows)
             atomic_write(os.path.join(cfg.out, "metrics.jsonl"), metrics)
         if stopping:
-            fail(f"stopped by {stop[0] if stop else 'a signal to another rank'} after epoch "
-                 f"{epoch}, checkpointed: go on with --resume {cfg.out}")
+            fail(stopped(f"after epoch {epoch}"))
     if dist.is_initialized():
         dist.barrier()
     summary = summarize(cfg, rows) if rank == 0 else None
@@ -1060,22 +1241,30 @@ def benchmark(cfg):
     return result
 
 
-# === 8. The command line. Ctrl-C and SIGTERM stop the run at the end of the epoch, checkpointed ===
+# === 8. The command line. Ctrl-C, SIGTERM, SIGHUP stop every rank at its next optimizer step ===
 def main(argv=None):
-    cfg = validate(parse(argv))
+    cfg = validate(parse(argv), given_flags(argv))
     lock = claim_out(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
+    launcher = "python train_sd.py"
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        launcher = f"torchrun --nproc_per_node {os.environ['WORLD_SIZE']} train_sd.py"
+
+    def go_on():  # how to go on from what the folder holds: a command that works
+        if os.path.isfile(checkpoint_path(cfg.out)):
+            return f"go on with {launcher} --resume {cfg.out}"
+        return "start again with the same command and --overwrite"
     try:
         with run_folder.stop_on_signals() as stop:
             if cfg.benchmark:
                 return benchmark(cfg)
             rows, summary = train(cfg, stop)
     except run_folder.WriteError as e:  # a full disk, say: the last checkpoint stands
-        if os.path.isfile(checkpoint_path(cfg.out)):
-            fail(f"{e}: free space, then go on with --resume {cfg.out}")
-        fail(f"{e}: free space, then start again with --overwrite")
+        fail(f"{e}: free space, then {go_on()}")
+    except KeyboardInterrupt:  # a second Ctrl-C acts at once
+        fail(f"stopped at once by a second Ctrl-C; {go_on()}")
     finally:
         if lock:
-            lock.close()
+            run_folder.release(lock)
     if not sum(r.get("train/optimizer_steps", 1) for r in rows if r["epoch"]):
         fail(f"no optimizer step was taken in {cfg.epochs} epochs "
              f"({summary and summary['skipped_steps']} skipped as non-finite, "

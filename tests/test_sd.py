@@ -7,7 +7,9 @@ the benchmark, full fine-tuning with EMA and PickScore, Flow-GRPO's defaults, th
 
 import dataclasses
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -138,11 +140,12 @@ WHOLE = dict(rows=[{"epoch": 0}], probe_average=None, weights={"w": torch.ones(2
 
 
 def fake_checkpoint(tiny, out, epoch, **state):
-    """OUT/checkpoint.pt holding a run_args run's config at epoch, and state (no weights unless given)."""
+    """OUT/checkpoint.pt holding a run_args run's config and identity at epoch, and state (no
+    weights unless given)."""
     cfg = train_sd.validate(train_sd.parse(run_args(tiny, out)))
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"epoch": epoch, "config": {**dataclasses.asdict(cfg), "fixed": train_sd.FIXED}, **state},
-               out / "checkpoint.pt")
+    torch.save({"epoch": epoch, "config": {**dataclasses.asdict(cfg), "fixed": train_sd.FIXED},
+                "identity": train_sd.run_identity(cfg), **state}, out / "checkpoint.pt")
     return out / "checkpoint.pt"
 
 
@@ -159,7 +162,8 @@ def test_resume_refuses_what_changes_the_run_before_any_model_loads(tiny, tmp_pa
     run = cli(*run_args(tiny, out, "--window", "3", "--lr", "1", "--seed", "5", "--resume", str(out)), cwd=tmp_path)
     assert run.returncode != 0 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     for named in ("--window 3 differs from the run's 2", "--lr 1.0 differs from the run's 0.01",
-                  "--seed 5 differs from the run's 0", "only --epochs, --eval-every and --out may change"):
+                  "--seed 5 differs from the run's 0",
+                  "only --epochs, --eval-every, --checkpoint-every and --out may change"):
         assert named in run.stderr, run.stderr
     run = cli(*run_args(tiny, out, "--epochs", "4", "--resume", str(out)), cwd=tmp_path)
     assert run.stderr.strip() == "error: --resume: --epochs 4 is below the checkpoint's epoch 6: give --epochs >= 6"
@@ -167,9 +171,11 @@ def test_resume_refuses_what_changes_the_run_before_any_model_loads(tiny, tmp_pa
     run = cli(*run_args(tiny, out, "--epochs", "9", "--eval-every", "3", "--resume", str(out)), cwd=tmp_path)  # allowed
     assert run.stderr.strip().splitlines() == [f"error: cannot resume: {out}/checkpoint.pt is not a whole train_sd.py "
                                                f"checkpoint (ValueError: it has no ema, optimizer, probe_average, rows, "
-                                               f"weights); start afresh with --overwrite"]
+                                               f"weights); the run cannot go on from it: start it again in another "
+                                               f"--out, or here with --overwrite (which deletes its files)"]
     help = " ".join(cli("--help", cwd=tmp_path).stdout.split())
-    assert "only --epochs (more), --eval-every and --out may change" in help and "--overwrite" in help
+    assert "only --epochs (more), --eval-every, --checkpoint-every and --out may change" in help
+    assert "--overwrite" in help and "imported at start (its module's code runs" in help
 
 
 def test_a_checkpoint_is_whole_or_refused_in_one_line_and_a_killed_saves_temporary_goes(tiny, tmp_path):
@@ -179,14 +185,16 @@ def test_a_checkpoint_is_whole_or_refused_in_one_line_and_a_killed_saves_tempora
     path = fake_checkpoint(tiny, out, 2, **WHOLE)
     assert train_sd.read_checkpoint(out)["weights"]["w"].tolist() == [1.0, 1.0]  # whole: read
     whole = path.read_bytes()
-    for broken, why in ((whole[: len(whole) // 2], "(RuntimeError: "), (b"{", "(UnpicklingError: "),
+    for broken, why in ((whole[: len(whole) // 2], "(RuntimeError: "),
+                        (b"{", "(UnpicklingError: it holds more than tensors and plain data"),
                         (None, "(ValueError: it has no ema, optimizer, probe_average, rows, weights)")):
         fake_checkpoint(tiny, out, 2) if broken is None else path.write_bytes(broken)
         with pytest.raises(SystemExit) as e:
             train_sd.read_checkpoint(out)
         message = str(e.value.code)
         assert message.startswith(f"error: cannot resume: {path} is not a whole train_sd.py checkpoint {why}"), message
-        assert message.endswith("start afresh with --overwrite") and "\n" not in message
+        assert message.endswith("here with --overwrite (which deletes its files)") and "\n" not in message
+        assert "weights_only" not in message  # torch's advice would unpickle, and run, what the file holds
     (out / ".tmp-killed").write_bytes(b"half")
     train_sd.claim_out(train_sd.Config(out=str(out), resume=str(out))).close()
     assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint.pt"]
@@ -201,13 +209,12 @@ def test_an_output_folder_belongs_to_one_run(tiny, tmp_path):
     out.mkdir()
     (out / "summary.json").write_text("{}")
     run = cli(*run_args(tiny, out, "--epochs", "1"), cwd=tmp_path)
-    assert run.returncode != 0 and run.stderr.strip().splitlines() == [
-        f"error: --out '{out}' holds a run (summary.json): continue it with --resume {out}, start afresh with "
-        f"--overwrite, or pick another folder"]
+    assert run.returncode != 0 and run.stderr.strip().splitlines() == [  # no checkpoint: nothing to resume
+        f"error: --out '{out}' holds a run (summary.json): start afresh with --overwrite, or pick another folder"]
     with open(out / ".lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run holds the folder
         run = cli(*run_args(tiny, out, "--epochs", "1", "--overwrite"), cwd=tmp_path)
-    assert "is in use by another run" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert "is in use by another process" in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert (out / "summary.json").read_text() == "{}"
 
 
@@ -345,7 +352,8 @@ def test_a_full_disk_is_one_line_and_the_last_checkpoint_stands(tiny, tmp_path, 
     from PIL import Image
 
     out, save = tmp_path / "run", Image.Image.save
-    for full_at, then in (("samples_0000.png", "start again with --overwrite"), ("samples_0002.png", f"--resume {out}")):
+    for full_at, then in (("samples_0000.png", "start again with the same command and --overwrite"),
+                          ("samples_0002.png", f"go on with python train_sd.py --resume {out}")):
         def png(image, fp, *args, **kwargs):
             written.append(kwargs.get("format"))
             if written.count("PNG") > cut and kwargs.get("format") == "PNG":  # the samples_*.png, one an evaluation
@@ -374,8 +382,8 @@ def test_the_run_folder_helpers_refuse_and_name_what_is_wrong(tmp_path):
     (out / "jagg" / "checkpoint.pt").write_bytes(b"x")
     (out / "notes.txt").write_text("mine")
     (out / "jagg" / ".tmp-killed").write_text("")
-    with pytest.raises(ValueError, match=r"holds a run \(jagg/checkpoint.pt\): continue it with --resume"):
-        run_folder.claim_folder(str(out), ("*.json", "*/*.pt"))
+    with pytest.raises(ValueError, match=r"holds a run \(jagg/checkpoint.pt\): continue it with go on"):
+        run_folder.claim_folder(str(out), ("*.json", "*/*.pt"), resume_command="go on")
     run_folder.claim_folder(str(out), ("*.json", "*/*.pt"), overwrite=True).close()
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [".lock", "jagg", "notes.txt"]
     before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN under a background shell
@@ -538,7 +546,7 @@ def test_resumed_run_equals_uninterrupted_run(tiny, tmp_path, monkeypatch):
         real(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", killed_while_writing)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="stopped at once by a second Ctrl-C"):
         train_sd.main(run_args(tiny, tmp_path / "b", "--epochs", "2", "--ema", "--overwrite"))
     monkeypatch.undo()
     assert train_sd.read_checkpoint(tmp_path / "b")["epoch"] == 1  # epoch 1's stands
@@ -714,7 +722,14 @@ def test_broken_samples_get_no_reward_and_a_run_without_a_step_fails(tiny, tmp_p
 
 
 @slow
-def test_sigterm_checkpoints_at_the_end_of_the_epoch_and_the_run_goes_on(tiny, tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signal_stops_the_run_at_once_and_the_command_it_prints_goes_on(tiny, tmp_path, sig):
+    """SIGTERM (a cluster's preemption) or SIGHUP (a closed terminal) once the first epoch is done:
+    the run stops at the next optimizer step or rollout chunk, in one line that names the checkpoint
+    that stands and a command; that command, as printed (no flag of the run given again, --epochs
+    aside), continues the run."""
+    import re
+    import shlex
     import signal
 
     out = tmp_path / "run"
@@ -722,11 +737,267 @@ def test_sigterm_checkpoints_at_the_end_of_the_epoch_and_the_run_goes_on(tiny, t
                             "--eval-every", "50")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("epoch 1/"):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(getattr(signal, sig))
             break
     err = proc.communicate(timeout=300)[1]
-    assert proc.returncode != 0 and err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM after epoch "), err
-    epoch = int(err.split("after epoch ")[1].split(",")[0])
-    assert train_sd.read_checkpoint(out)["epoch"] == epoch
-    rows = train_sd.main(run_args(tiny, out, "--epochs", str(epoch + 1), "--eval-every", "50", "--resume", str(out)))
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith(f"error: stopped by {sig} "), err
+    match = re.search(r"the checkpoint of epoch (\d+) stands: go on with (python train_sd.py --resume \S+)$", last)
+    assert match, last
+    epoch, command = int(match.group(1)), shlex.split(match.group(2))
+    assert train_sd.read_checkpoint(out)["epoch"] == epoch >= 1
+    rows = train_sd.main([*command[2:], "--epochs", str(epoch + 1)])  # the printed command, one epoch more
     assert [r["epoch"] for r in rows] == list(range(epoch + 2))
+    assert json.load(open(out / "config.json"))["lr"] == 1e-2  # the run's flags, not the defaults
+
+
+# ------------------------------------------------------------------ a long run: the same run, or refused (issue 57)
+
+
+def test_resume_with_the_folder_alone_takes_the_runs_flags(tiny, tmp_path):
+    """--resume DIR without the run's flags continues the run with them (the command a stopped run
+    prints); a flag given again must be the run's; --epochs may grow."""
+    out = tmp_path / "run"
+    fake_checkpoint(tiny, out, 1, **WHOLE)
+    cfg = train_sd.validate(train_sd.parse(["--resume", str(out)]), train_sd.given_flags(["--resume", str(out)]))
+    assert (cfg.model, cfg.lr, cfg.window, cfg.epochs, cfg.out) == (tiny, 1e-2, 2, 100, str(out))
+    argv = ["--resume", str(out), "--epochs", "3", "--lr", "0.01"]
+    assert train_sd.validate(train_sd.parse(argv), train_sd.given_flags(argv)).epochs == 3
+    argv = ["--resume", str(out), "--window", "3"]
+    with pytest.raises(SystemExit, match="--window 3 differs from the run's 2; give the run's, or leave the flag out"):
+        train_sd.validate(train_sd.parse(argv), train_sd.given_flags(argv))
+
+
+def test_resume_refuses_another_process_count_model_prompts_or_fixed_setting(tiny, tmp_path, monkeypatch):
+    """What makes the run beyond its flags, each refused in one line naming it: the process count
+    (either way), --model resolving to another model (the same string from another folder), the
+    prompts file's contents, a FIXED constant. The same model moved elsewhere is the same model."""
+    import shutil
+
+    def resume(out, *extra):
+        argv = ["--resume", str(out), *extra]
+        return train_sd.validate(train_sd.parse(argv), train_sd.given_flags(argv))
+
+    out = tmp_path / "run"
+    fake_checkpoint(tiny, out, 1, **WHOLE)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match=r"the run trained on 1 process\(es\) and this one has 2: resume it with one"):
+        resume(out)
+    monkeypatch.delenv("WORLD_SIZE")
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    state["identity"]["processes"] = 2
+    torch.save(state, out / "checkpoint.pt")
+    with pytest.raises(SystemExit, match="resume it with torchrun --nproc_per_node 2"):
+        resume(out)
+    # --model ../tiny typed in two folders that each have their own ../tiny
+    for name in ("a", "b"):
+        shutil.copytree(tiny, tmp_path / name / "tiny")
+        (tmp_path / name / "cwd").mkdir()
+    config = tmp_path / "b" / "tiny" / "scheduler" / "scheduler_config.json"
+    config.write_text(config.read_text().replace('"shift": 3.0', '"shift": 2.0'))
+    monkeypatch.chdir(tmp_path / "a" / "cwd")
+    out = tmp_path / "relative"
+    fake = train_sd.validate(train_sd.parse(run_args("../tiny", out)))
+    out.mkdir()
+    torch.save({"epoch": 1, "config": {**dataclasses.asdict(fake), "fixed": train_sd.FIXED},
+                "identity": train_sd.run_identity(fake), **WHOLE}, out / "checkpoint.pt")
+    monkeypatch.chdir(tmp_path / "b" / "cwd")
+    with pytest.raises(SystemExit, match=f"--model is {tmp_path / 'b' / 'tiny'}, not the model the run trained "
+                                         f"\\({tmp_path / 'a' / 'tiny'}\\)"):
+        resume(out)
+    shutil.move(tmp_path / "a" / "tiny", tmp_path / "b" / "moved")  # the run's model, moved: the same model
+    assert resume(out, "--model", str(tmp_path / "b" / "moved")).model == str(tmp_path / "b" / "moved")
+    monkeypatch.chdir(tmp_path)
+    # the prompts file and a FIXED constant
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\na blue dog\n")
+    out = tmp_path / "prompted"
+    fake = train_sd.validate(train_sd.parse(run_args(tiny, out, "--prompts", str(prompts))))
+    out.mkdir()
+    torch.save({"epoch": 1, "config": {**dataclasses.asdict(fake), "fixed": train_sd.FIXED},
+                "identity": train_sd.run_identity(fake), **WHOLE}, out / "checkpoint.pt")
+    assert resume(out).prompts == str(prompts)
+    prompts.write_text("a red cat\na green dog\n")
+    with pytest.raises(SystemExit, match="the prompts are not the run's"):
+        resume(out)
+    prompts.write_text("a red cat\na blue dog\n")
+    monkeypatch.setitem(train_sd.FIXED, "max_grad_norm", 0.5)
+    with pytest.raises(SystemExit, match="train_sd.py's FIXED max_grad_norm is 0.5, the run's 1.0: restore it"):
+        resume(out)
+
+
+def test_a_reward_must_give_one_finite_number_per_image(tmp_path):
+    """The reward contract, checked at every call: a scalar, a wrong length, strings or None end the
+    run in one line naming the reward, what it gave and what it owes; a column [n, 1] is accepted;
+    a NaN or inf is kept, for the caller to count."""
+    from PIL import Image
+
+    images, prompts = [Image.new("RGB", (8, 8)) for _ in range(3)], ["a", "b", "c"]
+    for scored, gave in ((0.5, "shape ()"), ([1.0, 2.0], "shape (2,)"), (["x", "y", "z"], "list"),
+                         (None, "NoneType"), (torch.ones(3, 2), "shape (3, 2)")):
+        with pytest.raises(SystemExit) as e:
+            train_sd.rewards_of(lambda ims, ps, s=scored: s, images, prompts, "my:reward")
+        assert str(e.value.code) == (f"error: --reward my:reward returned {gave} for 3 images: it must return "
+                                     "3 numbers, one per image, in their order")
+    assert train_sd.rewards_of(lambda ims, ps: torch.ones(3, 1), images, prompts).tolist() == [1.0] * 3
+    images[1].info["finite"] = False  # a broken sample is not scored: the reward owes 2 numbers
+    got = train_sd.rewards_of(lambda ims, ps: [float("inf"), 0.5][: len(ims)], images, prompts)
+    assert math.isinf(got[0]) and math.isnan(got[1]) and got[2] == 0.5
+
+
+def test_another_family_in_the_model_folder_is_one_line(tiny, tmp_path):
+    import shutil
+
+    folder = tmp_path / "flux_in_sd3"
+    shutil.copytree(tiny, folder)
+    config = folder / "transformer" / "config.json"
+    config.write_text(config.read_text().replace('"SD3Transformer2DModel"', '"FluxTransformer2DModel"'))
+    with pytest.raises(SystemExit, match=f"--model '{folder}' holds a FluxTransformer2DModel: train_sd.py trains an "
+                                         "SD3 transformer"):
+        train_sd.main(run_args(str(folder), tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_long_prompt_line_is_cut_once_with_one_warning(tiny, capsys):
+    """A 1 MB line is cut, once, to the tokens T5 takes, in about a second; a short one is left."""
+    pipe, _ = train_sd.load_pipeline(train_sd.Config(model=tiny, lora_rank=0), torch.device("cpu"), torch.float32)
+    long = "a red cat on a mat " * 50_000
+    start = time.perf_counter()
+    fitted = train_sd.fit_prompts(pipe, [long, "a blue dog"])
+    assert time.perf_counter() - start < 30 and fitted[1] == "a blue dog" and len(fitted[0]) < 2000
+    assert capsys.readouterr().out.count("warning: 1 prompt(s) longer than the 256 tokens") == 1
+    assert train_sd.fit_prompts(pipe, fitted) == fitted  # cut once: cutting again changes nothing
+
+
+def test_a_lock_names_its_process_and_a_fork_does_not_keep_it(tmp_path):
+    """The run holding --out is named by its process id; a process the run forked (a reward's
+    worker) does not keep the folder locked once the run has ended."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, run_folder; "
+                               f"lock = run_folder.claim_folder({str(out)!r}, ()); print('ready', flush=True); "
+                               "time.sleep(60)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "ready"
+    with pytest.raises(ValueError, match=f"is in use by process {holder.pid} "):
+        run_folder.claim_folder(str(out), ())
+    holder.kill()
+    holder.wait()
+    lock = run_folder.claim_folder(str(out), ())
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the forked worker lives on after the run (its fork hooks have run by now)
+        os.write(write, b"forked")
+        time.sleep(3)
+        os._exit(0)
+    assert os.read(read, 6) == b"forked"
+    run_folder.release(lock)
+    run_folder.release(run_folder.claim_folder(str(out), ()))  # free while the child still lives
+    os.waitpid(child, 0)
+
+
+@slow
+def test_weights_and_checkpoint_agree_after_a_kill_between_their_writes(tiny, tmp_path, monkeypatch):
+    """The weights are written before the checkpoint: a kill between the two leaves epoch 1's
+    checkpoint beside epoch 2's weights, and --resume rewrites them and trains epoch 2 again, ending
+    where an uninterrupted run ends; a kill after the last checkpoint, before summary.json, leaves a
+    run that --resume finishes without training, its weights the checkpoint's."""
+    from safetensors.torch import load_file
+
+    train_sd.main(run_args(tiny, tmp_path / "straight", "--epochs", "2"))
+    real = run_folder.atomic_write
+
+    writes = []
+
+    def killed_at_the_second_checkpoint(path, data, mode="w"):
+        if os.path.basename(path) == "checkpoint.pt":
+            writes.append(path)
+            if len(writes) == 2:
+                raise KeyboardInterrupt
+        return real(path, data, mode)
+
+    out = tmp_path / "killed"
+    monkeypatch.setattr(train_sd, "atomic_write", killed_at_the_second_checkpoint)
+    with pytest.raises(SystemExit, match="stopped at once by a second Ctrl-C; go on with python train_sd.py --resume"):
+        train_sd.main(run_args(tiny, out, "--epochs", "2"))
+    monkeypatch.undo()
+    assert train_sd.read_checkpoint(out)["epoch"] == 1  # epoch 2's weights were written, its checkpoint not
+    ckpt_weights = train_sd.read_checkpoint(out)["weights"]
+    assert any(not torch.equal(v, ckpt_weights[k]) for k, v in load_file(out / "lora.safetensors").items())
+    train_sd.main(["--resume", str(out)])
+    a, b = load_file(tmp_path / "straight" / "lora.safetensors"), load_file(out / "lora.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a kill after the last checkpoint: the run is finished but has no summary.json
+    monkeypatch.setattr(train_sd, "write_json", lambda path, obj: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if path.endswith("summary.json") else run_folder.write_json(path, obj))
+    fin = tmp_path / "finished"
+    with pytest.raises(SystemExit, match="second Ctrl-C"):
+        train_sd.main(run_args(tiny, fin, "--epochs", "1"))
+    monkeypatch.undo()
+    assert not (fin / "summary.json").exists() and train_sd.read_checkpoint(fin)["epoch"] == 1
+    (fin / "lora.safetensors").write_bytes(b"an older file")  # what a kill could leave
+    rows = train_sd.main(["--resume", str(fin)])
+    assert [r["epoch"] for r in rows] == [0, 1] and json.load(open(fin / "summary.json"))["epochs"] == 1
+    saved = train_sd.read_checkpoint(fin)["weights"]
+    assert all(torch.equal(v, saved[k]) for k, v in load_file(fin / "lora.safetensors").items())
+
+
+HUP_AT = []  # the call at which hup_at_a_call sends SIGHUP; empty: never
+
+
+def hup_at_a_call(images, prompts, calls=[]):
+    """darkness, and a SIGHUP to this process at call HUP_AT[0] of this reward."""
+    import signal
+
+    calls.append(1)
+    if HUP_AT and len(calls) == HUP_AT[0]:
+        os.kill(os.getpid(), signal.SIGHUP)
+    return [train_sd.darkness(im) for im in images]
+
+
+@slow
+def test_a_signal_mid_epoch_stops_at_the_next_optimizer_step_and_resume_equals_a_whole_run(tiny, tmp_path):
+    """SIGHUP during epoch 2 (of 2 optimizer steps): the run stops after its first step, without a
+    checkpoint of that epoch, and says so; --resume redoes epoch 2, and the weights are those of a
+    run never stopped."""
+    from safetensors.torch import load_file
+
+    args = ("--epochs", "2", "--reward", "test_sd:hup_at_a_call")
+    train_sd.main(run_args(tiny, tmp_path / "straight", *args))
+    hup_at_a_call.__defaults__[0].clear()
+    HUP_AT.append(4)  # epoch 2's rollouts: epoch 0's evaluation, epoch 1's rollouts and evaluation come first
+    out = tmp_path / "stopped"
+    try:
+        with pytest.raises(SystemExit) as e:
+            train_sd.main(run_args(tiny, out, *args))
+    finally:
+        HUP_AT.clear()
+    assert str(e.value.code) == (f"error: stopped by SIGHUP in epoch 2, after 1 of its 2 optimizer steps; the checkpoint "
+                                 f"of epoch 1 stands: go on with python train_sd.py --resume {out}")
+    assert train_sd.read_checkpoint(out)["epoch"] == 1
+    train_sd.main(["--resume", str(out)])
+    a, b = load_file(tmp_path / "straight" / "lora.safetensors"), load_file(out / "lora.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@slow
+def test_torchrun_stops_every_rank_inside_the_launchers_grace(tiny, tmp_path):
+    """SIGTERM to torchrun (a cluster's preemption) with long epochs: every rank stops at its next
+    optimizer step or rollout chunk, well inside torchrun's 30 s before it kills them, and the run
+    names the checkpoint that stands."""
+    import signal
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_sd.py",
+           *run_args(tiny, out, "--epochs", "50", "--eval-every", "50", "--prompts-per-epoch", "8")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("epoch 1/"):
+            break
+    time.sleep(2)  # inside epoch 2
+    sent = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert time.perf_counter() - sent < 25, err[-2000:]
+    stands = re.search(r"error: stopped by SIGTERM in epoch (\d+), .* the checkpoint of epoch (\d+) stands", err)
+    assert stands and int(stands[2]) == int(stands[1]) - 1 >= 1, err[-3000:]
+    assert "forcefully" not in err and train_sd.read_checkpoint(out)["epoch"] == int(stands[2])
