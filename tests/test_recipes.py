@@ -461,3 +461,18 @@ def test_ltx_recipe_reproduces_ltx_pipeline_and_the_check_names_what_breaks_it()
         jagg_probe.check_against_pipeline(recipe(frame_rate=24), latents, sigmas, out, rtol=1e-5)
     with pytest.raises(ValueError, match="pass image_seq_len, an image's packed tokens"):
         recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(**LTX), T_PIPE)
+
+
+def test_check_sd3_example_passes_the_sd3_recipe_and_names_a_wrong_time_input(tmp_path, capsys):
+    """examples/check_sd3.py, the README's step 2 on a saved SD3 pipeline: train_sd.py's velocity_fn
+    passes both checks; with sigma in place of sigma * 1000, or 1 - sigma, it ends in one line that
+    names the cause."""
+    import check_sd3
+    import tiny_sd3
+
+    model = str(tiny_sd3.build(tmp_path / "pipe"))
+    check_sd3.main(["--model", model, "--num-steps", "4"])
+    assert "check_against_pipeline: passed" in capsys.readouterr().out
+    for time_input, cause in (("sigma", SIGMA_FOR_1000), ("1-sigma", "its time runs backwards")):
+        with pytest.raises(SystemExit, match=f"^check_against_pipeline: .*{cause}"):
+            check_sd3.main(["--model", model, "--num-steps", "4", "--time-input", time_input])
