@@ -47,11 +47,14 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
     max_graph_rows       [None: no bound] At most this many anchor rows in a graph at once: always
                          the same gradient as without the bound, to round-off; less memory, some
                          speed lost. With rollout interiors at least 2.
-    route="probe"        ["velocity", jagg.linearity_score] Route by the probe's measured cosine
-                         of each segment's JAGG gradient to its exact one (jagg_probe.py), averaged
-                         over probes. min_cosine [None; route="probe" only] trains any segment
-                         whose average is below it EXACT. Routing chooses which segments are
-                         approximated, not how.
+    route="late"         ["velocity", jagg.linearity_score] A fixed schedule: JAGG takes the
+                         latest (lowest-noise) segments first. The free score ranks by noise level
+                         too (jagg.py, section 7), and at equal cost the two keep the same reward
+                         (lab/reports/equal_cost.md): the schedule says what routing does.
+    route="probe"        Route by the probe's measured cosine of each segment's JAGG gradient to
+                         its exact one (jagg_probe.py), averaged over probes. min_cosine [None;
+                         route="probe" only] trains any segment whose average is below it EXACT.
+                         Routing chooses which segments are approximated, not how.
     boundaries=(b, ...)  [(): one network] For models with two experts (Wan 2.2 A14B switches
                          transformers at a timestep): the steps where another network takes over,
                          each the first step it runs (expert_boundaries computes them). The steps
@@ -82,7 +85,7 @@ from jagg import _check
 ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
 INTERIOR_MODES = ("forward", "rollout")  # the paper's no-graph forwards; OURS: rollout velocities
 WEIGHTS = ("time", "index")  # the paper's alpha_k by t; the authors' early code's by step index
-ROUTES = ("velocity", "probe")  # jagg.linearity_score (free), or the probe's cosines (OURS)
+ROUTES = ("velocity", "late", "probe")  # jagg.linearity_score; the latest first; probe (OURS)
 
 
 @dataclass
@@ -98,7 +101,8 @@ class JaggOptions:
     weights: str = "time"  # "time": the paper's alpha_k by t; "index": alpha_k = k / (W - 1)
     max_graph_rows: int = None  # at most this many anchor rows in a graph at once; None: no bound
     max_drift: float = 0.5  # rollout interiors while the anchors' ratios drift less than this
-    route: str = "velocity"  # "velocity": jagg.linearity_score; "probe": the probe's cosines
+    route: str = "velocity"  # "velocity": jagg.linearity_score; "late": the latest first;
+    # "probe": the probe's cosines
     min_cosine: float = None  # route="probe": a window whose cosine is below this stays exact
     boundaries: tuple = ()  # two experts: each network's first step; no segment spans two
 
@@ -537,6 +541,8 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
     velocity_fn = checked(velocity_fn)
     scores = [jagg.linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
     scores = over_ranks(scores, "mean", traj.z.device)  # every rank's samples: all route alike
+    if opts.route == "late":  # a fixed schedule: the later the segment, the lower its noise
+        scores = [float(i) for i in range(len(bounds))]
     by_probe = opts.route == "probe" and probe_cosines is not None
     lengths = [stop - start for start, stop in bounds]
     floor = opts.min_cosine if by_probe else None

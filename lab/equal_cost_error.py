@@ -11,6 +11,8 @@ DanceGRPO's random steps and Flow-GRPO's first steps at the same rows with grad,
 windows (eff_grpo). Reported per method: the relative error |j - g| / |g| and cos(j, g), means over
 the batches with a 95 % interval. A random subset's error is variance and falls with the batch;
 JAGG's is mostly a bias and falls far less; where the two cross, the cheap alternative wins.
+Routing at jagg_frac 0.5 and 0.75 (W = 4) too: the free velocity score, a fixed late-first
+schedule, and an oracle that routes by the batch's own per-window cosines.
 The SDE window is left out: it samples other trajectories, so it has no estimate of the same g.
 """
 
@@ -34,9 +36,12 @@ from run_folder import write_json  # noqa: E402
 from toy_baselines import first_steps_gradients, subset_gradients  # noqa: E402
 
 
-def methods(T, W=4):
+def methods(T, params=None, W=4):
     """name -> gradient(batch, cfg, generator): each adds its estimate to .grad. Rows with grad per
-    sample: JAGG at W = 4 and the K = T / 2 alternatives T / 2; at W = 8 and K = T / 4, T / 4."""
+    sample: JAGG at W = 4 and the K = T / 2 alternatives T / 2; at W = 8 and K = T / 4, T / 4.
+    With params, routing too at W = 4, jagg_frac 0.5 and 0.75: by the free velocity score
+    (velocity), by a fixed late-first schedule (late), and by this batch's own cosines (cosine, an
+    oracle: the best the probe's routing could do)."""
     half, quarter = T // 2, T // 4
 
     def jagg_w(window):
@@ -62,7 +67,21 @@ def methods(T, W=4):
             return subset_gradients(batch.fns, batch.traj, batch.adv, cfg, windows, k // W, g, by_jagg=True)
         return gradient
 
+    def routed(frac, how):  # jagg_frac < 1 at W: which windows JAGG takes, by how
+        opts = jagg_options.JaggOptions(W, frac, route="probe" if how == "cosine" else how)
+
+        def gradient(batch, cfg, g):
+            fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
+            ranks = None  # velocity: jagg.linearity_score, free; late: the latest windows first
+            if how == "cosine":  # an oracle: this batch's own per-window cosines to exact
+                exact_opts = jagg_options.JaggOptions(W)
+                ranks = jagg_probe.gradient_cosines(fn, params, batch.traj, batch.adv, cfg, exact_opts, ref_fn)
+            return jagg_options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn, ranks)
+        return gradient
+
     out = {"jagg_w4": jagg_w(4), f"random{half}": random(half), f"first{half}": first(half)}
+    for frac in (0.5, 0.75) if params is not None else ():
+        out.update({f"{how}{frac:g}": routed(frac, how) for how in ("velocity", "late", "cosine")})
     if T % W == 0 and half % W == 0:
         out[f"jagg_random{half}_w4"] = jagg_random(half)
     if T >= 8:
@@ -95,7 +114,7 @@ def measure(task, sizes, batches, generator):
             batch = task.draw(size, generator)
             T = batch.traj.z.shape[0]
             exact = flat_gradient(task, exact_gradient, batch, generator)
-            for name, gradient in methods(T).items():
+            for name, gradient in methods(T, task.params).items():
                 j = flat_gradient(task, gradient, batch, generator)
                 rel = ((j - exact).norm() / exact.norm()).item()
                 cos = torch.nn.functional.cosine_similarity(j, exact, dim=0).item()

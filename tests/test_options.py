@@ -596,3 +596,34 @@ def test_bad_options_raise_clear_errors_before_any_work():
         with pytest.raises(ValueError, match=message):
             jagg_options.window_gradients(fn, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, **kwargs), **probe)
     assert all(p.grad is None for p in model.parameters())  # nothing was computed
+
+
+@pytest.mark.parametrize("frac, late", [(1 / 3, [2]), (2 / 3, [1, 2])])
+def test_late_route_gives_jagg_the_latest_windows_whatever_the_velocities(frac, late):
+    """route="late", a fixed schedule: of T = 12 in windows of 4, the last round(frac * 3) windows take
+    JAGG and the others stay exact, each window's gradient computed here with jagg.py's own functions;
+    on two batches, the second with its velocity scores reversed by hand (the schedule ignores them)."""
+    torch.manual_seed(8)
+    model = MLPFlow()
+    fn = as_velocity_fn(model)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        traj, adv = toy_batch(model, T=12, B=4)
+        if seed == 1:  # the first window the straightest: velocity routing would take it first
+            traj.v[1:3] = (traj.v[0] + (traj.v[3] - traj.v[0]) * torch.tensor([1 / 3, 2 / 3])[:, None, None])
+            velocity = jagg_options.JaggOptions(4, 1 / 3)
+            assert jagg_options.window_gradients(fn, traj, adv, cfg, velocity)[1] == [True, False, False]
+        expected = 0
+        for w, start in enumerate((0, 4, 8)):
+            model.zero_grad(set_to_none=True)
+            backward = jagg.backward_jagg_window if w in late else jagg.backward_exact
+            backward(fn, traj.z[start : start + 4], traj.t[start : start + 4],
+                     jagg.make_step_loss(traj, adv, start, start + 4, cfg))
+            expected = expected + torch.cat([p.grad.flatten() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        opts = jagg_options.JaggOptions(4, frac, route="late")
+        stats, routed = jagg_options.window_gradients(fn, traj, adv, cfg, opts)
+        assert routed == [w in late for w in range(3)]
+        torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), expected,
+                                   rtol=1e-10, atol=1e-12)

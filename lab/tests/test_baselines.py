@@ -185,3 +185,42 @@ def test_equal_cost_table_pairs_each_mode_with_exact_of_its_seed(tmp_path, capsy
     assert points["random8"][1] == pytest.approx(100 * (0.5 + 0.75 + 0.5) / 3)
     assert points["jagg_w4"][0] == pytest.approx(100 * (6 / 10 + 7 / 11 + 8 / 12) / 3)  # the time, of exact's
     assert points["random8"][4] == "random steps (DanceGRPO)" and (tmp_path / "equal_cost.png").stat().st_size > 1000
+
+
+def test_equal_cost_errors_routing_each_window_as_its_rule_says():
+    """lab/equal_cost_error.py's routing at jagg_frac 0.5 over two windows: velocity is the paper's
+    routing (jagg.paper_gradients); late is exact on the first window and JAGG on the second; cosine
+    gives JAGG the window whose JAGG gradient has the higher cosine to its exact one, each window's
+    two gradients computed here one by one."""
+    import types
+
+    import equal_cost_error
+
+    torch.manual_seed(6)
+    model = MLPFlow()
+    traj, adv = toy_batch(model, T=8, B=4)
+    cfg = jagg.LossConfig(0.7, 0.2)
+    fn = as_velocity_fn(model)
+    batch = types.SimpleNamespace(fns=lambda idx: (fn, None), traj=traj, adv=adv)
+    methods = equal_cost_error.methods(8, list(model.parameters()))
+
+    def got(name):
+        model.zero_grad(set_to_none=True)
+        methods[name](batch, cfg, None)
+        return flat(model)
+
+    def window(start, by_jagg):  # one window's gradient, as paper_gradients weights it
+        model.zero_grad(set_to_none=True)
+        backward = jagg.backward_jagg_window if by_jagg else jagg.backward_exact
+        backward(fn, traj.z[start : start + 4], traj.t[start : start + 4], jagg.make_step_loss(traj, adv, start,
+                                                                                              start + 4, cfg))
+        return flat(model)
+
+    model.zero_grad(set_to_none=True)
+    jagg.paper_gradients(fn, traj, adv, cfg, window=4, jagg_frac=0.5)
+    torch.testing.assert_close(got("velocity0.5"), flat(model), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got("late0.5"), window(0, False) + window(4, True), rtol=1e-10, atol=1e-12)
+    cos = [torch.nn.functional.cosine_similarity(window(s, True), window(s, False), dim=0) for s in (0, 4)]
+    best = 0 if cos[0] > cos[1] else 4
+    expected = window(best, True) + window(4 - best, False)
+    torch.testing.assert_close(got("cosine0.5"), expected, rtol=1e-10, atol=1e-12)
