@@ -85,7 +85,7 @@ from jagg import _check
 ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
 INTERIOR_MODES = ("forward", "rollout")  # the paper's no-graph forwards; OURS: rollout velocities
 WEIGHTS = ("time", "index")  # the paper's alpha_k by t; the authors' early code's by step index
-ROUTES = ("velocity", "late", "probe")  # jagg.linearity_score; the latest first; probe (OURS)
+ROUTES = ("velocity", "early", "late", "probe")  # linearity_score; fixed schedules; probe (OURS)
 
 
 @dataclass
@@ -101,8 +101,8 @@ class JaggOptions:
     weights: str = "time"  # "time": the paper's alpha_k by t; "index": alpha_k = k / (W - 1)
     max_graph_rows: int = None  # at most this many anchor rows in a graph at once; None: no bound
     max_drift: float = 0.5  # rollout interiors while the anchors' ratios drift less than this
-    route: str = "velocity"  # "velocity": jagg.linearity_score; "late": the latest first;
-    # "probe": the probe's cosines
+    route: str = "velocity"  # "velocity": jagg.linearity_score; "early" / "late": the earliest /
+    # latest segments first; "probe": the probe's cosines
     min_cosine: float = None  # route="probe": a window whose cosine is below this stays exact
     boundaries: tuple = ()  # two experts: each network's first step; no segment spans two
 
@@ -541,8 +541,8 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
     velocity_fn = checked(velocity_fn)
     scores = [jagg.linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
     scores = over_ranks(scores, "mean", traj.z.device)  # every rank's samples: all route alike
-    if opts.route == "late":  # a fixed schedule: the later the segment, the lower its noise
-        scores = [float(i) for i in range(len(bounds))]
+    if opts.route in ("early", "late"):  # fixed: the later the segment, the lower its noise
+        scores = [float(i if opts.route == "late" else -i) for i in range(len(bounds))]
     by_probe = opts.route == "probe" and probe_cosines is not None
     lengths = [stop - start for start, stop in bounds]
     floor = opts.min_cosine if by_probe else None

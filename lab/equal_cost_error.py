@@ -3,6 +3,7 @@
     python lab/equal_cost_error.py toy --checkpoints 0 40 --batches 4    # lab/reports/equal_cost.md
     python lab/equal_cost_error.py mini --checkpoints 0 7 --batches 3 --batch-sizes 16 64
     python lab/equal_cost_error.py report runs/equal_cost_error_toy.json
+    python lab/equal_cost_error.py toy --time 256 --batches 7           # each method's training step, timed
 
 For each checkpoint (epochs of exact GRPO from the base model, trained as lab/offpolicy_error.py
 does) and batch size, --batches independent rollout batches; on each, exact GRPO's gradient g on
@@ -12,7 +13,8 @@ windows (eff_grpo). Reported per method: the relative error |j - g| / |g| and co
 the batches with a 95 % interval. A random subset's error is variance and falls with the batch;
 JAGG's is mostly a bias and falls far less; where the two cross, the cheap alternative wins.
 Routing at jagg_frac 0.5 and 0.75 (W = 4) too: the free velocity score, a fixed late-first
-schedule, and an oracle that routes by the batch's own per-window cosines.
+schedule (route="late"), its opposite (route="early"), and an oracle that routes by the batch's
+own per-window cosines (cosine).
 The SDE window is left out: it samples other trajectories, so it has no estimate of the same g.
 """
 
@@ -40,8 +42,8 @@ def methods(T, params=None, W=4):
     """name -> gradient(batch, cfg, generator): each adds its estimate to .grad. Rows with grad per
     sample: JAGG at W = 4 and the K = T / 2 alternatives T / 2; at W = 8 and K = T / 4, T / 4.
     With params, routing too at W = 4, jagg_frac 0.5 and 0.75: by the free velocity score
-    (velocity), by a fixed late-first schedule (late), and by this batch's own cosines (cosine, an
-    oracle: the best the probe's routing could do)."""
+    (velocity), by a fixed late-first schedule (late) or early-first (early), and by this batch's
+    own cosines (cosine, an oracle: the best the probe's routing could do)."""
     half, quarter = T // 2, T // 4
 
     def jagg_w(window):
@@ -72,7 +74,7 @@ def methods(T, params=None, W=4):
 
         def gradient(batch, cfg, g):
             fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
-            ranks = None  # velocity: jagg.linearity_score, free; late: the latest windows first
+            ranks = None  # velocity: jagg.linearity_score, free; early / late: fixed schedules
             if how == "cosine":  # an oracle: this batch's own per-window cosines to exact
                 exact_opts = jagg_options.JaggOptions(W)
                 ranks = jagg_probe.gradient_cosines(fn, params, batch.traj, batch.adv, cfg, exact_opts, ref_fn)
@@ -81,7 +83,7 @@ def methods(T, params=None, W=4):
 
     out = {"jagg_w4": jagg_w(4), f"random{half}": random(half), f"first{half}": first(half)}
     for frac in (0.5, 0.75) if params is not None else ():
-        out.update({f"{how}{frac:g}": routed(frac, how) for how in ("velocity", "late", "cosine")})
+        out.update({f"{how}{frac:g}": routed(frac, how) for how in ("velocity", "late", "early", "cosine")})
     if T % W == 0 and half % W == 0:
         out[f"jagg_random{half}_w4"] = jagg_random(half)
     if T >= 8:
@@ -120,6 +122,38 @@ def measure(task, sizes, batches, generator):
                 cos = torch.nn.functional.cosine_similarity(j, exact, dim=0).item()
                 out[size].setdefault(name, []).append((rel, cos))
     return out
+
+
+def timing(task, size, repeats, generator):
+    """{method: seconds}: one training step's work on size samples, its rollout and its gradient,
+    medians of interleaved repeats in this one process: exact GRPO, every method of methods but the
+    oracles, and the SDE windows of T / 2 and T / 4 steps, exact and with JAGG at W = 4, placed
+    where Flow-GRPO-Fast places them: anywhere in the trajectory."""
+    T = task.draw(4, generator).traj.z.shape[0]
+    steps = {"exact": exact_gradient, **methods(T, task.params)}
+    steps = {name: gradient for name, gradient in steps.items() if not name.startswith("cosine")}  # oracles
+
+    def timed(gradient, window=0, W=None):
+        def run():
+            start = jagg_probe.clock(torch.device("cpu"))
+            task.sde_window = window
+            where = int(torch.randint(0, T - window + 1, (), generator=generator)) if window else None
+            batch = task.draw(size, generator, where)
+            if W is not None:  # the window's steps by JAGG at W, or exactly (W = None)
+                fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
+                jagg_options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, jagg_options.JaggOptions(W),
+                                              ref_fn)
+            else:
+                flat_gradient(task, gradient, batch, generator)
+            return {"seconds": jagg_probe.clock(torch.device("cpu")) - start}
+        return run
+    fns = {name: timed(gradient) for name, gradient in steps.items()}
+    for k in (T // 2, T // 4):
+        fns[f"window{k}"] = timed(exact_gradient, k)
+        if k % 4 == 0 and k > 4:
+            fns[f"window{k}_jagg_w4"] = timed(None, k, W=4)
+    medians = jagg_probe.interleaved_medians(fns, repeats)
+    return {name: m["seconds"] for name, m in medians.items()}
 
 
 def t95(df):
@@ -178,7 +212,12 @@ def main(argv=None):
     parser.add_argument("--resolution", type=int, default=0, help="mini: image size (0: the model's own)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training and the rollouts")
     parser.add_argument("--out", default="", help="JSON file (default runs/equal_cost_error_<model>.json)")
+    parser.add_argument("--time", type=int, default=0, metavar="B",
+                        help="instead: time one training step per method (rollout and gradient) on B samples "
+                             "at the base model, medians of --batches interleaved repeats")
     args = parser.parse_args(argv)
+    if args.time and args.model_kind != "toy":
+        parser.error("--time times the toy only (the mini's runs time their own training steps)")
     if args.batches < 2:
         parser.error(f"--batches must be >= 2 (an interval needs two), got {args.batches}")
     if sorted(set(args.checkpoints)) != args.checkpoints or args.checkpoints[0] < 0:
@@ -189,6 +228,16 @@ def main(argv=None):
                      f"{args.train_batch}")
     task = MiniTask(args) if args.model_kind == "mini" else ToyTask(args)
     g = torch.Generator().manual_seed(args.seed)
+    if args.time:
+        seconds = timing(task, args.time, args.batches, g)
+        print(f"{task.setting}: one training step on {args.time} samples, rollout included, medians of "
+              f"{args.batches} interleaved repeats, {torch.get_num_threads()} thread(s)\n\n"
+              "| method | seconds | of exact's |\n|---|---|---|")
+        for name, sec in sorted(seconds.items(), key=lambda kv: -kv[1]):
+            print(f"| {name} | {sec:.3f} | {sec / seconds['exact']:.0%} |")
+        path = args.out or os.path.join("runs", f"equal_cost_timing_{args.model_kind}.json")
+        write_json(path, {"args": vars(args), "setting": task.setting, "seconds": seconds})
+        return seconds
     optimizer = torch.optim.AdamW(task.params, lr=task.lr)
     results, done = {}, 0
     for c in args.checkpoints:

@@ -598,11 +598,13 @@ def test_bad_options_raise_clear_errors_before_any_work():
     assert all(p.grad is None for p in model.parameters())  # nothing was computed
 
 
-@pytest.mark.parametrize("frac, late", [(1 / 3, [2]), (2 / 3, [1, 2])])
-def test_late_route_gives_jagg_the_latest_windows_whatever_the_velocities(frac, late):
-    """route="late", a fixed schedule: of T = 12 in windows of 4, the last round(frac * 3) windows take
-    JAGG and the others stay exact, each window's gradient computed here with jagg.py's own functions;
-    on two batches, the second with its velocity scores reversed by hand (the schedule ignores them)."""
+@pytest.mark.parametrize("route, frac, late", [("late", 1 / 3, [2]), ("late", 2 / 3, [1, 2]), ("early", 1 / 3, [0]),
+                                               ("early", 2 / 3, [0, 1])])
+def test_fixed_routes_give_jagg_the_windows_of_their_schedule_whatever_the_velocities(route, frac, late):
+    """route="late" / "early", fixed schedules: of T = 12 in windows of 4, the last (first)
+    round(frac * 3) windows take JAGG and the others stay exact, each window's gradient computed here
+    with jagg.py's own functions; on two batches, the second with its first window made the straightest
+    by hand (velocity routing takes it first, the schedules ignore it)."""
     torch.manual_seed(8)
     model = MLPFlow()
     fn = as_velocity_fn(model)
@@ -610,7 +612,7 @@ def test_late_route_gives_jagg_the_latest_windows_whatever_the_velocities(frac, 
     for seed in (0, 1):
         torch.manual_seed(seed)
         traj, adv = toy_batch(model, T=12, B=4)
-        if seed == 1:  # the first window the straightest: velocity routing would take it first
+        if seed == 1:  # the first window the straightest
             traj.v[1:3] = (traj.v[0] + (traj.v[3] - traj.v[0]) * torch.tensor([1 / 3, 2 / 3])[:, None, None])
             velocity = jagg_options.JaggOptions(4, 1 / 3)
             assert jagg_options.window_gradients(fn, traj, adv, cfg, velocity)[1] == [True, False, False]
@@ -622,7 +624,7 @@ def test_late_route_gives_jagg_the_latest_windows_whatever_the_velocities(frac, 
                      jagg.make_step_loss(traj, adv, start, start + 4, cfg))
             expected = expected + torch.cat([p.grad.flatten() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
-        opts = jagg_options.JaggOptions(4, frac, route="late")
+        opts = jagg_options.JaggOptions(4, frac, route=route)
         stats, routed = jagg_options.window_gradients(fn, traj, adv, cfg, opts)
         assert routed == [w in late for w in range(3)]
         torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), expected,

@@ -189,7 +189,8 @@ def test_equal_cost_table_pairs_each_mode_with_exact_of_its_seed(tmp_path, capsy
 
 def test_equal_cost_errors_routing_each_window_as_its_rule_says():
     """lab/equal_cost_error.py's routing at jagg_frac 0.5 over two windows: velocity is the paper's
-    routing (jagg.paper_gradients); late is exact on the first window and JAGG on the second; cosine
+    routing (jagg.paper_gradients); late is exact on the first window and JAGG on the second, early the
+    reverse; cosine
     gives JAGG the window whose JAGG gradient has the higher cosine to its exact one, each window's
     two gradients computed here one by one."""
     import types
@@ -220,7 +221,20 @@ def test_equal_cost_errors_routing_each_window_as_its_rule_says():
     jagg.paper_gradients(fn, traj, adv, cfg, window=4, jagg_frac=0.5)
     torch.testing.assert_close(got("velocity0.5"), flat(model), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(got("late0.5"), window(0, False) + window(4, True), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got("early0.5"), window(0, True) + window(4, False), rtol=1e-10, atol=1e-12)
     cos = [torch.nn.functional.cosine_similarity(window(s, True), window(s, False), dim=0) for s in (0, 4)]
     best = 0 if cos[0] > cos[1] else 4
     expected = window(best, True) + window(4 - best, False)
     torch.testing.assert_close(got("cosine0.5"), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_equal_cost_timing_times_every_method_and_the_sde_windows(tmp_path):
+    """lab/equal_cost_error.py toy --time: one process, every non-oracle method, exact GRPO and the SDE
+    windows each get a positive median, written to --out."""
+    import equal_cost_error
+
+    seconds = equal_cost_error.main(["toy", "--time", "8", "--batches", "2", "--out", str(tmp_path / "t.json")])
+    expected = {"exact", "jagg_w4", "jagg_w8", "random8", "random4", "first8", "first4", "jagg_random8_w4", "window8",
+                "window4", "window8_jagg_w4"} | {f"{how}{f}" for how in ("velocity", "early", "late") for f in ("0.5", "0.75")}
+    assert set(seconds) == expected and all(s > 0 for s in seconds.values())
+    assert json.load(open(tmp_path / "t.json"))["seconds"] == seconds
