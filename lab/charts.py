@@ -13,7 +13,7 @@ import run_folder  # noqa: E402
 
 COLORS = {"exact": (40, 90, 200), "jagg": (230, 120, 20), "base": (150, 150, 150)}
 PALETTE = [(40, 90, 200), (230, 120, 20), (40, 160, 80), (200, 50, 50), (140, 80, 180), (120, 120, 120),
-           (0, 170, 190), (190, 160, 0)]
+           (0, 170, 190), (190, 160, 0), (120, 70, 30), (230, 100, 180)]
 
 
 def font(size=14):
@@ -109,8 +109,9 @@ def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference
     d = ImageDraw.Draw(img)
     small, large = font(12), font(15)
     groups = list(dict.fromkeys(p[4] for p in points.values()))
-    left, right, top, bottom = 70, size[0] - 230, 54, size[1] - 52
+    left, right, top, bottom = 70, size[0] - 270, 54, size[1] - 52
     xs = [p[0] for p in points.values()]
+    xs.append(max(xs) + 0.12 * (max(xs) - min(xs) + 1e-9))  # room for the rightmost label
     ys = [v for p in points.values() for v in p[1:4]] + ([reference] if reference is not None else [])
     x_ticks, x0, x1 = nice_ticks(min(xs), max(xs))
     y_ticks, y0, y1 = nice_ticks(min(ys), max(ys))

@@ -629,8 +629,8 @@ def retention(folder):
 # (rollouts included), measured in the same runs.
 EQUAL_COST_GROUPS = {"exact": "exact GRPO", "jagg": "JAGG", "random": "random steps (DanceGRPO)",
                      "first": "first steps (Flow-GRPO)", "window": "SDE window (Flow-GRPO-Fast)",
-                     "velocity": "routing: free score", "late": "routing: late windows",
-                     "probe": "routing: the probe"}
+                     "velocity": "routing: free score", "late": "routing: late windows first",
+                     "early": "routing: early windows first", "probe": "routing: the probe"}
 
 
 def equal_cost_group(mode):
@@ -644,12 +644,15 @@ def equal_cost_group(mode):
     return mode
 
 
-def equal_cost(folder, png=""):
+def equal_cost(folder, png="", timing=""):
     """OUT/<mode>/seed<S>/summary.json of every mode (or, kept, OUT/<mode>/seed<S>.json): per mode
     over the seeds every mode finished, its rows with grad and training time as shares of exact's
     (time: the mean of the per-seed ratios), the gain kept (JAGG's reward gain over exact's of the
     same seed: mean with its 95 % t interval), the ratio of mean gains with its interval, and the
-    paired difference of the gain kept to the paper's JAGG (jagg_w4); png: the picture."""
+    paired difference of the gain kept to the paper's JAGG (jagg_w4); png: the picture. timing: a
+    lab/equal_cost_error.py --time JSON, whose one-process medians are then the cost axis (a
+    column of its own; the runs' own times were measured on a machine that other runs shared).
+    Routing's modes, beside exact and jagg_w4, get a picture of their own: png's name + _routing."""
     modes = sorted(m for m in os.listdir(folder) if os.path.isdir(os.path.join(folder, m)))
 
     def finished(m, name):
@@ -664,9 +667,14 @@ def equal_cost(folder, png=""):
     exact = {s: runs["exact"][s] for s in seeds}
     print(f"{len(seeds)} seeds; exact GRPO's gain {mean_interval([exact[s]['reward_gain'] for s in seeds])[0]:+.3f}")
     print()
-    print("| mode | rows with grad, of exact's | training time, of exact's | gain kept, mean (95 % interval) "
-          "| ratio of mean gains (95 % interval) | minus jagg_w4's gain kept, paired (95 % interval) |")
-    print("|---|---|---|---|---|---|")
+    measured = {}
+    if timing:
+        measured = load(timing)["seconds"]
+    print("| mode | rows with grad, of exact's | training time, of exact's |"
+          + (" one training step, timed in one process, of exact's |" if measured else "")
+          + " gain kept, mean (95 % interval) | ratio of mean gains (95 % interval) | minus jagg_w4's gain kept, "
+          "paired (95 % interval) |")
+    print("|---" * (7 if measured else 6) + "|")
     points, order = {}, sorted(modes, key=lambda m: (m != "exact", -runs[m][seeds[0]]["grad_rows"], m))
     for m in order:
         rows = runs[m][seeds[0]]["grad_rows"] / exact[seeds[0]]["grad_rows"]
@@ -679,16 +687,30 @@ def equal_cost(folder, png=""):
             diff, dhalf = mean_interval([k - runs["jagg_w4"][s]["reward_gain"] / exact[s]["reward_gain"]
                                          for k, s in zip(kept, seeds)])
             paired = f"{100 * diff:+.1f} ({100 * (diff - dhalf):+.1f} to {100 * (diff + dhalf):+.1f}) points"
-        print(f"| {m} | {100 * rows:.0f} % | {100 * time_mean:.0f} % (±{100 * time_half:.0f}) "
-              f"| {100 * mean:.1f} % ({100 * (mean - half):.1f}-{100 * (mean + half):.1f} %) "
+        step = ""
+        if measured:
+            step = f"{100 * measured[m] / measured['exact']:.0f} % | " if m in measured else "- | "
+        print(f"| {m} | {100 * rows:.0f} % | {100 * time_mean:.0f} % (±{100 * time_half:.0f}) | {step}"
+              f"{100 * mean:.1f} % ({100 * (mean - half):.1f}-{100 * (mean + half):.1f} %) "
               f"| {100 * ratio:.1f} % ({100 * (ratio - rhalf):.1f}-{100 * (ratio + rhalf):.1f} %) | {paired} |")
-        points[m] = (100 * time_mean, 100 * mean, 100 * (mean - half), 100 * (mean + half), equal_cost_group(m))
+        cost = 100 * measured[m] / measured["exact"] if m in measured else 100 * time_mean
+        if not measured or m in measured:
+            points[m] = (cost, 100 * mean, 100 * (mean - half), 100 * (mean + half), equal_cost_group(m))
     if png:
         from charts import interval_scatter, save_png
 
-        save_png(png, interval_scatter(points, f"reward gain kept against training time, {len(seeds)} seeds",
-                                       "training time, % of exact GRPO's (rollouts included)",
-                                       "gain kept, % of exact's (95 % interval)", reference=100.0))
+        how = "one training step timed in one process" if measured else "the runs' training time"
+        routing = ("velocity", "late", "early", "probe")
+        for picture, keep in ((png, lambda m: not m.startswith(routing)),  # the alternatives; then routing
+                              (png.replace(".png", "_routing.png"), lambda m: m in ("exact", "jagg_w4")
+                               or m.startswith(routing))):
+            chosen = {m: p for m, p in points.items() if keep(m)}
+            if len(chosen) > 2 or picture == png:
+                what = "JAGG and the cheap alternatives" if picture == png else "which windows JAGG takes"
+                save_png(picture, interval_scatter(chosen, f"{what}: reward gain kept against cost, "
+                                                   f"{len(seeds)} seeds", f"{how}, % of exact GRPO's (rollouts "
+                                                   "included)", "gain kept, % of exact's (95 % interval)",
+                                                   reference=100.0))
     return points
 
 
@@ -704,6 +726,8 @@ def main():
                                                  "(paired) lab/eval_noise.py --out files")
     parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
     parser.add_argument("--last", type=int, default=3, help="curves: how many final evaluations to average")
+    parser.add_argument("--timing", default="", help="equal_cost: a lab/equal_cost_error.py --time JSON, "
+                                                      "the cost axis measured in one process")
     parser.add_argument("--png", default="", help="curves, wallclock: also draw them into this PNG file")
     args = parser.parse_args()
     if args.table == "compare":
@@ -727,7 +751,7 @@ def main():
     elif args.table == "wallclock":
         wallclock(args.paths, args.png)
     elif args.table == "equal_cost":
-        equal_cost(args.paths[0], args.png)
+        equal_cost(args.paths[0], args.png, args.timing)
     else:
         window_level(args.paths)
 

@@ -185,14 +185,23 @@ def test_equal_cost_table_pairs_each_mode_with_exact_of_its_seed(tmp_path, capsy
     assert points["random8"][1] == pytest.approx(100 * (0.5 + 0.75 + 0.5) / 3)
     assert points["jagg_w4"][0] == pytest.approx(100 * (6 / 10 + 7 / 11 + 8 / 12) / 3)  # the time, of exact's
     assert points["random8"][4] == "random steps (DanceGRPO)" and (tmp_path / "equal_cost.png").stat().st_size > 1000
+    # with a routing mode and a one-process timing: the timing is the cost axis, routing its own picture
+    for seed, gain in enumerate([0.5, 0.4, 0.6]):
+        folder = tmp_path / "early0.5" / f"seed{seed}"
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps({"reward_gain": gain, "grad_rows": 120, "train_seconds": 9.0}))
+    (tmp_path / "timing.json").write_text(json.dumps({"seconds": {"exact": 2.0, "jagg_w4": 1.2, "early0.5": 1.6}}))
+    points = summarize.equal_cost(str(tmp_path), str(tmp_path / "ec.png"), str(tmp_path / "timing.json"))
+    assert points["jagg_w4"][0] == pytest.approx(60.0) and points["early0.5"][:2] == pytest.approx((80.0, 100.0))
+    assert "random8" not in points and "| random8 | 50 % | 91 % (±2) | - |" in capsys.readouterr().out  # no timing
+    assert (tmp_path / "ec_routing.png").stat().st_size > 1000
 
 
 def test_equal_cost_errors_routing_each_window_as_its_rule_says():
     """lab/equal_cost_error.py's routing at jagg_frac 0.5 over two windows: velocity is the paper's
     routing (jagg.paper_gradients); late is exact on the first window and JAGG on the second, early the
-    reverse; cosine
-    gives JAGG the window whose JAGG gradient has the higher cosine to its exact one, each window's
-    two gradients computed here one by one."""
+    reverse; cosine gives JAGG the window whose JAGG gradient has the higher cosine to its exact one,
+    each window's two gradients computed here one by one."""
     import types
 
     import equal_cost_error
