@@ -4,6 +4,7 @@
     python lab/equal_cost_error.py mini --checkpoints 0 7 --batches 3 --batch-sizes 16 64
     python lab/equal_cost_error.py report runs/equal_cost_error_toy.json
     python lab/equal_cost_error.py toy --time 256 --batches 7           # each method's training step, timed
+    python lab/equal_cost_error.py mini --time 32 --batches 3
 
 For each checkpoint (epochs of exact GRPO from the base model, trained as lab/offpolicy_error.py
 does) and batch size, --batches independent rollout batches; on each, exact GRPO's gradient g on
@@ -39,12 +40,13 @@ from toy_baselines import first_steps_gradients, subset_gradients  # noqa: E402
 
 
 def methods(T, params=None, W=4):
-    """name -> gradient(batch, cfg, generator): each adds its estimate to .grad. Rows with grad per
-    sample: JAGG at W = 4 and the K = T / 2 alternatives T / 2; at W = 8 and K = T / 4, T / 4.
+    """name -> gradient(batch, cfg, generator): each adds its estimate to .grad. The alternatives
+    train as many rows with grad per sample as JAGG at W = 4 (K: T / 2 for T = 16, 6 for T = 10)
+    and at W = 8 (T / 4; 4 for T = 10).
     With params, routing too at W = 4, jagg_frac 0.5 and 0.75: by the free velocity score
     (velocity), by a fixed late-first schedule (late) or early-first (early), and by this batch's
     own cosines (cosine, an oracle: the best the probe's routing could do)."""
-    half, quarter = T // 2, T // 4
+    half, quarter = (sum(min(2, b - a) for a, b in jagg.window_bounds(T, w)) for w in (4, 8))  # JAGG's rows
 
     def jagg_w(window):
         def gradient(batch, cfg, g):
@@ -129,7 +131,7 @@ def timing(task, size, repeats, generator):
     medians of interleaved repeats in this one process: exact GRPO, every method of methods but the
     oracles, and the SDE windows of T / 2 and T / 4 steps, exact and with JAGG at W = 4, placed
     where Flow-GRPO-Fast places them: anywhere in the trajectory."""
-    T = task.draw(4, generator).traj.z.shape[0]
+    T = task.draw(getattr(task, "group", 4), generator).traj.z.shape[0]  # one group
     steps = {"exact": exact_gradient, **methods(T, task.params)}
     steps = {name: gradient for name, gradient in steps.items() if not name.startswith("cosine")}  # oracles
 
@@ -148,7 +150,8 @@ def timing(task, size, repeats, generator):
             return {"seconds": jagg_probe.clock(torch.device("cpu")) - start}
         return run
     fns = {name: timed(gradient) for name, gradient in steps.items()}
-    for k in (T // 2, T // 4):
+    for k in {name[5:] for name in steps if name.startswith("first")}:  # JAGG's rows at W = 4 and 8
+        k = int(k)
         fns[f"window{k}"] = timed(exact_gradient, k)
         if k % 4 == 0 and k > 4:
             fns[f"window{k}_jagg_w4"] = timed(None, k, W=4)
@@ -216,8 +219,6 @@ def main(argv=None):
                         help="instead: time one training step per method (rollout and gradient) on B samples "
                              "at the base model, medians of --batches interleaved repeats")
     args = parser.parse_args(argv)
-    if args.time and args.model_kind != "toy":
-        parser.error("--time times the toy only (the mini's runs time their own training steps)")
     if args.batches < 2:
         parser.error(f"--batches must be >= 2 (an interval needs two), got {args.batches}")
     if sorted(set(args.checkpoints)) != args.checkpoints or args.checkpoints[0] < 0:

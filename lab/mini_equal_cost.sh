@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # JAGG against the field's cheap alternatives at equal cost on the mini SD3 (lab/reports/equal_cost.md):
 # lab/presets.py mini (darkness, T = 10 all trained, 15 epochs), seeds 0-4, P runs at a time with
-# one thread each (default 1: about 4 minutes a run, 9 runs a seed). A finished run is skipped.
+# one thread each (default 1: about 4 minutes a run, 11 runs a seed). A finished run is skipped.
 #
 #   lab/mini_equal_cost.sh [OUT]                              # default OUT: runs/mini_equal_cost
 #   SEEDS="0 1 2 3 4 5 6 7" P=2 lab/mini_equal_cost.sh OUT      # more seeds, two runs at a time
 #   python lab/summarize.py equal_cost OUT                    # the table (--png F: the picture)
 #
 # Rows with grad per sample and step of the 10: exact 10; the paper's JAGG at W = 4 (windows 0-3,
-# 4-7, 8-9: 2 + 2 + 2) and the alternatives at K = 6, 6; JAGG at W = 8 (0-7, 8-9) and K = 4, 4.
+# 4-7, 8-9: 2 + 2 + 2) and the alternatives at K = 6, 6; JAGG at W = 8 (0-7, 8-9) and K = 4, 4;
+# routing at jagg_frac 0.5 by the free score (velocity) and by the early-first schedule (early).
 # random: lab/sd_baselines.py (DanceGRPO's steps, one draw per micro-batch); first: Flow-GRPO's
 # --timestep-fraction; window: Flow-GRPO-Fast's --sde-window, anywhere in the 10 steps.
 set -euo pipefail
@@ -31,6 +32,8 @@ modes=(  # name|command before its flags; the folders are OUT/<name>/seed<S>
   "random4|$random --random-steps 4 -- $preset --method exact"
   "first4|$sd --method exact --timestep-fraction 0.4"
   "window4|$sd --method exact --sde-window 4 --sde-range-end 10"
+  "velocity0.5|$sd --method jagg --window 4 --jagg-frac 0.5 --route velocity"
+  "early0.5|$sd --method jagg --window 4 --jagg-frac 0.5 --route early"
 )
 jobs_file=$(mktemp)
 trap 'rm -f "$jobs_file"' EXIT

@@ -93,6 +93,14 @@ class MiniTask:
         self.lr, self.window, self.minibatch, self.group = cfg.lr, cfg.window, cfg.train_batch, cfg.group_size
         self.setting = f"lab/presets.py {preset} ({cfg.reward})"
 
+    @property
+    def sde_window(self):  # as ToyTask's: the SDE window's steps that draw's window_start places
+        return self.cfg.sde_window
+
+    @sde_window.setter
+    def sde_window(self, steps):
+        self.cfg.sde_window = steps
+
     def draw(self, n, generator, window_start=None):
         """n samples' rollouts (with window_start, an SDE window of self.cfg.sde_window steps there)."""
         ids, prompts, traj, cond, uncond, images = self.draw_groups(self.pipe, self.model, self.cfg, self.prompts,

@@ -21,9 +21,6 @@ of each sample (the rest still sampled), on examples/toy_options.py's loop and t
 - jagg_random: the paper's JAGG on each sample's own random set of windows, --trained-steps of its
   steps in whole windows of --window (the authors' early code, eff_grpo's run_jagg.sh: W = 4 on 60 %
   of the windows): 2 rows with grad per window trained.
-- late: not a cheaper alternative but a routing rule to hold the free score against: the
-  --jagg-frac share of the windows JAGG takes is the latest (lowest-noise) ones, always; the rest
-  exact. --trained-steps is not used.
 Rows with grad per sample, as JAGG counts them: random, first and window K; jagg_random 2 per window.
 """
 
@@ -46,7 +43,7 @@ spec = importlib.util.spec_from_file_location("toy_options", os.path.join(ROOT, 
 toy_options = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(toy_options)
 
-BASELINES = ("random", "first", "window", "jagg_random", "late")
+BASELINES = ("random", "first", "window", "jagg_random")
 
 
 @dataclass
@@ -151,14 +148,6 @@ def hooks(args):
             windows = [(a, a + W) for a in range(0, T, W)]
             return subset_gradients(fns, traj, advantages, cfg, windows, K // W, g, by_jagg=True)
         return gradient, None, f"jagg_random{K}_w{W}"
-    if args.baseline == "late":  # a fixed ranking by position: route="probe" ranks by the values given
-        opts = jagg_options.JaggOptions(W, args.jagg_frac, route="probe")
-
-        def gradient(fns, traj, advantages):
-            velocity_fn, ref_fn = fns(torch.arange(traj.z.shape[1]))
-            positions = list(range(len(jagg.window_bounds(T, W))))  # later windows rank higher
-            return jagg_options.window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_fn, positions)
-        return gradient, None, f"late{args.jagg_frac:g}"
     if args.baseline == "first":
         def gradient(fns, traj, advantages):
             return first_steps_gradients(fns, traj, advantages, cfg, K)

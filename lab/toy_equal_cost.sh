@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # JAGG against the field's cheap alternatives at equal cost, and routing against a fixed schedule,
 # on the toy (lab/reports/equal_cost.md): seeds 0-19, every run from the seed-0 base model, P runs at
-# a time with one thread each (default 1: about 30 s a run, 17 runs a seed).
+# a time with one thread each (default 1: about 30 s a run, 19 runs a seed).
 # A run that has finished before is skipped, so an interrupted table resumes.
 #
 #   lab/toy_equal_cost.sh [OUT]                              # default OUT: runs/toy_equal_cost
@@ -36,10 +36,12 @@ modes=(  # name|script and flags; the folders are OUT/<name>/seed<S>
   "first4|$baseline first --trained-steps 4"
   "window4|$baseline window --trained-steps 4"
   "velocity0.5|$toy --jagg-frac 0.5"
-  "late0.5|$baseline late --jagg-frac 0.5"
+  "late0.5|$toy --jagg-frac 0.5 --route late"
+  "early0.5|$toy --jagg-frac 0.5 --route early"
   "probe0.5|$toy --jagg-frac 0.5 --route probe --probe-every 5"
   "velocity0.75|$toy --jagg-frac 0.75"
-  "late0.75|$baseline late --jagg-frac 0.75"
+  "late0.75|$toy --jagg-frac 0.75 --route late"
+  "early0.75|$toy --jagg-frac 0.75 --route early"
   "probe0.75|$toy --jagg-frac 0.75 --route probe --probe-every 5"
 )
 jobs_file=$(mktemp)

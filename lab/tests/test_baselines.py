@@ -247,3 +247,6 @@ def test_equal_cost_timing_times_every_method_and_the_sde_windows(tmp_path):
                 "window4", "window8_jagg_w4"} | {f"{how}{f}" for how in ("velocity", "early", "late") for f in ("0.5", "0.75")}
     assert set(seconds) == expected and all(s > 0 for s in seconds.values())
     assert json.load(open(tmp_path / "t.json"))["seconds"] == seconds
+    # The mini's T = 10: JAGG's windows 0-3, 4-7, 8-9 back-propagate 2 + 2 + 2 rows, at W = 8 2 + 2, so
+    # the alternatives train K = 6 and 4 steps (lab/mini_equal_cost.sh's runs), not T / 2 and T / 4.
+    assert set(equal_cost_error.methods(10)) == {"jagg_w4", "random6", "first6", "jagg_w8", "random4", "first4"}
