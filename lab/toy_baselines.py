@@ -27,7 +27,7 @@ Rows with grad per sample, as JAGG counts them: random, first and window K; jagg
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -72,42 +72,24 @@ def parse_args(argv=None):
 
 def subset_gradients(fns, traj, advantages, cfg, segments, count, generator, by_jagg=False):
     """Each sample's own random `count` of the equal-length segments [(start, stop), ...] of traj,
-    drawn with generator, each trained exactly step by step (by JAGG with by_jagg): the samples that
-    drew a segment form one sub-batch. The loss is the mean over each sample's trained steps and
-    over the samples, which both DanceGRPO and eff_grpo use, so with exact steps its expectation over
-    the draws is exact GRPO's loss. fns(idx) -> (velocity_fn, ref_velocity_fn) of samples idx.
-    Adds to .grad; returns (stats, chosen [B, count]) with stats as window_gradients' (grad_rows: per
-    sample, rows with grad as JAGG counts them)."""
-    T, B = traj.z.shape[:2]
-    length = segments[0][1] - segments[0][0]
+    drawn with generator and gathered, in step order, into one shorter trajectory whose step j holds
+    each sample's j-th trained step; then exact GRPO on it (DanceGRPO's batching: one forward with
+    graph and one backward of all B samples per trained step, the timesteps differing by sample), or
+    the paper's JAGG on its windows with by_jagg (a segment each). The loss is the mean over each
+    sample's trained steps and over the samples, which both DanceGRPO and eff_grpo use, so with
+    exact steps its expectation over the draws is exact GRPO's loss. fns(idx) -> (velocity_fn,
+    ref_velocity_fn) of samples idx. Adds to .grad; returns (stats, []) with stats as
+    jagg.paper_gradients' (grad_rows: per sample, rows with grad as JAGG counts them)."""
+    B, length = traj.z.shape[1], segments[0][1] - segments[0][0]
     jagg._check(all(b - a == length for a, b in segments), "the segments must be of equal length")
     chosen = torch.stack([torch.randperm(len(segments), generator=generator)[:count] for _ in range(B)])
-    steps_each = count * length  # m, the steps each sample trains
-    log, loss, rows = [], 0.0, 0.0
-    for j, (start, stop) in enumerate(segments):
-        idx = (chosen == j).any(dim=1).nonzero().flatten()  # the samples that drew segment j
-        if len(idx) == 0:
-            continue
-        sub = traj.subset(idx)
-        velocity_fn, ref_fn = fns(idx)
-        z, t = sub.z[start:stop], sub.t[start:stop]  # [L, b, *D], [L, b]
-        v_ref = None
-        if cfg.beta > 0:
-            with torch.no_grad():
-                v_ref = ref_fn(z, t)
-        per_step = jagg.make_step_loss(sub, advantages[idx], start, stop, cfg, v_ref, log)
-        # make_step_loss: the mean over the b samples, over T; we want sum_b / (B * m)
-        scale = len(idx) * T / (B * steps_each)
-
-        def step_loss(i, v, per_step=per_step, scale=scale):
-            return per_step(i, v) * scale
-        jagg_here = by_jagg and length >= 3
-        backward = jagg.backward_jagg_window if jagg_here else jagg.backward_exact
-        loss += backward(velocity_fn, z, t, step_loss)
-        rows += (2 if jagg_here else length) * len(idx) / B
-    stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}
-    stats.update(loss=loss, grad_rows=rows, routed_frac=float(by_jagg))
-    return stats, []
+    starts = torch.tensor([a for a, _ in segments])[chosen.sort(dim=1).values]  # [B, count]
+    steps = (starts[:, :, None] + torch.arange(length)).flatten(1).T  # [count * length, B]
+    samples = torch.arange(B)
+    gathered = replace(traj, **{k: getattr(traj, k)[steps, samples] for k in traj.TENSORS})
+    velocity_fn, ref_fn = fns(samples)
+    window = length if by_jagg and length >= 3 else 2
+    return jagg.paper_gradients(velocity_fn, gathered, advantages, cfg, window, float(by_jagg), ref_fn)[0], []
 
 
 def first_steps_gradients(fns, traj, advantages, cfg, count):
