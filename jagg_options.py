@@ -47,10 +47,14 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
     max_graph_rows       [None: no bound] At most this many anchor rows in a graph at once: always
                          the same gradient as without the bound, to round-off; less memory, some
                          speed lost. With rollout interiors at least 2.
-    route="late"         ["velocity", jagg.linearity_score] A fixed schedule: JAGG takes the
-                         latest (lowest-noise) segments first. The free score ranks by noise level
-                         too (jagg.py, section 7), and at equal cost the two keep the same reward
-                         (lab/reports/equal_cost.md): the schedule says what routing does.
+    route="early"        ["velocity", jagg.linearity_score] A fixed schedule: JAGG takes the
+                         earliest (highest-noise) segments first, where its error is smallest on
+                         the toy DiT and the mini SD3; at equal cost it keeps more reward than
+                         the free score there (lab/reports/equal_cost.md). Our recommendation
+                         whenever jagg_frac < 1.
+    route="late"         The opposite schedule: the latest (lowest-noise) segments first. The free
+                         score ranks segments by noise level this way (jagg.py, section 7) and
+                         keeps the same reward: this schedule says what the free score does.
     route="probe"        Route by the probe's measured cosine of each segment's JAGG gradient to
                          its exact one (jagg_probe.py), averaged over probes. min_cosine [None;
                          route="probe" only] trains any segment whose average is below it EXACT.
@@ -102,7 +106,7 @@ class JaggOptions:
     max_graph_rows: int = None  # at most this many anchor rows in a graph at once; None: no bound
     max_drift: float = 0.5  # rollout interiors while the anchors' ratios drift less than this
     route: str = "velocity"  # "velocity": jagg.linearity_score; "early" / "late": the earliest /
-    # latest segments first; "probe": the probe's cosines
+    # latest segments first (early: recommended when jagg_frac < 1); "probe": the probe's cosines
     min_cosine: float = None  # route="probe": a window whose cosine is below this stays exact
     boundaries: tuple = ()  # two experts: each network's first step; no segment spans two
 

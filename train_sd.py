@@ -121,8 +121,9 @@ class Config:
     max_graph_rows: int = flag(None, "at most this many anchor rows in a graph at once: same "
                                      "gradient, less memory")
     route: str = flag("velocity", "which windows --jagg-frac gives JAGG: velocity (the free "
-                                  "score, jagg.py's), late (the lowest-noise first: a fixed "
-                                  "schedule that keeps as much reward), or probe (measured)",
+                                  "score, jagg.py's; it picks the lowest-noise windows, as late "
+                                  "does), early (the highest-noise first: recommended, smaller "
+                                  "error and more reward kept), late, or probe (measured)",
                       choices=jagg_options.ROUTES)
     probe_every: int = flag(0, "every N epochs, measure JAGG's gradient against exact on one "
                                "micro-batch; 0: off", ">= 0")

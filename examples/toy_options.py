@@ -1,6 +1,7 @@
 """JAGG's options beyond the paper (jagg_options.py) on train_toy.py's task, one flag each.
 
     python examples/toy_options.py --anchors shared --interior rollout      # exact, then that mode
+    python examples/toy_options.py --jagg-frac 0.5 --route early            # half the windows: the noisiest
     python examples/toy_options.py --jagg-frac 0.5 --route probe --probe-every 1
     python examples/toy_options.py --method jagg --weights index --probe-every 5
 
@@ -41,8 +42,9 @@ class Args(train_toy.Args):
     weights: str = arg("time", "time: the paper's alpha_k by t; index: alpha_k = k / (W - 1)")
     max_graph_rows: int = arg(0, "at most this many anchor rows in a graph at once; 0: no bound")
     max_drift: float = arg(0.5, "--interior rollout: a forward past this drift; -1: never")
-    route: str = arg("velocity", "which windows JAGG takes: velocity (the free score), late (the "
-                                 "lowest-noise first, fixed) or probe (measured)")
+    route: str = arg("velocity", "which windows JAGG takes: velocity (the free score: lowest "
+                                 "noise first, as late), early (highest noise first, fixed: "
+                                 "recommended), late, or probe (measured)")
     min_cosine: float = arg(0.0, "--route probe: a window whose cosine is below this stays exact")
     # --- the probe (jagg_probe.py)
     probe_every: int = arg(0, "every N epochs and the first, JAGG's gradient against exact; 0: off")

@@ -369,10 +369,11 @@ def test_python_jagg_py_runs_its_self_check():
     """`python jagg.py` prints what a learner should see: exact on a linear velocity with states where t
     puts them, and not when they sit evenly by step, bend, or the network is a tanh; on real rollouts, the
     gradient error of JAGG below that of 2 random steps x W/2, a routing score that mostly picks the
-    low-noise window, as a fixed rule would; routing at jagg_frac 0, 1 and 0.5 (the short last window
-    never takes JAGG's share) with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9
-    trained steps) and in forwards (30 -> 22); GRPO runs with JAGG and exact over 3 seeds whose rewards
-    rise, the clip at work in the off-policy step (the script also asserts that on-policy ratios are 1)."""
+    low-noise window, as a fixed rule would, though JAGG's share of the error is larger there; routing
+    at jagg_frac 0, 1 and 0.5 (the short last window never takes JAGG's share) with its cost in rows
+    with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps) and in forwards (30 -> 22); GRPO
+    runs with JAGG and exact over 3 seeds whose rewards rise, the clip at work in the off-policy step
+    (the script also asserts that on-policy ratios are 1)."""
     import re
     import subprocess
     import sys
@@ -386,8 +387,11 @@ def test_python_jagg_py_runs_its_self_check():
     rows = [tuple(map(float, r)) for r in re.findall(r"^ +(?:0-3|4-7) \| +(\S+) \| +(\S+)$", out, re.M)]
     (jagg_0, alt_0), (jagg_1, alt_1) = rows
     assert 0.01 < min(jagg_0, jagg_1) and jagg_0 < alt_0 and jagg_1 < alt_1, out
-    late, rollouts = (int(x) for x in re.search(r"the score picks steps 4-7 in (\d+) of (\d+) rollouts", out).groups())
+    found = re.search(r"At jagg_frac 0.5 the score picks 4-7 in (\d+) of (\d+) rollouts\. 4-7 carries most of the "
+                      r"gradient,\s+so JAGG's error there is (\S+) of both windows' \|exact\|, at 0-3 (\S+)\.", out)
+    late, rollouts = int(found[1]), int(found[2])
     assert rollouts / 2 < late <= rollouts, out  # the score mostly picks the low-noise window, as the fixed rule does
+    assert float(found[3]) > float(found[4]) > 0, out  # where most of JAGG's error is: the wrong way round
     rows = re.findall(r"^ +(\d+) steps, jagg_frac (\S+?)(, on-policy)?: JAGG on (.*?); (\d+) rows with grad "
                       r"\((\d+) backwards\), (\d+) without: (\d+)$", out, re.M)
     assert rows == [("10", "0.0", "", "none", "10", "10", "0", "30"),  # a backward: 2 forwards
