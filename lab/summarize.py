@@ -644,12 +644,12 @@ def equal_cost_group(mode):
     return mode
 
 
-def equal_cost(folder, png="", timing=""):
+def equal_cost(folder, png="", timing="", versus="jagg_w4"):
     """OUT/<mode>/seed<S>/summary.json of every mode (or, kept, OUT/<mode>/seed<S>.json): per mode
     over the seeds every mode finished, its rows with grad and training time as shares of exact's
     (time: the mean of the per-seed ratios), the gain kept (JAGG's reward gain over exact's of the
     same seed: mean with its 95 % t interval), the ratio of mean gains with its interval, and the
-    paired difference of the gain kept to the paper's JAGG (jagg_w4); png: the picture. timing: a
+    paired difference of the gain kept to versus's (default jagg_w4, the paper's JAGG); png: the picture. timing: a
     lab/equal_cost_error.py --time JSON, whose one-process medians are then the cost axis (a
     column of its own; the runs' own times were measured on a machine that other runs shared).
     Routing's modes, beside exact and jagg_w4, get a picture of their own: png's name + _routing."""
@@ -672,7 +672,7 @@ def equal_cost(folder, png="", timing=""):
         measured = load(timing)["seconds"]
     print("| mode | rows with grad, of exact's | training time, of exact's |"
           + (" one training step, timed in one process, of exact's |" if measured else "")
-          + " gain kept, mean (95 % interval) | ratio of mean gains (95 % interval) | minus jagg_w4's gain kept, "
+          + f" gain kept, mean (95 % interval) | ratio of mean gains (95 % interval) | minus {versus}'s gain kept, "
           "paired (95 % interval) |")
     print("|---" * (7 if measured else 6) + "|")
     points, order = {}, sorted(modes, key=lambda m: (m != "exact", -runs[m][seeds[0]]["grad_rows"], m))
@@ -683,8 +683,8 @@ def equal_cost(folder, png="", timing=""):
         mean, half = mean_interval(kept)
         ratio, rhalf, _ = ratio_interval([(exact[s]["reward_gain"], runs[m][s]["reward_gain"]) for s in seeds])
         paired = "-"
-        if "jagg_w4" in runs and m != "jagg_w4":
-            diff, dhalf = mean_interval([k - runs["jagg_w4"][s]["reward_gain"] / exact[s]["reward_gain"]
+        if versus in runs and m != versus:
+            diff, dhalf = mean_interval([k - runs[versus][s]["reward_gain"] / exact[s]["reward_gain"]
                                          for k, s in zip(kept, seeds)])
             paired = f"{100 * diff:+.1f} ({100 * (diff - dhalf):+.1f} to {100 * (diff + dhalf):+.1f}) points"
         step = ""
@@ -728,6 +728,8 @@ def main():
     parser.add_argument("--last", type=int, default=3, help="curves: how many final evaluations to average")
     parser.add_argument("--timing", default="", help="equal_cost: a lab/equal_cost_error.py --time JSON, "
                                                       "the cost axis measured in one process")
+    parser.add_argument("--versus", default="jagg_w4", help="equal_cost: the mode each mode is paired with, "
+                                                             "seed by seed, in the last column")
     parser.add_argument("--png", default="", help="curves, wallclock: also draw them into this PNG file")
     args = parser.parse_args()
     if args.table == "compare":
@@ -751,7 +753,7 @@ def main():
     elif args.table == "wallclock":
         wallclock(args.paths, args.png)
     elif args.table == "equal_cost":
-        equal_cost(args.paths[0], args.png, args.timing)
+        equal_cost(args.paths[0], args.png, args.timing, args.versus)
     else:
         window_level(args.paths)
 

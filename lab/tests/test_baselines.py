@@ -195,6 +195,11 @@ def test_equal_cost_table_pairs_each_mode_with_exact_of_its_seed(tmp_path, capsy
     assert points["jagg_w4"][0] == pytest.approx(60.0) and points["early0.5"][:2] == pytest.approx((80.0, 100.0))
     assert "random8" not in points and "| random8 | 50 % | 91 % (±2) | - |" in capsys.readouterr().out  # no timing
     assert (tmp_path / "ec_routing.png").stat().st_size > 1000
+    # --versus random8: the last column pairs each seed with random8's gain kept (0.5, 0.75, 0.5)
+    summarize.equal_cost(str(tmp_path), versus="random8")
+    out = capsys.readouterr().out
+    diff = 100 * sum(j - r for j, r in zip(kept, [0.5, 0.75, 0.5])) / 3  # jagg_w4's minus random8's
+    assert "minus random8's gain kept" in out and f"| {diff:+.1f} (" in out.split("| jagg_w4 |")[1].split("\n")[0]
 
 
 def test_equal_cost_errors_routing_each_window_as_its_rule_says():
