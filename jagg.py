@@ -7,10 +7,11 @@ window of W steps, the network's Jacobian moves in a straight line in t between 
 steps; then one backward pass through those two steps gives the window's whole gradient. A
 cosine-similarity rule with a knob, jagg_frac, picks the windows that take JAGG. Where the
 abstract is silent we chose, marked OURS. The saving: of the 9 steps per sample Flow-GRPO trains,
-JAGG (W = 4) back-propagates 5. The price: a bias where the assumption fails, which more samples
-do not remove (self-check B). On a toy DiT, at half of exact GRPO's back-propagated steps, JAGG
-kept 95 % of exact's reward gain and a random half of each sample's steps (DanceGRPO's shortcut,
-with 2-3.5x JAGG's gradient error) 85 %; but an SDE window of half the steps (Flow-GRPO-Fast) 98 %.
+JAGG (W = 4) back-propagates 5; with its extra forwards, 27 forwards' worth become 19 (check C).
+The price: a bias where the assumption fails, smaller than the error of a cheaper unbiased shortcut,
+2 random steps per window (check B). At equal cost on a bigger toy DiT, outside this file, JAGG kept
+95 % of exact GRPO's reward gain, DanceGRPO's random half of the steps 85 %, and Flow-GRPO-Fast's
+SDE window of half the steps 98 %: JAGG beats the per-step shortcuts, not the window.
 
 Notation (code name -> symbol)
     T, B      number of sampling steps; number of samples in the batch
@@ -196,8 +197,8 @@ def interpolation_weights(t):
 
 def backward_jagg_window(velocity_fn, z, t, step_loss, alpha=None, v_mid=None):
     """JAGG's gradient of a window z [W, B, *D], t [W, B] (a: i = 0, b: i = W - 1): one forward with
-    graph, one backward; adds to .grad, returns the loss. alpha [W, B]: the weights, the paper's by
-    default (the authors' early code weights by step index); v_mid [W-2, B, *D]: interiors' v."""
+    graph, one backward; adds to .grad, returns the loss. alpha [W, B]: the weights (default: the
+    paper's, by t); v_mid [W-2, B, *D]: the interiors' v if known (else a forward computes them)."""
     acc = torch.promote_types(z.dtype, torch.float32)  # G_a, G_b are summed in fp32 at least
     alpha = interpolation_weights(t.to(acc)) if alpha is None else alpha  # [W, B]
     alpha = alpha.to(acc).reshape(t.shape + (1,) * (z.ndim - 2))  # [W, B, 1, ...]
@@ -227,10 +228,10 @@ def backward_jagg_window(velocity_fn, z, t, step_loss, alpha=None, v_mid=None):
 # === 7. Routing: which windows take JAGG ===
 # The abstract routes windows by "a cosine-similarity rule" with a knob, jagg_frac. OURS: the
 # jagg_frac share of windows (default 1: all) whose interior velocities are closest, in mean cosine,
-# to the line in t between their end velocities take JAGG. Free (the rollout kept v), the score sees
-# v bend, not J, and ranks windows by noise level: in check B it picks the low-noise window in 16 of
-# 16 rollouts, where most of JAGG's error is. On a toy DiT at jagg_frac 0.5 the opposite, a fixed
-# "highest noise first", kept 99 % of exact GRPO's reward gain, this score 96 %: prefer the rule.
+# to the line in t between their end velocities take JAGG. The score costs nothing (the rollout kept
+# v) but sees v bend, not J: in check B it picks window 4-7, which holds most of JAGG's error, in 16
+# of 16 rollouts. It is our reading of the paper's rule and it fails here: with jagg_frac < 1, give
+# JAGG the earliest (highest-noise) windows instead, which kept more reward at equal cost for us.
 def window_bounds(num_steps, window):
     """T steps in windows of W: [(start, stop), ...] with stop = b + 1; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG needs two end steps), got {window}")
@@ -316,7 +317,7 @@ def train_toy(jagg_frac, epochs=10, T=10, W=4, seed=1):
                                        on_policy=half == 0)  # traj.v is stale after a step
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)  # Flow-GRPO's max_grad_norm
             optimizer.step()
-            assert half == 1 or stats["approx_kl"] < 1e-20  # on-policy ratios are 1 (section 10)
+            assert half == 1 or stats["approx_kl"] < 1e-12  # on-policy ratios are 1 (section 10)
     return rewards, stats
 
 # === 10. Using your own model ===
@@ -369,28 +370,26 @@ def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=16):
             pairs = list(itertools.combinations(per_step, 2))  # the alternative: 2 of the W steps
             alt_sq = sum((W / 2 * (p + q) - exact).norm() ** 2 for p, q in pairs) / len(pairs)
             windows[name].append((linearity_score(traj.v[start:stop], t), exact, jagg, alt_sq))
-    print(f"B. |estimate - exact| / |exact| of the gradient summed over {rollouts} rollouts\n"
-          "   steps | JAGG | 2 random steps x W/2")
+    print(f"B. |estimate - exact| of each window's gradient summed over {rollouts} rollouts, as a "
+          "share of\n   both windows' |exact|\n   steps |  JAGG | 2 random steps x W/2")
     whole = sum(row[1] for rows in windows.values() for row in rows).norm()  # both windows' |exact|
-    errors = {}  # per window: JAGG's error as a share of whole
+    jagg_errors = []
     for steps, rows in windows.items():
         _, exacts, jaggs, alt_sqs = zip(*rows)
-        exact, error = sum(exacts), (sum(jaggs) - sum(exacts)).norm()  # [P]; |JAGG - exact|
-        alt_error = math.sqrt(sum(alt_sqs)) / exact.norm()  # independent draws: squares add
-        errors[steps] = (error / whole).item()
-        print(f"   {steps:>5} | {error / exact.norm():4.2f} | {alt_error:20.2f}")
-        assert error / exact.norm() < alt_error
+        jagg_errors.append(((sum(jaggs) - sum(exacts)).norm() / whole).item())
+        alt_error = math.sqrt(sum(alt_sqs)) / whole.item()  # independent draws: squares add
+        print(f"   {steps:>5} | {jagg_errors[-1]:.3f} | {alt_error:20.3f}")
+        assert jagg_errors[-1] < alt_error
     late = sum(b[0] > a[0] for a, b in zip(windows["0-3"], windows["4-7"]))  # 4-7 scores higher
-    print(f"   At jagg_frac 0.5 the score picks 4-7 in {late} of {rollouts} rollouts. 4-7 carries "
-          f"most of the gradient,\n   so JAGG's error there is {errors['4-7']:.3f} of both "
-          f"windows' |exact|, at 0-3 {errors['0-3']:.3f}.")
-    assert late > rollouts / 2 and errors["4-7"] > errors["0-3"]
+    print(f"   At jagg_frac 0.5 the score picks 4-7, where JAGG's error is larger, in {late} of "
+          f"{rollouts} rollouts.")
+    assert late > rollouts / 2 and jagg_errors[1] > jagg_errors[0]
     return traj, adv
 
 def _check_cost(net, cfg, traj, adv, W=4):
     """C. Routing a rollout's windows, and its cost per sample, counted from velocity_fn's calls."""
     print("C. Routing, and its cost in forwards from velocity_fn's calls (a backward = 2 forwards)")
-    for steps, frac, on in [(10, 0.0, 0), (10, 1.0, 0), (10, 0.5, 0), (9, 1.0, 0), (9, 1.0, 1)]:
+    for steps, frac, on in [(10, 1.0, 0), (10, 0.5, 0), (9, 0.0, 0), (9, 1.0, 0), (9, 1.0, 1)]:
         calls = []  # (steps, builds a graph) of each call
         fn, sub = _velocity_fn(net, calls=calls), traj.first_steps(steps)
         stats, routed = paper_gradients(fn, sub, adv, cfg, W, frac, on_policy=bool(on))
@@ -416,5 +415,6 @@ if __name__ == "__main__":
         (jagg, stats), (exact, _) = train_toy(jagg_frac=1.0, seed=seed), train_toy(0.0, seed=seed)
         print(f"   seed {seed}: {jagg[0]:.2f} -> {jagg[-1]:.2f} JAGG, {exact[-1]:.2f} exact;"
               f" clipped {stats['clipfrac']:.0%} in the last step")
-        assert jagg[-1] > jagg[0] + 0.5 and exact[-1] > exact[0] + 0.5 and stats["clipfrac"] > 0
+        assert jagg[-1] > jagg[0] + 0.5 and abs(jagg[-1] - exact[-1]) < 0.05  # JAGG as exact does
+        assert stats["clipfrac"] > 0  # the clip at work
     print("ok")

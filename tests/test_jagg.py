@@ -368,12 +368,12 @@ def test_bad_input_raises_clear_errors():
 def test_python_jagg_py_runs_its_self_check():
     """`python jagg.py` prints what a learner should see: exact on a linear velocity with states where t
     puts them, and not when they sit evenly by step, bend, or the network is a tanh; on real rollouts, the
-    gradient error of JAGG below that of 2 random steps x W/2, a routing score that mostly picks the
-    low-noise window, as a fixed rule would, though JAGG's share of the error is larger there; routing
-    at jagg_frac 0, 1 and 0.5 (the short last window never takes JAGG's share) with its cost in rows
-    with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps) and in forwards (30 -> 22); GRPO
-    runs with JAGG and exact over 3 seeds whose rewards rise, the clip at work in the off-policy step
-    (the script also asserts that on-policy ratios are 1)."""
+    gradient error of JAGG below that of 2 random steps x W/2, larger in the low-noise window, which the
+    routing score mostly picks, as a fixed rule would; routing at jagg_frac 1 and 0.5 (the short last
+    window never takes JAGG's share) with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's
+    9 trained steps) and in forwards (27 -> 19 on 9); GRPO runs with JAGG and exact over 3 seeds whose
+    rewards rise alike, the clip at work in the off-policy step (the script also asserts that on-policy
+    ratios are 1)."""
     import re
     import subprocess
     import sys
@@ -387,21 +387,20 @@ def test_python_jagg_py_runs_its_self_check():
     rows = [tuple(map(float, r)) for r in re.findall(r"^ +(?:0-3|4-7) \| +(\S+) \| +(\S+)$", out, re.M)]
     (jagg_0, alt_0), (jagg_1, alt_1) = rows
     assert 0.01 < min(jagg_0, jagg_1) and jagg_0 < alt_0 and jagg_1 < alt_1, out
-    found = re.search(r"At jagg_frac 0.5 the score picks 4-7 in (\d+) of (\d+) rollouts\. 4-7 carries most of the "
-                      r"gradient,\s+so JAGG's error there is (\S+) of both windows' \|exact\|, at 0-3 (\S+)\.", out)
+    assert jagg_1 > jagg_0, out  # most of JAGG's error is in the low-noise window 4-7 ...
+    found = re.search(r"At jagg_frac 0.5 the score picks 4-7, where JAGG's error is larger, in (\d+) of (\d+) rollouts", out)
     late, rollouts = int(found[1]), int(found[2])
-    assert rollouts / 2 < late <= rollouts, out  # the score mostly picks the low-noise window, as the fixed rule does
-    assert float(found[3]) > float(found[4]) > 0, out  # where most of JAGG's error is: the wrong way round
+    assert rollouts / 2 < late <= rollouts, out  # ... and the score mostly picks it, as a fixed late-first rule would
     rows = re.findall(r"^ +(\d+) steps, jagg_frac (\S+?)(, on-policy)?: JAGG on (.*?); (\d+) rows with grad "
                       r"\((\d+) backwards\), (\d+) without: (\d+)$", out, re.M)
-    assert rows == [("10", "0.0", "", "none", "10", "10", "0", "30"),  # a backward: 2 forwards
-                    ("10", "1.0", "", "0-3, 4-7", "6", "4", "4", "22"),
-                    ("10", "0.5", "", rows[2][3], "8", "7", "2", "26"),
+    assert rows == [("10", "1.0", "", "0-3, 4-7", "6", "4", "4", "22"),  # a backward: 2 forwards
+                    ("10", "0.5", "", rows[1][3], "8", "7", "2", "26"),
+                    ("9", "0.0", "", "none", "9", "9", "0", "27"),
                     ("9", "1.0", "", "0-3, 4-7", "5", "3", "4", "19"),
                     ("9", "1.0", ", on-policy", "0-3, 4-7", "5", "3", "0", "15")], out  # traj.v: no forward
-    assert rows[2][3] in ("0-3", "4-7"), out  # one 4-step window, never the 2-step one
+    assert rows[1][3] in ("0-3", "4-7"), out  # one 4-step window, never the 2-step one
     runs = re.findall(r"seed \d: (\S+) -> (\S+) JAGG, (\S+) exact; clipped (\d+)% in the last step$", out, re.M)
     assert len(runs) == 3, out
     for first, jagg_last, exact_last, clipped in (map(float, r) for r in runs):
-        assert jagg_last > first + 0.5 and exact_last > first + 0.5 and clipped > 0, out
+        assert jagg_last > first + 0.5 and abs(jagg_last - exact_last) < 0.05 and clipped > 0, out
     assert out.strip().endswith("ok"), out
