@@ -46,7 +46,7 @@ def methods(T, params=None, W=4):
     With params, routing too at W = 4, jagg_frac 0.5 and 0.75: by the free velocity score
     (velocity), by a fixed late-first schedule (late) or early-first (early), and by this batch's
     own cosines (cosine, an oracle: the best the probe's routing could do)."""
-    half, quarter = (sum(min(2, b - a) for a, b in jagg.window_bounds(T, w)) for w in (4, 8))  # JAGG's rows
+    k4, k8 = (sum(min(2, b - a) for a, b in jagg.window_bounds(T, w)) for w in (4, 8))  # JAGG's rows
 
     def jagg_w(window):
         def gradient(batch, cfg, g):
@@ -83,13 +83,13 @@ def methods(T, params=None, W=4):
             return jagg_options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn, ranks)
         return gradient
 
-    out = {"jagg_w4": jagg_w(4), f"random{half}": random(half), f"first{half}": first(half)}
+    out = {"jagg_w4": jagg_w(4), f"random{k4}": random(k4), f"first{k4}": first(k4)}
     for frac in (0.5, 0.75) if params is not None else ():
         out.update({f"{how}{frac:g}": routed(frac, how) for how in ("velocity", "late", "early", "cosine")})
-    if T % W == 0 and half % W == 0:
-        out[f"jagg_random{half}_w4"] = jagg_random(half)
+    if T % W == 0 and k4 % W == 0:
+        out[f"jagg_random{k4}_w4"] = jagg_random(k4)
     if T >= 8:
-        out.update({"jagg_w8": jagg_w(8), f"random{quarter}": random(quarter), f"first{quarter}": first(quarter)})
+        out.update({"jagg_w8": jagg_w(8), f"random{k8}": random(k8), f"first{k8}": first(k8)})
     return out
 
 
@@ -150,8 +150,7 @@ def timing(task, size, repeats, generator):
             return {"seconds": jagg_probe.clock(torch.device("cpu")) - start}
         return run
     fns = {name: timed(gradient) for name, gradient in steps.items()}
-    for k in {name[5:] for name in steps if name.startswith("first")}:  # JAGG's rows at W = 4 and 8
-        k = int(k)
+    for k in sorted({int(name[5:]) for name in steps if name.startswith("first")}):  # JAGG's rows, W = 8, 4
         fns[f"window{k}"] = timed(exact_gradient, k)
         if k % 4 == 0 and k > 4:
             fns[f"window{k}_jagg_w4"] = timed(None, k, W=4)

@@ -33,7 +33,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
 import train_toy  # noqa: E402
 from train_toy import arg  # noqa: E402
