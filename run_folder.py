@@ -14,7 +14,6 @@ and exits before any work.
 """
 
 import contextlib
-import fcntl
 import glob
 import json
 import math
@@ -78,6 +77,8 @@ def claim_folder(out, run_files, resume=False, overwrite=False, resume_command=N
     refused, naming resume_command, the command that continues that run (None: it cannot be).
     Removes the temporary files of a killed write; with overwrite, the old run's files. The lock
     file holds this process's id; a process it forks (a reward's workers) closes its copy."""
+    import fcntl  # POSIX only, and only here: the toy demo writes its files on Windows too
+
     path = os.path.join(out, ".lock")
     try:
         os.makedirs(out, exist_ok=True)
