@@ -545,12 +545,13 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
     velocity_fn = checked(velocity_fn)
     scores = [jagg.linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
     scores = over_ranks(scores, "mean", traj.z.device)  # every rank's samples: all route alike
+    ranks = scores  # what routing ranks by; scores stay in the stats (the free score, logged)
     if opts.route in ("early", "late"):  # fixed: the later the segment, the lower its noise
-        scores = [float(i if opts.route == "late" else -i) for i in range(len(bounds))]
+        ranks = [float(i if opts.route == "late" else -i) for i in range(len(bounds))]
     by_probe = opts.route == "probe" and probe_cosines is not None
     lengths = [stop - start for start, stop in bounds]
     floor = opts.min_cosine if by_probe else None
-    routed = route_segments(probe_cosines if by_probe else scores, lengths, opts.jagg_frac, floor)
+    routed = route_segments(probe_cosines if by_probe else ranks, lengths, opts.jagg_frac, floor)
 
     calls = backward_calls(bounds, routed, opts.anchors)  # [(kind, start, stop, anchor steps)]
     v_old = traj.v if opts.interior == "rollout" else None

@@ -129,8 +129,8 @@ def measure(task, sizes, batches, generator):
 def timing(task, size, repeats, generator):
     """{method: seconds}: one training step's work on size samples, its rollout and its gradient,
     medians of interleaved repeats in this one process: exact GRPO, every method of methods but the
-    oracles, and the SDE windows of T / 2 and T / 4 steps, exact and with JAGG at W = 4, placed
-    where Flow-GRPO-Fast places them: anywhere in the trajectory."""
+    oracles, and the SDE windows of as many steps as JAGG's rows at W = 4 and 8, exact and with
+    JAGG at W = 4, placed where Flow-GRPO-Fast places them: anywhere in the trajectory."""
     T = task.draw(getattr(task, "group", 4), generator).traj.z.shape[0]  # one group
     steps = {"exact": exact_gradient, **methods(T, task.params)}
     steps = {name: gradient for name, gradient in steps.items() if not name.startswith("cosine")}  # oracles

@@ -627,5 +627,7 @@ def test_fixed_routes_give_jagg_the_windows_of_their_schedule_whatever_the_veloc
         opts = jagg_options.JaggOptions(4, frac, route=route)
         stats, routed = jagg_options.window_gradients(fn, traj, adv, cfg, opts)
         assert routed == [w in late for w in range(3)]
+        scores = [jagg.linearity_score(traj.v[a : a + 4], traj.t[a : a + 4]) for a in (0, 4, 8)]
+        assert stats["window_scores"] == pytest.approx(scores)  # the free score is still what is logged
         torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), expected,
                                    rtol=1e-10, atol=1e-12)
