@@ -78,17 +78,18 @@ def subset_gradients(fns, traj, advantages, cfg, segments, count, generator, by_
     sample's trained steps and over the samples, which both DanceGRPO and eff_grpo use, so with
     exact steps its expectation over the draws is exact GRPO's loss. fns(idx) -> (velocity_fn,
     ref_velocity_fn) of samples idx. Adds to .grad; returns (stats, []) with stats as
-    jagg.paper_gradients' (grad_rows: per sample, rows with grad as JAGG counts them)."""
+    first_steps_gradients' or jagg.paper_gradients' (grad_rows: per sample, rows with grad as JAGG
+    counts them)."""
     B, length = traj.z.shape[1], segments[0][1] - segments[0][0]
     jagg._check(all(b - a == length for a, b in segments), "the segments must be of equal length")
     chosen = torch.stack([torch.randperm(len(segments), generator=generator)[:count] for _ in range(B)])
     starts = torch.tensor([a for a, _ in segments])[chosen.sort(dim=1).values]  # [B, count]
     steps = (starts[:, :, None] + torch.arange(length)).flatten(1).T  # [count * length, B]
-    samples = torch.arange(B)
-    gathered = replace(traj, **{k: getattr(traj, k)[steps, samples] for k in traj.TENSORS})
-    velocity_fn, ref_fn = fns(samples)
-    window = length if by_jagg and length >= 3 else 2
-    return jagg.paper_gradients(velocity_fn, gathered, advantages, cfg, window, float(by_jagg), ref_fn)[0], []
+    gathered = replace(traj, **{k: getattr(traj, k)[steps, torch.arange(B)] for k in traj.TENSORS})
+    if not (by_jagg and length >= 3):  # every gathered step exactly, as first steps train theirs
+        return first_steps_gradients(fns, gathered, advantages, cfg, len(steps))
+    velocity_fn, ref_fn = fns(torch.arange(B))
+    return jagg.paper_gradients(velocity_fn, gathered, advantages, cfg, length, 1.0, ref_fn)[0], []
 
 
 def first_steps_gradients(fns, traj, advantages, cfg, count):

@@ -69,6 +69,14 @@ def test_random_steps_are_the_loss_danceGRPO_states_and_unbiased():
     chosen = [torch.randperm(6, generator=g)[:2].tolist() for _ in range(5)]  # the same draws, in order
     torch.testing.assert_close(got, by_hand(model, traj, adv, cfg, chosen), rtol=1e-10, atol=1e-12)
     assert stats["grad_rows"] == pytest.approx(2.0)  # 2 steps of each sample
+    # One step each (K = 1): a trajectory of one step, still each sample's own
+    g = torch.Generator().manual_seed(2)
+    model.zero_grad(set_to_none=True)
+    toy_baselines.subset_gradients(fns_of(model), traj, adv, cfg, steps, 1, g)
+    got = flat(model)
+    g = torch.Generator().manual_seed(2)
+    chosen = [torch.randperm(6, generator=g)[:1].tolist() for _ in range(5)]
+    torch.testing.assert_close(got, by_hand(model, traj, adv, cfg, chosen), rtol=1e-10, atol=1e-12)
     # Every step drawn: exact GRPO's gradient (the mean over the steps), as window_gradients computes it.
     model.zero_grad(set_to_none=True)
     toy_baselines.subset_gradients(fns_of(model), traj, adv, cfg, steps, 6, g)
