@@ -32,12 +32,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import grpo_step
+from long_runs import grpo_step
 import jagg
 import jagg_options
 import jagg_probe
-import run_folder
-from run_folder import atomic_write, write_json
+from long_runs import run_folder
+from long_runs.run_folder import atomic_write, write_json
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
 RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2,

@@ -2,7 +2,7 @@
 
     python train_toy.py                        # exact GRPO, then JAGG, from one base model and seed
     python train_toy.py --method jagg --window 8 --jagg-frac 0.5
-    python examples/toy_options.py --help      # the same task, JAGG's options beyond the paper
+    python lab/toy_options.py --help      # the same task, JAGG's options beyond the paper
 
 A toy DiT (toy_dit.py; you need not read it) is pretrained on 4 "prompts", each a mixture of
 Gaussians in 2-D. GRPO then tunes it to put each prompt's samples on ONE of its modes. An epoch is
@@ -24,7 +24,6 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 import jagg
-import run_folder
 import toy_dit
 from toy_dit import PROMPTS
 
@@ -128,8 +127,21 @@ def base_model(args):
                          "delete it or pass another --base-ckpt") from None
 
 
-def save_base_model(model, path):  # whole or not at all: a killed pretraining leaves no half file
-    run_folder.atomic_write(path, lambda f: torch.save(toy_dit.checkpoint(model), f), "wb")
+def save_base_model(model, path):
+    save(path, lambda f: torch.save(toy_dit.checkpoint(model), f), "wb")
+
+
+def save(path, write, mode="w"):
+    """Write a file whole: write(f) fills a file beside path, which then replaces path, so a run
+    killed midway leaves the old file or the new one, never half of one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", mode) as f:
+        write(f)
+    os.replace(path + ".tmp", path)
+
+
+def save_json(path, obj):
+    save(path, lambda f: json.dump(obj, f, indent=2))
 
 
 @torch.no_grad()
@@ -205,7 +217,7 @@ def compare(args, exact, jagg_run):
          else None, "grad_rows_ratio": exact["grad_rows"] / jagg_run["grad_rows"],
          "grad_speedup": exact["grad_seconds"] / jagg_run["grad_seconds"],
          "train_speedup": exact["train_seconds"] / jagg_run["train_seconds"]}
-    run_folder.write_json(os.path.join(args.out, "summary.json"), c)
+    save_json(os.path.join(args.out, "summary.json"), c)
     return c
 
 
@@ -276,7 +288,7 @@ def curve_picture(curves, size=(720, 400), box=(60, 40, 590, 350)):
 def main(argv=None):
     args = parse_args(argv)
     print("config: " + json.dumps(asdict(args)))
-    run_folder.write_json(os.path.join(args.out, "config.json"), asdict(args))
+    save_json(os.path.join(args.out, "config.json"), asdict(args))
     base = base_model(args)
     initial_reward, base_samples = evaluate(base, args)
     samples, curves, summaries = {"base": base_samples}, {}, {}
@@ -286,9 +298,9 @@ def main(argv=None):
         rows, model = train(args, base, method)
         final_reward, samples[method] = evaluate(model, args)
         s = summarize(args, method, rows, initial_reward, final_reward)
-        run_folder.write_json(os.path.join(folder, "summary.json"), s)
-        metrics = "".join(run_folder.json_text(r) + "\n" for r in rows)
-        run_folder.atomic_write(os.path.join(folder, "metrics.jsonl"), metrics)
+        save_json(os.path.join(folder, "summary.json"), s)
+        metrics = "".join(json.dumps(r) + "\n" for r in rows)
+        save(os.path.join(folder, "metrics.jsonl"), lambda f: f.write(metrics))
         curves[method] = [(0, initial_reward)] + [(r["epoch"], r["eval/reward"])
                                                   for r in rows if "eval/reward" in r]
         summaries[method] = s
@@ -297,8 +309,7 @@ def main(argv=None):
               f"training {s['train_seconds']:.1f} s")
     for name, picture in [("samples.png", samples_picture(samples)),
                           ("reward.png", curve_picture(curves))]:
-        run_folder.atomic_write(os.path.join(args.out, name),
-                                lambda f: picture.save(f, format="PNG"), "wb")
+        save(os.path.join(args.out, name), lambda f: picture.save(f, format="PNG"), "wb")
     if args.method == "compare":
         c = compare(args, summaries["exact"], summaries["jagg"])
         print(f"JAGG kept {100 * (c['reward_gain_ratio'] or 0):.0f} % of exact GRPO's reward gain; "

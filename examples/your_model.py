@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import jagg_probe  # noqa: E402
-import grpo_step  # noqa: E402
+from long_runs import grpo_step  # noqa: E402
 
 T, NOISE_LEVEL, CFG_SCALE, GROUP, PROMPTS, MINIBATCH = 10, 0.7, 4.5, 8, 4, 16
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_sd  # noqa: E402
-import run_folder  # noqa: E402
+from long_runs import run_folder  # noqa: E402
 from charts import chart, compare_grid, save_png  # noqa: E402
 
 # Flags that change JAGG's run but not exact GRPO's, or only where a run writes: they may differ.

@@ -35,7 +35,7 @@ import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import jagg_probe  # noqa: E402
 from offpolicy_error import MiniTask, ToyTask, train_exact  # noqa: E402
-from run_folder import write_json  # noqa: E402
+from long_runs.run_folder import write_json  # noqa: E402
 from toy_baselines import first_steps_gradients, subset_gradients  # noqa: E402
 
 

@@ -30,7 +30,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from run_folder import write_json  # noqa: E402
+from long_runs.run_folder import write_json  # noqa: E402
 
 NOISE_SEED = 7_000_000  # draw k uses NOISE_SEED + k: far from train_sd.py's seed + 12345 for any usual --seed
 

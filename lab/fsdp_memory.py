@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-import grpo_step  # noqa: E402
+from long_runs import grpo_step  # noqa: E402
 from bench import TRAINING_MODES, mode_settings, saved_bytes_peak  # noqa: E402
-from grpo_step import init_distributed  # noqa: E402
-from run_folder import write_json  # noqa: E402
+from long_runs.grpo_step import init_distributed  # noqa: E402
+from long_runs.run_folder import write_json  # noqa: E402
 from sd_benchmark import SD3_CONFIGS  # noqa: E402
 
 

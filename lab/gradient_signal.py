@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import jagg_probe  # noqa: E402
-from run_folder import write_json  # noqa: E402
+from long_runs.run_folder import write_json  # noqa: E402
 from base_batches import mini_batches, toy_batches  # noqa: E402
 
 

@@ -39,9 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
-import grpo_step  # noqa: E402
+from long_runs import grpo_step  # noqa: E402
 from base_batches import draw_groups  # noqa: E402
-from run_folder import write_json  # noqa: E402
+from long_runs.run_folder import write_json  # noqa: E402
 
 
 def rollouts(pipe, transformer, cfg, prompts_all, args, g):

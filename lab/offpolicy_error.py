@@ -43,8 +43,8 @@ import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import jagg_probe  # noqa: E402
 import train_sd  # noqa: E402
-import grpo_step  # noqa: E402
-from run_folder import write_json  # noqa: E402
+from long_runs import grpo_step  # noqa: E402
+from long_runs.run_folder import write_json  # noqa: E402
 
 # name -> JaggOptions fields; "guarded" is rollout interiors with the drift guard (the default),
 # "unguarded" the rollout rule at any drift (max_drift None: the code before the guard).

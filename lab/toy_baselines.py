@@ -8,7 +8,7 @@
 
 GRPO trainers for flow models already back-propagate fewer steps than they sample; at the same
 number of rows with grad, does JAGG beat them? Each baseline trains --trained-steps of the T steps
-of each sample (the rest still sampled), on examples/toy_options.py's loop and train_toy.py's task
+of each sample (the rest still sampled), on lab/toy_options.py's loop and train_toy.py's task
 (--method jagg runs the baseline; --method compare runs exact GRPO first, then it):
 - random: each sample's own random set of steps, every epoch anew, each back-propagated exactly
   (DanceGRPO: timestep_fraction of a per-sample shuffle). Its loss is the mean over each sample's
@@ -24,7 +24,6 @@ of each sample (the rest still sampled), on examples/toy_options.py's loop and t
 Rows with grad per sample, as JAGG counts them: random, first and window K; jagg_random 2 per window.
 """
 
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -37,10 +36,7 @@ import train_sd  # noqa: E402
 import train_toy  # noqa: E402
 from train_toy import arg  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("toy_options", os.path.join(ROOT, "examples", "toy_options.py"))
-toy_options = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(toy_options)
+import toy_options  # noqa: E402  (this file's folder, lab/, is on the path)
 
 BASELINES = ("random", "first", "window", "jagg_random")
 
@@ -53,7 +49,7 @@ class Args(toy_options.Args):
 
 
 def parse_args(argv=None):
-    """Args from the command line: train_toy.py's and examples/toy_options.py's flags, and the
+    """Args from the command line: train_toy.py's and lab/toy_options.py's flags, and the
     baseline's; a bad value stops here in one line naming it."""
     args = train_toy.parse_args(argv, Args, __doc__)
     T, K, W = args.num_steps, args.trained_steps, args.window
@@ -117,7 +113,7 @@ def window_rollout(args):
 
 
 def hooks(args):
-    """(gradient, rollout, mode) for examples/toy_options.run: the baseline's pieces."""
+    """(gradient, rollout, mode) for lab/toy_options.run: the baseline's pieces."""
     T, K, W = args.num_steps, args.trained_steps, args.window
     cfg = jagg.LossConfig(args.noise_level, args.clip_range, args.beta)
     g = torch.Generator().manual_seed(args.seed * 1000 + 7)  # the draws of steps, apart from the rollouts'

@@ -21,10 +21,10 @@ export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 base=runs/cache/toy_dit_h64_d3_s2000_seed0.pt
 [ -f "$base" ] || python3 -c "import train_toy; train_toy.base_model(train_toy.Args())"
 mkdir -p "$out"
-toy="examples/toy_options.py --method jagg"
+toy="lab/toy_options.py --method jagg"
 baseline="lab/toy_baselines.py --method jagg --baseline"
 modes=(  # name|script and flags; the folders are OUT/<name>/seed<S>
-  "exact|examples/toy_options.py --method exact"
+  "exact|lab/toy_options.py --method exact"
   "jagg_w4|$toy"
   "random8|$baseline random --trained-steps 8"
   "first8|$baseline first --trained-steps 8"

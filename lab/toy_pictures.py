@@ -1,6 +1,6 @@
 """The probe's pictures of a toy run (lab/reports/routing.md), from its metrics.jsonl.
 
-    python examples/toy_options.py --method jagg --route probe --probe-every 1 --jagg-frac 0.5 --out runs/toy_route
+    python lab/toy_options.py --method jagg --route probe --probe-every 1 --jagg-frac 0.5 --out runs/toy_route
     python lab/toy_pictures.py runs/toy_route            # probe.png and score_vs_cosine.png beside its files
 
 probe.png: the probe's cosine per window over the epochs, a filled circle where the window was routed to
@@ -38,17 +38,17 @@ def probe_pictures(rows):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("run", help="an examples/toy_options.py --out folder (a compare's: its jagg/ run) run with --probe-every N")
+    parser.add_argument("run", help="an lab/toy_options.py --out folder (a compare's: its jagg/ run) run with --probe-every N")
     parser.add_argument("--out", default="", help="where the pictures go (default: the run's folder)")
     args = parser.parse_args(argv)
     folder = os.path.join(args.run, "jagg") if os.path.isfile(os.path.join(args.run, "jagg", "metrics.jsonl")) else args.run
     path = os.path.join(folder, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise SystemExit(f"error: {args.run!r} holds no metrics.jsonl (nor jagg/metrics.jsonl); give an examples/toy_options.py --out")
+        raise SystemExit(f"error: {args.run!r} holds no metrics.jsonl (nor jagg/metrics.jsonl); give an lab/toy_options.py --out")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if not any("probe/cosine" in r for r in rows):
-        raise SystemExit(f"error: {path} has no probes; run examples/toy_options.py with --probe-every N")
+        raise SystemExit(f"error: {path} has no probes; run lab/toy_options.py with --probe-every N")
     over_time, scatter = probe_pictures(rows)
     out = args.out or args.run
     save_png(os.path.join(out, "probe.png"), over_time)

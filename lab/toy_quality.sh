@@ -9,7 +9,7 @@
 #   python lab/summarize.py retention runs/toy_quality              # the table: gain kept per mode, 95 % intervals,
 #                                                                   # paired difference to the paper's mode, worst seed
 #
-# The setting is train_toy.py's defaults, run by examples/toy_options.py (W = 4, T = 16, 80 epochs of 4 optimizer steps; the probe off).
+# The setting is train_toy.py's defaults, run by lab/toy_options.py (W = 4, T = 16, 80 epochs of 4 optimizer steps; the probe off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/toy_quality}
@@ -35,7 +35,7 @@ for s in $seeds; do
     name=${m%%|*} flags=${m#*|}
     dir="$out/$name/seed$s"
     [ -f "$dir/summary.json" ] && continue
-    echo "mkdir -p $out/$name && python3 examples/toy_options.py $flags --seed $s --base-ckpt $base --out $dir > $dir.log 2>&1 && tail -n 1 $dir.log" >> "$jobs_file"
+    echo "mkdir -p $out/$name && python3 lab/toy_options.py $flags --seed $s --base-ckpt $base --out $dir > $dir.log 2>&1 && tail -n 1 $dir.log" >> "$jobs_file"
   done
 done
 echo "$(wc -l < "$jobs_file") runs to do in $out"

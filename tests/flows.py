@@ -1,5 +1,5 @@
 """Small flow models and helpers the tests of jagg.py, jagg_options.py, jagg_probe.py and
-grpo_step.py share: a linear flow (its Jacobian affine in (z, t)) and a nonlinear one, velocity_fn
+long_runs/grpo_step.py share: a linear flow (its Jacobian affine in (z, t)) and a nonlinear one, velocity_fn
 wrappers that record their calls, and trusted references (autograd of a summed loss, Jacobians
 interpolated explicitly with torch.func)."""
 

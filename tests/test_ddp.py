@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 import jagg
 import jagg_options
-import grpo_step
+from long_runs import grpo_step
 import train_sd
 
 T, W, B, D = 10, 4, 3, 3  # steps, window, samples per rank, sample size

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import jagg_probe
-import grpo_step
+from long_runs import grpo_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

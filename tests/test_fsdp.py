@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import jagg
 import jagg_options
-import grpo_step
+from long_runs import grpo_step
 import train_sd
 from test_ddp import PROBE, W, flat, models, rank_data, spawned, velocity_fn_of
 

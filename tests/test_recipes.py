@@ -21,7 +21,7 @@ import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
 import jagg_probe  # noqa: E402
-import grpo_step  # noqa: E402
+from long_runs import grpo_step  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import diffusers_models as recipes  # noqa: E402

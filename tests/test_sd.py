@@ -25,8 +25,8 @@ import jagg_options  # noqa: E402
 import tiny_sd3  # noqa: E402
 import train_sd  # noqa: E402
 from flows import MLPFlow, as_velocity_fn, explicit_anchor_gradient, reference_gradient, toy_batch  # noqa: E402
-import grpo_step  # noqa: E402
-import run_folder  # noqa: E402
+from long_runs import grpo_step  # noqa: E402
+from long_runs import run_folder  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 slow = pytest.mark.slow
@@ -873,7 +873,7 @@ def test_a_lock_names_its_process_and_a_fork_does_not_keep_it(tmp_path):
     """The run holding --out is named by its process id; a process the run forked (a reward's
     worker) does not keep the folder locked once the run has ended."""
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, run_folder; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from long_runs import run_folder; "
                                f"lock = run_folder.claim_folder({str(out)!r}, ()); print('ready', flush=True); "
                                "time.sleep(60)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "ready"

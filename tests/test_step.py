@@ -1,4 +1,4 @@
-"""grpo_step.py on one process: a step skipped alike when anything is not finite, exact training
+"""long_runs/grpo_step.py on one process: a step skipped alike when anything is not finite, exact training
 reproduced at jagg_frac 0, a mismatched batch refused before any work. Many ranks: test_ddp.py
 and test_fsdp.py."""
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import grpo_step
+from long_runs import grpo_step
 import jagg
 import jagg_options
 from flows import MLPFlow, as_velocity_fn, toy_batch

@@ -215,8 +215,8 @@ def test_a_non_editable_install_runs_the_scripts(tmp_path):
 def test_the_demo_imports_without_fcntl():
     """The toy demo needs no POSIX file lock (train_sd.py's run folder does): train_toy imports and
     writes its JSON where fcntl does not exist, as on Windows."""
-    code = ("import sys; sys.modules['fcntl'] = None; import train_toy, run_folder, tempfile, os; "
-            "d = tempfile.mkdtemp(); run_folder.write_json(os.path.join(d, 'x.json'), {'a': 1}); "
+    code = ("import sys; sys.modules['fcntl'] = None; import train_toy, tempfile, os; "
+            "d = tempfile.mkdtemp(); train_toy.save_json(os.path.join(d, 'x.json'), {'a': 1}); "
             "print(open(os.path.join(d, 'x.json')).read().strip())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and '"a": 1' in out.stdout, out.stderr

@@ -314,17 +314,14 @@ def test_the_kept_mini_sd3_compare_table_remakes_from_the_kept_files(capsys):
 
 @pytest.fixture(scope="module")
 def toy_runs(tmp_path_factory):
-    """Today's examples/toy_options.py (the runner of lab/toy_quality.sh), tiny: OUT/<mode>/seed<S> for
+    """Today's lab/toy_options.py (the runner of lab/toy_quality.sh), tiny: OUT/<mode>/seed<S> for
     exact and the paper's JAGG (lab/toy_quality.sh's layout) and probe-routed compare runs, from a toy
     DiT pretrained for a few steps."""
-    import importlib.util
 
     import toy_dit
     import train_toy
 
-    spec = importlib.util.spec_from_file_location("toy_options", os.path.join(ROOT, "examples", "toy_options.py"))
-    toy_options = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(toy_options)
+    import toy_options  # lab/ is on the path
     root = tmp_path_factory.mktemp("toy_runs")
     base = str(root / "base.pt")
     train_toy.save_base_model(toy_dit.pretrain(steps=20, seed=0, batch=64), base)

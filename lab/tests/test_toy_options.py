@@ -1,8 +1,7 @@
-"""examples/toy_options.py, the options of jagg_options.py on the toy: its flags refused in one line
+"""lab/toy_options.py, the options of jagg_options.py on the toy: its flags refused in one line
 before any work, its defaults the demo's run bit for bit, the probe and its routing (fast); every
 option raising the reward (slow)."""
 
-import importlib.util
 import json
 import os
 
@@ -10,11 +9,7 @@ import pytest
 
 import toy_dit
 import train_toy
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("toy_options", os.path.join(ROOT, "examples", "toy_options.py"))
-toy_options = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(toy_options)
+import toy_options  # lab/ is on the path (lab/tests/conftest.py)
 slow = pytest.mark.slow
 
 

@@ -1,9 +1,9 @@
 """JAGG's options beyond the paper (jagg_options.py) on train_toy.py's task, one flag each.
 
-    python examples/toy_options.py --anchors shared --interior rollout      # exact, then that mode
-    python examples/toy_options.py --jagg-frac 0.5 --route early            # half the windows: the noisiest
-    python examples/toy_options.py --jagg-frac 0.5 --route probe --probe-every 1
-    python examples/toy_options.py --method jagg --weights index --probe-every 5
+    python lab/toy_options.py --anchors shared --interior rollout      # exact, then that mode
+    python lab/toy_options.py --jagg-frac 0.5 --route early            # half the windows: the noisiest
+    python lab/toy_options.py --jagg-frac 0.5 --route probe --probe-every 1
+    python lab/toy_options.py --method jagg --weights index --probe-every 5
 
 train_toy.py's model, reward, evaluation and flags, and its loop with two changes: the gradient is
 jagg_options.window_gradients with a JaggOptions built from the flags (its defaults are the
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import jagg_probe  # noqa: E402
-import run_folder  # noqa: E402
+from long_runs import run_folder  # noqa: E402
 import toy_dit  # noqa: E402
 import train_toy  # noqa: E402
 from train_toy import arg  # noqa: E402

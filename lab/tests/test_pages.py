@@ -1,0 +1,39 @@
+"""The lab's pages (lab/README.md, lab/reports/) and its scripts lab/*.sh: tests/test_docs.py's checks
+of the guides, on the evidence. Links and pictures resolve, every trainer command parses, every
+--flag named exists."""
+
+import glob
+import os
+
+import pytest
+
+from tests.test_docs import ROOT, check_commands, relative_links, unknown_flags
+
+LAB_PAGES = [os.path.join(ROOT, "lab", "README.md"), *sorted(glob.glob(os.path.join(ROOT, "lab", "reports", "*.md")))]
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "lab", "*.sh")))
+
+
+def test_there_are_pages_to_check():
+    assert len(LAB_PAGES) >= 5 and len(SCRIPTS) >= 3
+
+
+@pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_relative_links_resolve(page):
+    for target in relative_links(page):
+        path = os.path.normpath(os.path.join(os.path.dirname(page), target.split("#")[0]))
+        assert os.path.exists(path), f"{os.path.relpath(page, ROOT)} links to missing {target}"
+
+
+@pytest.mark.parametrize("script", ["train_toy.py", "toy_options.py", "train_sd.py"])
+def test_script_commands_in_the_pages_parse(script):
+    """Every train_toy.py, lab/toy_options.py and train_sd.py command of lab/'s pages and lab/*.sh
+    (and lab/toy_quality.sh's modes) parses with values in range."""
+    pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
+    found = check_commands(LAB_PAGES + SCRIPTS, script)
+    assert found >= 3, f"only {found} {script} commands found: the pattern sees nothing"
+
+
+@pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_every_flag_a_page_names_exists(page):
+    unknown = unknown_flags(page, lab_page=True)
+    assert not unknown, f"{os.path.relpath(page, ROOT)} names flags no script has: {sorted(unknown)}"

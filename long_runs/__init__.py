@@ -1,0 +1,8 @@
+"""What a long training run needs around JAGG's gradient, and a two-minute demo does not.
+
+train_sd.py uses both modules; train_toy.py uses neither; your own trainer may use grpo_step.
+- grpo_step.py: the optimizer step of a real run, over micro-batches and ranks (DDP, FSDP2),
+  a non-finite step skipped on every rank alike.
+- run_folder.py: a run's folder: one run per folder, files written whole, a checkpoint resumed
+  only as the run that saved it, signals that stop the run cleanly.
+"""
