@@ -4,15 +4,15 @@ A reference implementation of JAGG (Jacobian-Aggregated Group Gradient, arXiv 26
 built on Flow-GRPO's SDE sampler and loss (Liu et al., arXiv 2505.05470), to be read top to bottom.
 Exact GRPO back-propagates through the network at every sampling step. JAGG assumes that, over a
 window of W steps, the network's Jacobian moves in a straight line in t between the window's end
-steps; then one backward pass through those two steps gives the window's whole gradient. A cosine-
-similarity rule with a knob, jagg_frac, picks the windows that take JAGG. Where the abstract is
-silent, we made a choice and marked it OURS. What JAGG saves: of the 9 steps per sample that Flow-
-GRPO trains, JAGG (W = 4) back-propagates through 5; counting a backward pass as two forwards, 27
-forwards' worth become 19 (self-check C counts them). What it costs: a bias wherever the straight-
-line assumption fails, smaller than the error of a cheaper unbiased shortcut that back-propagates 2
-random steps per window (self-check B). In a larger experiment at equal cost, not in this file, JAGG
-kept 95 % of exact GRPO's reward gain, a random half of the steps (DanceGRPO) 85 %, and an SDE
-window over half the steps (Flow-GRPO-Fast) 98 %.
+steps; then one backward pass through those two steps gives the window's whole gradient. A
+cosine-similarity rule with a knob, jagg_frac, picks the windows that take JAGG. Where the abstract
+is silent, we made a choice and marked it OURS. What JAGG saves: of the 9 steps per sample that
+Flow-GRPO trains, JAGG (W = 4) back-propagates through 5; counting a backward pass as two forwards,
+27 forwards' worth become 19 (self-check C counts them). What it costs: a bias wherever the
+straight-line assumption fails, smaller than the error of a cheaper unbiased shortcut that
+back-propagates 2 random steps per window (self-check B). In a larger experiment at equal cost, not
+in this file, JAGG kept 95% of exact GRPO's reward gain, a random half of the steps (DanceGRPO) 85%,
+and an SDE window over half the steps (Flow-GRPO-Fast) 98%.
 
 Notation (code name -> symbol)
     T, B      number of sampling steps; number of samples in the batch
