@@ -7,12 +7,11 @@ window of W steps, the network's Jacobian moves in a straight line in t between 
 steps; then one backward pass through those two steps gives the window's whole gradient. A
 cosine-similarity rule with a knob, jagg_frac, picks the windows that take JAGG. Where the abstract
 is silent, we made a choice and marked it OURS. What JAGG saves: of the 9 steps per sample that
-Flow-GRPO trains, JAGG (W = 4) back-propagates through 5; counting a backward pass as two forwards,
-27 forwards' worth become 19 (self-check C counts them). What it costs: a bias wherever the
-straight-line assumption fails, smaller than the error of a cheaper unbiased shortcut that
-back-propagates 2 random steps per window (self-check B). In a larger experiment at equal cost, not
-in this file, JAGG kept 95% of exact GRPO's reward gain, a random half of the steps (DanceGRPO) 85%,
-and an SDE window over half the steps (Flow-GRPO-Fast) 98%.
+Flow-GRPO trains, JAGG (W = 4) back-propagates through 5 instead of 9 (self-check C counts them).
+What it costs: a bias wherever the straight-line assumption fails. Self-check B compares JAGG with
+an unbiased shortcut that costs no more, back-propagating 2 random steps per window: over 16
+rollouts JAGG's error is about a fifth of the shortcut's. Both errors fall as rollouts are added,
+the shortcut's as 1/sqrt(rollouts), JAGG's only down to its bias: the gap closes as the batch grows.
 
 Notation (code name -> symbol)
     T, B      number of sampling steps; number of samples in the batch
@@ -81,7 +80,7 @@ class Trajectory:  # a batch of sampled trajectories: everything GRPO needs, no 
     t_next: torch.Tensor  # sigma_{k+1} of each step            [T, B]
     log_prob: torch.Tensor  # log p_old(z_{k+1} | z_k)           [T, B]
     v: torch.Tensor  # v_k under the policy that sampled         [T, B, *D]
-    noise_level: float | None = None  # the SDE's noise level that drew it: the loss scores at it
+    noise_level: float | None = None  # the SDE's noise level when sampled; the loss needs it
     TENSORS = ("z", "z_next", "t", "t_next", "log_prob", "v")  # the fields above that are tensors
     @property
     def sample(self):  # z_T, the clean samples [B, *D] the reward sees (take it before first_steps)
@@ -149,7 +148,7 @@ def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, me
 def make_step_loss(traj, advantages, start, stop, cfg, v_ref=None, log=None):
     """step_loss(i, v): the loss of step k = start + i given its v [B, *D], divided by len(traj.z),
     the steps trained (Flow-GRPO's loss is their mean). v_ref [stop - start, B, *D]: for the KL."""
-    _check(traj.noise_level in (None, cfg.noise_level), "score at the rollout's noise level")
+    _check(traj.noise_level in (None, cfg.noise_level), "cfg.noise_level must be the rollout's")
     def step_loss(i, v):
         k = range(start, stop)[i]  # the step in the trajectory
         step = (traj.z[k], traj.t[k], traj.t_next[k], cfg.noise_level, traj.z_next[k])
@@ -196,13 +195,13 @@ def interpolation_weights(t):
     _check(bool((span != 0).all()), "a window's end steps must have different times (t_a != t_b)")
     return (t[0] - t) / span  # [W, B]
 
-def backward_jagg_window(velocity_fn, z, t, step_loss, alpha=None, v_mid=None):
+def backward_jagg_window(velocity_fn, z, t, step_loss, v_mid=None):
     """JAGG's gradient of a window z [W, B, *D], t [W, B] (a: i = 0, b: i = W - 1): one forward with
-    graph, one backward; adds to .grad, returns the loss. alpha [W, B]: the weights (default: the
-    paper's, by t); v_mid [W-2, B, *D]: the interiors' v if known (else a forward computes them)."""
+    graph, one backward; adds to .grad, returns the loss. v_mid [W-2, B, *D]: the interiors' v if
+    known (on-policy: the rollout's); else a forward without graph computes them."""
     acc = torch.promote_types(z.dtype, torch.float32)  # G_a, G_b are summed in fp32 at least
-    alpha = interpolation_weights(t.to(acc)) if alpha is None else alpha  # [W, B]
-    alpha = alpha.to(acc).reshape(t.shape + (1,) * (z.ndim - 2))  # [W, B, 1, ...]
+    alpha = interpolation_weights(t.to(acc))  # [W, B]
+    alpha = alpha.reshape(t.shape + (1,) * (z.ndim - 2))  # [W, B, 1, ...]
     if v_mid is None:
         with torch.no_grad():  # the interiors serve only g_k, never back-propagated: no graph
             v_mid = velocity_fn(z[1:-1], t[1:-1]) if len(z) > 2 else z[:0]  # [W-2, B, *D], or empty
@@ -222,19 +221,17 @@ def backward_jagg_window(velocity_fn, z, t, step_loss, alpha=None, v_mid=None):
     (v_ab[0] * G_a.to(v_ab.dtype) + v_ab[1] * G_b.to(v_ab.dtype)).sum().backward()
     return total
 
-# What a window costs. Exact GRPO: W forwards with graph, W backward passes. JAGG: one forward with
-# graph on the two end steps, one backward pass, and W - 2 forwards without graph for the interiors
-# (none on-policy). If a backward costs two forwards (assumed), exact costs 3W forwards and JAGG
-# W + 4: 12 against 8 at W = 4 (6 on-policy), the paper's "about 2x" as we read it (OURS).
+# What a window costs. Exact GRPO back-propagates W rows in W backward passes; JAGG 2 rows in one,
+# the abstract's "~2x backward speedup" at W = 4. JAGG also runs W - 2 forwards without graph for
+# the interiors (none on-policy). Counting a backward as two forwards, exact costs 3W forwards and
+# JAGG W + 4: 12 against 8 at W = 4, or 6 on-policy.
 
 # === 7. Routing: which windows take JAGG ===
 # The abstract routes windows by "a cosine-similarity rule" with a knob, jagg_frac. Our reading
 # (OURS): the jagg_frac share of windows (default 1: all) whose interior velocities lie closest, in
 # mean cosine, to the straight line in t between their end velocities take JAGG. The score is free
-# (the rollout kept v) but sees v bend, not J: on check B's rollouts it ranks window 4-7 first in 16
-# of 16, though 4-7 holds most of JAGG's error. So with jagg_frac < 1 it acts as a fixed schedule,
-# the latest windows first. The opposite, highest noise first (scores = [-start for start, _ in
-# bounds] in paper_gradients), kept more reward at equal cost in our runs.
+# (the rollout kept v) but sees v bend, not J. On check B's rollouts it ranks the late window 4-7
+# first in 16 of 16, so with jagg_frac < 1 it acts much like a fixed schedule: late windows first.
 def window_bounds(num_steps, window):
     """T steps in windows of W: [(start, stop), ...] with stop = b + 1; the last may be shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG needs two end steps), got {window}")
@@ -281,7 +278,7 @@ def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0,
         loss += backward(velocity_fn, z, t, step_loss)
     stats = {key: sum(s[key] for s in log) / len(log) for key in log[0]}  # means over steps
     grad_rows = sum(2 if use_jagg else n for n, use_jagg in zip(lengths, routed))  # section 6
-    routed_frac = sum(routed) / max(sum(n >= 3 for n in lengths), 1)  # of the windows that can
+    routed_frac = sum(routed) / max(sum(n >= 3 for n in lengths), 1)  # of windows of 3+ steps
     stats.update(loss=loss, grad_rows=grad_rows, window_scores=scores, routed_frac=routed_frac)
     return stats, routed
 
@@ -310,7 +307,7 @@ def train_toy(jagg_frac, epochs=10, T=10, W=4, seed=1):
         batch = rollout(_velocity_fn(policy, c=targets), torch.randn(32, 2), sigma_schedule(T), 0.7)
         reward = -(batch.sample - targets).norm(dim=-1)  # [B]
         rewards.append(reward.mean().item())
-        advantages = group_advantages(reward, prompt_of).double()  # [B]
+        advantages = group_advantages(reward, prompt_of)  # [B]
         for half, idx in enumerate(torch.randperm(32).chunk(2)):  # 2 minibatches of 16
             fn = _velocity_fn(policy, c=targets[idx])
             minibatch = batch.first_steps(9).subset(idx)  # Flow-GRPO trains 9 of the 10 steps
@@ -357,12 +354,13 @@ def _check_exactness(B=16, D=3):
     assert errors[0] < 1e-12 and min(errors[1:]) > 1e-3
 
 def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=16):
-    """B. Is it worth it? JAGG's gradient error on rollouts, beside that of an unbiased estimate
-    that costs less: 2 random steps of the window, times W/2 (6 forwards' worth, JAGG's 8)."""
+    """B. Is it worth it? JAGG's error on each window's gradient beside that of an unbiased estimate
+    of about the same cost, 2 random steps of the window times W/2 (6 forwards; JAGG 8, on-policy 6).
+    The estimate's error is noise and shrinks with more rollouts: the verdict is for this many."""
     fn, windows = _velocity_fn(net), {"0-3": [], "4-7": []}  # per window: score, exact, JAGG, alt
     for _ in range(rollouts):
         traj = rollout(fn, torch.randn(B, D), sigma_schedule(T), cfg.noise_level)
-        adv = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()  # 4 groups
+        adv = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4)  # [B], 4 groups
         for (start, stop), name in zip(window_bounds(T, W), windows):  # steps 0-3, then 4-7
             z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, D], [W, B]
             per_step = [_grad(net, backward_exact, fn, traj.z[k : k + 1], traj.t[k : k + 1],
@@ -373,8 +371,8 @@ def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=16):
             pairs = list(itertools.combinations(per_step, 2))  # the alternative: 2 of the W steps
             alt_sq = sum((W / 2 * (p + q) - exact).norm() ** 2 for p, q in pairs) / len(pairs)
             windows[name].append((linearity_score(traj.v[start:stop], t), exact, jagg, alt_sq))
-    print(f"B. |estimate - exact| of each window's gradient summed over {rollouts} rollouts, as a "
-          "share of\n   both windows' |exact|\n   steps |  JAGG | 2 random steps x W/2")
+    print(f"B. |estimate - exact| of each window's gradient, summed over {rollouts} rollouts and "
+          "divided by\n   |exact| of both windows\n   steps |  JAGG | 2 random steps x W/2")
     whole = sum(row[1] for rows in windows.values() for row in rows).norm()  # both windows' |exact|
     jagg_errors = []
     for steps, rows in windows.items():

@@ -359,7 +359,7 @@ def test_bad_input_raises_clear_errors():
         jagg.paper_gradients(fn, traj, adv, jagg.LossConfig(0.7, 0.2), window=16)
     with pytest.raises(ValueError, match="beta > 0 needs ref_fn"):
         jagg.paper_gradients(fn, traj, adv, jagg.LossConfig(0.7, 0.2, beta=0.1))
-    with pytest.raises(ValueError, match="score at the rollout's noise level"):
+    with pytest.raises(ValueError, match="cfg.noise_level must be the rollout's"):
         jagg.paper_gradients(fn, traj, adv, jagg.LossConfig(1.0, 0.2))
     assert all(p.grad is None for p in model.parameters())  # nothing was computed
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
