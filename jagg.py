@@ -1,17 +1,17 @@
 """JAGG: GRPO for flow-matching transformers that back-propagates 2 steps per window of W, not W.
 
-A reference implementation of JAGG (Jacobian-Aggregated Group Gradient, arXiv 2607.17572, 2026),
-built on Flow-GRPO's SDE sampler and loss (Liu et al., arXiv 2505.05470), to be read top to bottom.
-Exact GRPO back-propagates through the network at every sampling step. JAGG assumes that, over a
-window of W steps, the network's Jacobian moves in a straight line in t between the window's end
-steps; then one backward pass through those two steps gives the window's whole gradient. A
-cosine-similarity rule with a knob, jagg_frac, picks the windows that take JAGG. Where the abstract
-is silent, we made a choice and marked it OURS. What JAGG saves: of the 9 steps per sample that
-Flow-GRPO trains, JAGG (W = 4) back-propagates through 5 instead of 9 (self-check C counts them).
-What it costs: a bias wherever the straight-line assumption fails. Self-check B compares JAGG with
-an unbiased shortcut that costs no more, back-propagating 2 random steps per window: over 16
-rollouts JAGG's error is about a fifth of the shortcut's. Both errors fall as rollouts are added,
-the shortcut's as 1/sqrt(rollouts), JAGG's only down to its bias: the gap closes as the batch grows.
+A reference implementation of JAGG (Jacobian-Aggregated Group Gradient, arXiv 2607.17572; the
+authors' code: https://github.com/SchumiDing/JAGG), built on Flow-GRPO's SDE sampler and loss (arXiv
+2505.05470), to be read top to bottom. Exact GRPO back-propagates through the network at every
+sampling step. JAGG assumes that, over a window of W steps, the network's Jacobian moves in a
+straight line in t between the window's end steps; then one backward pass through those two steps
+gives the window's whole gradient. A cosine-similarity rule with a knob, jagg_frac, picks the
+windows that take JAGG. Where the abstract is silent, we made a choice and marked it OURS. What JAGG
+saves: of the 9 steps per sample that Flow-GRPO trains, JAGG (W = 4) back-propagates through 5
+(self-check C counts them). What it costs: a bias wherever the straight-line assumption fails.
+Self-check B compares JAGG with an unbiased shortcut that costs no more, back-propagating 2 random
+steps per window, and finds JAGG's error several times smaller. The shortcut's error is noise and
+falls as 1/sqrt(rollouts); JAGG's falls only down to its bias, so the gap closes as the batch grows.
 
 Notation (code name -> symbol)
     T, B      number of sampling steps; number of samples in the batch
@@ -41,7 +41,7 @@ def _check(ok, message):  # a one-line ValueError for a mistake a learner is lik
 # The flow ODE has no log-probability. An SDE with the same marginals makes each step a Gaussian
 # policy, z_{k+1} ~ N(mu_k, std_t^2 |dt|), and GRPO needs the ratio of such densities.
 def sigma_schedule(num_steps, shift=3.0):
-    """The toy's sigmas, 1 > ... > 0 [T+1]: SD3's shift on an even grid (yours: the scheduler's)."""
+    """The toy's sigmas [T+1], 1 down to 0: SD3's shift on an even grid (yours: the scheduler's)."""
     s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)  # [T+1]
     return (shift * s / (1 + (shift - 1) * s)).float()  # [T+1]
 
@@ -221,19 +221,20 @@ def backward_jagg_window(velocity_fn, z, t, step_loss, v_mid=None):
     (v_ab[0] * G_a.to(v_ab.dtype) + v_ab[1] * G_b.to(v_ab.dtype)).sum().backward()
     return total
 
-# What a window costs. Exact GRPO back-propagates W rows in W backward passes; JAGG 2 rows in one,
-# the abstract's "~2x backward speedup" at W = 4. JAGG also runs W - 2 forwards without graph for
-# the interiors (none on-policy). Counting a backward as two forwards, exact costs 3W forwards and
-# JAGG W + 4: 12 against 8 at W = 4, or 6 on-policy.
+# What a window costs. Exact GRPO back-propagates W rows in W backward passes; JAGG back-propagates
+# 2 rows in one, which we read as the abstract's "~2x backward speedup" at W = 4. If a backward
+# costs two forwards, exact costs 3W forwards and JAGG W + 4 with its W - 2 interior forwards, or 6
+# on-policy: 12 against 8 at W = 4. Memory goes the other way: 2B rows of activations, not B.
 
 # === 7. Routing: which windows take JAGG ===
 # The abstract routes windows by "a cosine-similarity rule" with a knob, jagg_frac. Our reading
-# (OURS): the jagg_frac share of windows (default 1: all) whose interior velocities lie closest, in
-# mean cosine, to the straight line in t between their end velocities take JAGG. The score is free
-# (the rollout kept v) but sees v bend, not J. On check B's rollouts it ranks the late window 4-7
-# first in 16 of 16, so with jagg_frac < 1 it acts much like a fixed schedule: late windows first.
+# (OURS): score each window by the mean cosine between its interior velocities and the straight line
+# in t between its end velocities; the jagg_frac share of windows with the highest scores take JAGG
+# (the default, 1, takes all). The score is free, since the rollout kept v, but it measures how v
+# bends, not J. Check B shows what it picks: the window where JAGG is most accurate relative to that
+# window's own gradient, which need not be the window that adds the least error to the whole step.
 def window_bounds(num_steps, window):
-    """T steps in windows of W: [(start, stop), ...] with stop = b + 1; the last may be shorter."""
+    """T steps in disjoint windows of W (OURS): [(start, stop), ...], stop = b + 1; last shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG needs two end steps), got {window}")
     _check(window <= num_steps, f"window ({window}) is longer than the trajectory ({num_steps})")
     return [(start, min(start + window, num_steps)) for start in range(0, num_steps, window)]
@@ -354,9 +355,8 @@ def _check_exactness(B=16, D=3):
     assert errors[0] < 1e-12 and min(errors[1:]) > 1e-3
 
 def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=16):
-    """B. Is it worth it? JAGG's error on each window's gradient beside that of an unbiased estimate
-    of about the same cost, 2 random steps of the window times W/2 (6 forwards; JAGG 8, on-policy 6).
-    The estimate's error is noise and shrinks with more rollouts: the verdict is for this many."""
+    """B. Is it worth it? JAGG's gradient error per window beside an unbiased estimate of about the
+    same cost, 2 random steps of the window times W/2; its error is noise, which rollouts shrink."""
     fn, windows = _velocity_fn(net), {"0-3": [], "4-7": []}  # per window: score, exact, JAGG, alt
     for _ in range(rollouts):
         traj = rollout(fn, torch.randn(B, D), sigma_schedule(T), cfg.noise_level)
@@ -371,19 +371,21 @@ def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=16):
             pairs = list(itertools.combinations(per_step, 2))  # the alternative: 2 of the W steps
             alt_sq = sum((W / 2 * (p + q) - exact).norm() ** 2 for p, q in pairs) / len(pairs)
             windows[name].append((linearity_score(traj.v[start:stop], t), exact, jagg, alt_sq))
-    print(f"B. |estimate - exact| of each window's gradient, summed over {rollouts} rollouts and "
-          "divided by\n   |exact| of both windows\n   steps |  JAGG | 2 random steps x W/2")
+    print(f"B. |estimate - exact| per window over {rollouts} rollouts, of |exact| of both windows "
+          "(own: of its own)\n   steps |  JAGG | 2 random steps x W/2 | JAGG, own")
     whole = sum(row[1] for rows in windows.values() for row in rows).norm()  # both windows' |exact|
-    jagg_errors = []
+    jagg_errors, own_errors = [], []
     for steps, rows in windows.items():
         _, exacts, jaggs, alt_sqs = zip(*rows)
         jagg_errors.append(((sum(jaggs) - sum(exacts)).norm() / whole).item())
+        own_errors.append(((sum(jaggs) - sum(exacts)).norm() / sum(exacts).norm()).item())
         alt_error = math.sqrt(sum(alt_sqs)) / whole.item()  # independent draws: squares add
-        print(f"   {steps:>5} | {jagg_errors[-1]:.3f} | {alt_error:20.3f}")
+        print(f"   {steps:>5} | {jagg_errors[-1]:.3f} | {alt_error:20.3f} | {own_errors[-1]:.3f}")
         assert jagg_errors[-1] < alt_error
     late = sum(b[0] > a[0] for a, b in zip(windows["0-3"], windows["4-7"]))  # 4-7 scores higher
-    print(f"   At jagg_frac 0.5 the score picks 4-7, where JAGG errs more, in {late} of {rollouts}")
-    assert late > rollouts / 2 and jagg_errors[1] > jagg_errors[0]
+    print(f"   At jagg_frac 0.5 the score picks 4-7 in {late} of {rollouts}: JAGG errs least there "
+          "for its own\n   gradient, most for the step's (4-7 carries the larger gradient)")
+    assert late > rollouts / 2 and jagg_errors[1] > jagg_errors[0] and own_errors[1] < own_errors[0]
     return traj, adv
 
 def _check_cost(net, cfg, traj, adv, W=4):
