@@ -287,40 +287,6 @@ def test_the_routing_score_ranks_window_positions_more_than_trajectories():
     assert max(within) < overall - 0.15  # the claim itself: it ranks positions far better than trajectories
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.05])
-def test_on_policy_interiors_from_the_rollout_equal_a_fresh_forward(beta):
-    """paper_gradients(on_policy=True) right after a rollout, whose JAGG windows take their interior
-    velocities from traj.v, against on_policy=False, which runs them forward at the same weights: the
-    same gradient and stats to rounding (the rollout's one-step calls and the window's batched call of an
-    MLP agree to ~1e-7), with no interior row forwarded. After an optimizer step the two differ."""
-    torch.manual_seed(11)
-    model, ref = MLPFlow(), MLPFlow()
-    traj, adv = toy_batch(model, T=10, B=6)
-    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
-
-    def run(on_policy):
-        calls = []
-        fn = as_velocity_fn(model)
-        def counted(z, t):
-            calls.append((z.shape[0], torch.is_grad_enabled()))
-            return fn(z, t)
-        model.zero_grad(set_to_none=True)
-        stats, routed = jagg.paper_gradients(counted, traj, adv, cfg, 4, 1.0, as_velocity_fn(ref), on_policy=on_policy)
-        return [p.grad.clone() for p in model.parameters()], stats, routed, calls
-
-    g_on, s_on, r_on, calls_on = run(True)
-    g_off, s_off, r_off, calls_off = run(False)
-    assert r_on == r_off == [True, True, False]
-    assert sum(n for n, grad in calls_off if not grad) == 4 and not any(not grad for _, grad in calls_on)
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(g_on, g_off))
-    assert s_on["loss"] == pytest.approx(s_off["loss"], rel=1e-5, abs=1e-8)
-    with torch.no_grad():  # the weights move: traj.v is no longer the policy's velocity
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    g_on, g_off = run(True)[0], run(False)[0]
-    assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(g_on, g_off))
-
-
 def test_rollout_shapes_and_log_probs():
     torch.manual_seed(6)
     model = MLPFlow()
@@ -368,12 +334,11 @@ def test_bad_input_raises_clear_errors():
 def test_python_jagg_py_runs_its_self_check():
     """`python jagg.py` prints what a learner should see: exact on a linear velocity with states where t
     puts them, and not when they sit evenly by step, bend, or the network is a tanh; on real rollouts, the
-    gradient error of JAGG below that of 2 random steps x W/2, larger in the low-noise window, which the
-    routing score mostly picks, as a fixed rule would; routing at jagg_frac 1 and 0.5 (the short last
-    window never takes JAGG's share) with its cost in rows with grad (10 -> 6, and 9 -> 5 on Flow-GRPO's
-    9 trained steps) and in forwards (27 -> 19 on 9); GRPO runs with JAGG and exact over 3 seeds whose
-    rewards rise alike, the clip at work in the off-policy step (the script also asserts that on-policy
-    ratios are 1)."""
+    gradient error of JAGG below that of 2 random steps x W/2, larger for the step in the low-noise window
+    but smaller of that window's own gradient, and that window the routing score mostly picks; routing at
+    jagg_frac 1 and 0.5 (the short last window never takes JAGG's share) with its cost in rows with grad
+    (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps) and in forwards (27 -> 19 on 9); GRPO runs
+    with JAGG and exact over 3 seeds whose rewards rise alike."""
     import re
     import subprocess
     import sys
@@ -391,16 +356,15 @@ def test_python_jagg_py_runs_its_self_check():
     found = re.search(r"At jagg_frac 0.5 the score picks 4-7 in (\d+) of (\d+): JAGG errs least there", out)
     late, rollouts = int(found[1]), int(found[2])
     assert rollouts / 2 < late <= rollouts, out  # ... and the score mostly picks it, as a fixed late-first rule would
-    rows = re.findall(r"^ +(\d+) steps, jagg_frac (\S+?)(, on-policy)?: JAGG on (.*?); (\d+) rows with grad "
-                      r"\((\d+) backwards\), (\d+) without: (\d+)$", out, re.M)
-    assert rows == [("10", "1.0", "", "0-3, 4-7", "6", "4", "4", "22"),  # a backward: 2 forwards
-                    ("10", "0.5", "", rows[1][3], "8", "7", "2", "26"),
-                    ("9", "0.0", "", "none", "9", "9", "0", "27"),
-                    ("9", "1.0", "", "0-3, 4-7", "5", "3", "4", "19"),
-                    ("9", "1.0", ", on-policy", "0-3, 4-7", "5", "3", "0", "15")], out  # traj.v: no forward
-    assert rows[1][3] in ("0-3", "4-7"), out  # one 4-step window, never the 2-step one
-    runs = re.findall(r"seed \d: (\S+) -> (\S+) JAGG, (\S+) exact; clipped (\d+)% in the last step$", out, re.M)
+    rows = re.findall(r"^ +(\d+) steps, jagg_frac (\S+?): JAGG on (.*?); (\d+) rows with grad "
+                      r"\((\d+) backwards\), (\d+) without: (\d+) forwards$", out, re.M)
+    assert rows == [("10", "1.0", "0-3, 4-7", "6", "4", "4", "22"),  # a backward: 2 forwards
+                    ("10", "0.5", rows[1][2], "8", "7", "2", "26"),
+                    ("9", "0.0", "none", "9", "9", "0", "27"),
+                    ("9", "1.0", "0-3, 4-7", "5", "3", "4", "19")], out
+    assert rows[1][2] in ("0-3", "4-7"), out  # one 4-step window, never the 2-step one
+    runs = re.findall(r"seed \d: (\S+) -> (\S+) with JAGG, (\S+) exact$", out, re.M)
     assert len(runs) == 3, out
-    for first, jagg_last, exact_last, clipped in (map(float, r) for r in runs):
-        assert jagg_last > first + 0.5 and abs(jagg_last - exact_last) < 0.05 and clipped > 0, out
+    for first, jagg_last, exact_last in (map(float, r) for r in runs):
+        assert jagg_last > first + 0.5 and abs(jagg_last - exact_last) < 0.05, out
     assert out.strip().endswith("ok"), out
