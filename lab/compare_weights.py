@@ -2,7 +2,7 @@
 default) or by step index (the authors' early code)? The fidelity probe on the same rollouts.
 
     python lab/compare_weights.py toy            # the toy DiT of train_toy.py (its cached base model)
-    python lab/compare_weights.py mini           # the mini SD3 of lab/mini_sd3.py (cached; pretrained if missing)
+    python lab/compare_weights.py mini           # the mini SD3 of lab/mini_sd3_pipeline.py (cached)
 
 For each model: rollouts from the base model (T and the schedule its script trains with, W = 4),
 then jagg_probe.gradient_cosines, the cosine of JAGG's gradient to the exact one per window, with

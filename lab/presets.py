@@ -7,8 +7,8 @@ mini: the setting that learns darkness on a CPU: full fine-tuning, lr 3e-4, CFG 
 steps on the shifted linear schedule, per-group std, 4 prompts x 8 samples an epoch in optimizer steps
 of 8, no EMA, 15 epochs, 48 evaluation samples. mini-geneval: mini with the GenEval-like reward and what
 exact GRPO needed to raise it (LoRA rank 32, global std, 8 prompts an epoch in steps of 16, 12 epochs,
-96 evaluation samples). The first call pretrains the mini SD3 (lab/mini_sd3.py, about 10 minutes on 2
-cores) into runs/cache/.
+96 evaluation samples). The first call pretrains the mini SD3 (lab/mini_sd3_pipeline.py, about 10
+minutes on 2 cores) into runs/cache/.
 """
 
 import os
@@ -35,9 +35,9 @@ REWARDS = {"shapes": "lab.mini_sd3:shapes_reward", "geneval": "lab.mini_sd3:gene
 
 def mini_pipeline():
     """The pretrained mini SD3's folder (built once), with its prompts.txt."""
-    import mini_sd3
+    import mini_sd3_pipeline
 
-    folder = mini_sd3.cached_pipeline(log=lambda *a: print(*a, file=sys.stderr))
+    folder = mini_sd3_pipeline.cached_pipeline(log=lambda *a: print(*a, file=sys.stderr))
     prompts_file(folder)  # a cache from before prompts.txt was saved has none
     return folder
 

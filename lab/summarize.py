@@ -19,77 +19,33 @@ import math
 import os
 
 from bench import TRAINING_MODES
+from run_files import (
+    exact_gain,
+    gain_along_run,
+    grad_rows_per_step,
+    initial_reward,
+    load,
+    probe_cosines,
+    routing_figures,
+    side,
+    strict_curve,
+    timed_curve,
+)
+from stats import (
+    half_width,
+    mean_interval,
+    needed,
+    ratio_interval,
+    sd_of,
+    seeds_for,
+    two_way,
+)
 
 MODES = list(TRAINING_MODES)  # the benchmarks' modes, in their order: exact, then each JAGG mode (JaggOptions.mode_name)
 
 
-def load(path):
-    if os.path.isdir(path):  # a run folder (summary.json) or a benchmark's (benchmark.json)
-        path = os.path.join(path, "summary.json" if os.path.exists(os.path.join(path, "summary.json")) else "benchmark.json")
-    with open(path) as f:
-        return json.load(f)
-
-
 def cosines(values):
     return ", ".join(f"{c:.2f}" for c in values) if values else "-"
-
-
-# The runs' files in both shapes: the kept runs' (lab/results/, made before the layout change of issue 45)
-# and today's train_toy.py's. Each reader takes either.
-def side(s, key, method):
-    """A compare summary's key for one method ("exact" or "jagg"): {key: {exact, jagg}} in the kept
-    runs' files (and train_sd.py's), each method's own summary in train_toy.py's."""
-    v = s.get(key)
-    return v[method] if isinstance(v, dict) and method in v else s[method][key]
-
-
-def initial_reward(s):
-    """The base model's reward of a compare summary (today's toy keeps it in each method's summary)."""
-    return s["initial_reward"] if "initial_reward" in s else s["exact"]["initial_reward"]
-
-
-def probe_cosines(run):
-    """A run's probe cosine per segment position: the kept runs' probe_cosine_by_position, or today's
-    probe (jagg_probe.pool_probes' cosine); None without probes."""
-    return run.get("probe_cosine_by_position") or (run.get("probe") or {}).get("cosine")
-
-
-def grad_rows_per_step(run):
-    """Network rows with grad per optimizer step: the run's total (grad_steps in the kept runs, grad_rows
-    today) over its optimizer steps (epochs: the kept toy runs' steps)."""
-    config = run["config"]
-    total = run["grad_rows"] if "grad_rows" in run else run["grad_steps"]
-    return total // ((config["epochs"] if "epochs" in config else config["steps"]) * config["minibatches"])
-
-
-def routing_figures(path):
-    """(route, reward gain, mean probe cosine of the segments routed to JAGG, of those kept exact,
-    share routed per segment) of a routing run's folder: a single JAGG run or a compare's JAGG side.
-    The kept runs' summaries hold the cosines; today's toy is read from its metrics.jsonl, each probe's
-    cosine weighted by the share of its epoch's optimizer steps that routed the segment to JAGG (or kept
-    it exact): with one step an epoch, the kept runs' figure."""
-    s = load(path)
-    config = s.get("config", {})
-    if s.get("method") == "compare":
-        s, path = s["jagg"], os.path.join(path, "jagg")
-    if "cosine_routed" in s:
-        return s["route"], s["reward_gain"], s["cosine_routed"], s["cosine_kept_exact"], s["routed_frac_by_position"]
-    with open(os.path.join(path, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    pairs = [(c, share) for r in rows if "probe/cosine" in r for c, share in zip(r["probe/cosine"], r["routing/routed"])]
-
-    def mean_cosine(weight):
-        total = sum(weight(share) for _, share in pairs)
-        return sum(c * weight(share) for c, share in pairs) / total if total else None
-
-    return (s.get("config", config)["route"], s["reward_gain"], mean_cosine(lambda share: share),
-            mean_cosine(lambda share: 1 - share), s["routed_frac_by_position"])
-
-
-def exact_gain(path):
-    """Exact GRPO's reward gain: a compare run's exact side, or a single exact run's."""
-    s = load(path)
-    return side(s, "reward_gain", "exact") if s.get("method") == "compare" or "exact" in s else s["reward_gain"]
 
 
 def fmt(x):
@@ -105,15 +61,6 @@ def noise(run):
         return "-"
     sd = sd_of(last)
     return f"{sd:.3f} ({run['reward_gain'] / sd:.1f}x)" if sd > 0 else "0"
-
-
-def gain_along_run(run):
-    """A train_sd.py run's reward gain along training: the mean of its evaluations after the start
-    minus the start (None without an evaluation curve). It averages the whole run's evaluations,
-    so one seed's late jitter weighs less than in the final reward's gain; a mode that falls behind
-    late still shows, diluted by the epochs before."""
-    later = [v for e, v in run.get("eval_curve", []) if e > 0]
-    return sum(later) / len(later) - run["initial_reward"] if later else None
 
 
 def compare(runs):
@@ -161,50 +108,6 @@ def along(runs_of):
         return "-"
     ratio, half, rsd = ratio_interval(gains)
     return f"{100 * ratio:.1f} % ({100 * (ratio - half):.0f}-{100 * (ratio + half):.0f} %), {seeds_for(rsd, 0.10)}"
-
-
-def sd_of(xs):
-    """The sample standard deviation (0 for one number)."""
-    if len(xs) < 2:
-        return 0.0
-    mean = sum(xs) / len(xs)
-    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
-
-
-def ratio_interval(gains):
-    """(R, half-width of its 95 % interval, per-seed sd) of the ratio of mean gains R = mean(JAGG's) /
-    mean(exact's) over seeds [(exact, jagg), ...], by the ratio estimator's linearisation: R's
-    error is that of mean(jagg - R exact) / mean(exact). Unlike the mean of per-seed ratios, a seed
-    whose exact gain happens to be small does not blow it up."""
-    n = len(gains)
-    ratio = sum(j for _, j in gains) / sum(e for e, _ in gains)
-    mean_exact = sum(e for e, _ in gains) / n
-    sd = sd_of([(j - ratio * e) / mean_exact for e, j in gains])
-    return ratio, (t95(n - 1) * sd / math.sqrt(n) if n > 1 else 0.0), sd
-
-
-def seeds_for(sd, half):
-    """The fewest seeds whose 95 % t interval is at most ±half at a per-seed spread sd (as measured)."""
-    if sd == 0:
-        return "-"
-    n = 2
-    while t95(n - 1) * sd / math.sqrt(n) > half and n < 10_000:
-        n += 1
-    return str(n)
-
-
-# Student's t, two-sided 95 %, by degrees of freedom (the seeds of a table are few)
-def t95(df):
-    """Student's t, two-sided 95 %, at df degrees of freedom (scipy.stats: pip install -e '.[lab]')."""
-    from scipy import stats
-
-    return float(stats.t.ppf(0.975, df))
-
-
-def mean_interval(xs):
-    """(mean, half-width of its 95 % t interval) of a few numbers (0 for one)."""
-    n, mean = len(xs), sum(xs) / len(xs)
-    return mean, (t95(n - 1) * sd_of(xs) / math.sqrt(n) if n > 1 else 0.0)
 
 
 def routing(runs, exact):
@@ -332,17 +235,6 @@ def curves(paths, last, png=""):
         print(f"\nwrote {png}")
 
 
-def strict_curve(path):
-    """GenEval's strict accuracy at each evaluation of a train_sd.py run ([(epoch, value)], empty
-    for other rewards), from its metrics.jsonl."""
-    metrics = os.path.join(path, "metrics.jsonl")
-    if not os.path.isfile(metrics):
-        return []
-    with open(metrics) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [(r["epoch"], r["eval/strict"]) for r in rows if "eval/strict" in r]
-
-
 def gains(paths):
     """Single train_sd.py runs of one setting over seeds (e.g. every seed's exact run): per seed the
     reward at the start and at the end (the final reward, the mean of its last evaluations), the
@@ -384,14 +276,6 @@ def setting_name(run, with_lr=False):
     where = f"window of {config['sde_window']}" if config.get("sde_window") else "all steps"
     how = {"exact": "exact", "jagg": "the paper's JAGG", "jagg_shared_rollout": "shared + rollout"}.get(run["mode"], run["mode"])
     return f"{where}, {how}" + (f", lr {config['lr']:g}" if with_lr else "")
-
-
-def timed_curve(run):
-    """A run's evaluation curve against training time: [(seconds, reward)], the seconds the
-    rollouts and optimizer steps took up to that evaluation (evaluation itself not counted). Runs
-    from before summary.json kept each epoch's time spread the total evenly over the epochs."""
-    per_epoch = run.get("epoch_seconds") or [run["train_seconds"] / run["epochs"]] * run["epochs"]
-    return [(sum(per_epoch[:epoch]), reward) for epoch, reward in run["eval_curve"]]
 
 
 def reward_at(curve, seconds):
@@ -470,62 +354,6 @@ def wallclock(paths, png=""):
                             "mean reward", size=(1000, 440)))
         print(f"\nwrote {png}")
     return table
-
-
-def two_way(x):
-    """Variance components of a table x[seed][draw] in which draw k may have the same noise for
-    every seed (lab/eval_noise.py's --noise-seed + k, one noise seed for all files), so a draw's
-    luck is partly common to all seeds:
-    x = mean + run_s + draw_k + rest. By the two-way analysis of variance (method of moments,
-    negative components set to 0): the runs' own variance, the draws' common part's and the rest's,
-    and one draw's error within a seed (the root mean square of the seeds' spreads over draws);
-    mean_variance turns them into the variance of the table's mean. A t interval over the seeds'
-    means alone would miss the common part: averaging seeds does not shrink it."""
-    n, k = len(x), len(x[0])
-    grand = sum(map(sum, x)) / (n * k)
-    rows = [sum(r) / k for r in x]
-    cols = [sum(r[j] for r in x) / n for j in range(k)]
-    ms_rows = k * sum((r - grand) ** 2 for r in rows) / (n - 1)
-    ms_cols = n * sum((c - grand) ** 2 for c in cols) / (k - 1)
-    ms_rest = sum((x[i][j] - rows[i] - cols[j] + grand) ** 2 for i in range(n) for j in range(k)) / ((n - 1) * (k - 1))
-    return {"mean": grand, "runs": max(0.0, (ms_rows - ms_rest) / k), "common": max(0.0, (ms_cols - ms_rest) / n),
-            "rest": ms_rest, "within": math.sqrt(sum(sd_of(r) ** 2 for r in x) / n)}
-
-
-def mean_variance(comp, n, k):
-    """(variance of the mean of n seeds x k draws, its Satterthwaite degrees of freedom) at the
-    components of two_way. The variance is (MS_seeds + MS_draws - MS_rest) / (n k) with the mean
-    squares these components give at n x k (the rest's has (n - 1)(k - 1) degrees of freedom);
-    a component set to 0 drops its mean square and the rest's with it."""
-    rest = comp["rest"]
-    terms = []  # (mean square, its degrees of freedom, sign)
-    if comp["runs"] > 0:
-        terms.append((rest + k * comp["runs"], n - 1, 1))
-    if comp["common"] > 0:
-        terms.append((rest + n * comp["common"], k - 1, 1))
-    # the rest's mean square: subtracted once for each component kept beyond the first, added when none is
-    terms.append((rest, (n - 1) * (k - 1), 1 - len(terms)))
-    var = sum(sign * ms for ms, _, sign in terms) / (n * k)
-    noise = sum((sign * ms) ** 2 / df for ms, df, sign in terms if sign and ms > 0)
-    return var, (var * n * k) ** 2 / noise if noise > 0 else n - 1
-
-
-def half_width(comp, n, k):
-    """The 95 % half-width of the mean of n seeds x k draws at two_way's components."""
-    var, df = mean_variance(comp, n, k)
-    return t95(max(1, int(df))) * math.sqrt(var)
-
-
-def needed(comp, half, seeds=None, draws=None):
-    """The fewest seeds (at `draws` draws) or draws (at `seeds` seeds) whose 95 % half-width at
-    two_way's components is at most `half`, as text: "-" when no spread is measured, "never" when
-    the other count's part alone is wider (the runs' own for draws, the draws' common part for seeds)."""
-    if comp["runs"] + comp["common"] + comp["rest"] == 0:
-        return "-"
-    for m in range(2, 10_001):
-        if half_width(comp, m if seeds is None else seeds, draws if seeds is None else m) <= half:
-            return str(m)
-    return "never"
 
 
 def paired(paths):

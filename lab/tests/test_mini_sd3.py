@@ -1,7 +1,7 @@
-"""The mini SD3 as the lab uses it: its checker against rendered ground truth, the pipeline it builds
-and pretrains, its rewards through train_sd.py --reward lab.mini_sd3:NAME, the presets, and the
-comparison of separately trained runs (lab/compare_runs.py) with their redrawn evaluations
-(lab/eval_noise.py)."""
+"""The mini SD3 as the lab uses it: its checker against rendered ground truth, the pipeline
+lab/mini_sd3_pipeline.py builds and pretrains, its rewards through train_sd.py --reward
+lab.mini_sd3:NAME, the presets, and the comparison of separately trained runs
+(lab/compare_runs.py) with their redrawn evaluations (lab/eval_noise.py)."""
 
 import json
 import os
@@ -17,18 +17,21 @@ pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[s
 import compare_runs  # noqa: E402
 import eval_noise  # noqa: E402
 import mini_sd3  # noqa: E402
+import mini_sd3_pipeline
 import presets  # noqa: E402
 import train_sd  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_build(tmp_path_factory):
-    """mini_sd3's pipeline at its tiny size, pretrained for seconds and saved: (folder, history)."""
+    """The mini SD3 pipeline at its tiny size, pretrained for seconds and saved: (folder,
+    history)."""
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("mini") / "pipe"
-    pipe = mini_sd3.build_pipeline("tiny")
-    history = mini_sd3.pretrain(pipe, mini_sd3.PretrainConfig(size="tiny", vae_steps=30, steps=40, batch=16, data=256,
-                                                              warmup=5), log=lambda *_: None)
+    pipe = mini_sd3_pipeline.build_pipeline("tiny")
+    cfg = mini_sd3_pipeline.PretrainConfig(size="tiny", vae_steps=30, steps=40, batch=16, data=256,
+                                           warmup=5)
+    history = mini_sd3_pipeline.pretrain(pipe, cfg, log=lambda *_: None)
     pipe.save_pretrained(str(folder))
     return str(folder), history
 
@@ -81,7 +84,7 @@ def test_mini_pipeline_loads_with_three_encoders_and_pretraining_lowers_the_loss
     prompt = "a yellow triangle left of a green square"  # every word one token for CLIP and T5
     assert len(pipe.tokenizer(prompt).input_ids) == 8 + 2 and len(pipe.tokenizer_3(prompt).input_ids) == 8 + 1
     cond, _ = train_sd.encode(pipe, ["a red circle", "two blue squares"], "cpu")
-    t5_part = cond[0][:, mini_sd3.MAX_TOKENS:]  # [B, 16, E]: CLIP's 16 tokens come first
+    t5_part = cond[0][:, mini_sd3_pipeline.MAX_TOKENS:]  # [B, 16, E]: CLIP's 16 tokens come first
     assert t5_part.abs().sum() > 0 and not torch.allclose(t5_part[0], t5_part[1])
 
 

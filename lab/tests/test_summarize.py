@@ -1,4 +1,5 @@
-"""lab/summarize.py's interval arithmetic: the retention tables' 95 % intervals and seed counts."""
+"""lab/summarize.py's tables and their interval arithmetic (lab/stats.py): the retention
+tables' 95 % intervals and seed counts."""
 
 import json
 import math
@@ -11,25 +12,28 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import run_files
+import stats
 import summarize  # noqa: E402
 
 
 def test_mean_interval_is_students_t():
-    mean, half = summarize.mean_interval([1, 2, 3, 4, 5])
+    mean, half = stats.mean_interval([1, 2, 3, 4, 5])
     assert mean == 3
     assert half == pytest.approx(2.7764451 * math.sqrt(2.5) / math.sqrt(5), rel=1e-6)
-    assert summarize.mean_interval([0.7]) == (0.7, 0.0)
+    assert stats.mean_interval([0.7]) == (0.7, 0.0)
 
 
 def test_t95_is_students_t_and_tends_to_the_normal():
-    assert summarize.t95(4) == pytest.approx(2.776, abs=5e-4) and summarize.t95(1) == pytest.approx(12.706, abs=5e-4)
-    assert summarize.t95(22) == pytest.approx(2.074, abs=5e-4)
-    assert summarize.t95(10**6) == pytest.approx(1.96, abs=5e-4)
+    assert stats.t95(4) == pytest.approx(2.776, abs=5e-4)
+    assert stats.t95(1) == pytest.approx(12.706, abs=5e-4)
+    assert stats.t95(22) == pytest.approx(2.074, abs=5e-4)
+    assert stats.t95(10**6) == pytest.approx(1.96, abs=5e-4)
 
 
 def test_ratio_interval_is_exact_when_jagg_is_a_fixed_share_of_exact():
     gains = [(0.1, 0.09), (0.3, 0.27), (0.2, 0.18)]
-    ratio, half, sd = summarize.ratio_interval(gains)
+    ratio, half, sd = stats.ratio_interval(gains)
     assert ratio == pytest.approx(0.9)
     assert half == pytest.approx(0.0, abs=1e-12) and sd == pytest.approx(0.0, abs=1e-12)
 
@@ -41,24 +45,24 @@ def test_ratio_interval_covers_the_true_ratio_95_percent_of_the_time():
     hits = 0
     for _ in range(2000):
         gains = [(rng.gauss(0.2, 0.04), rng.gauss(0.18, 0.04)) for _ in range(10)]
-        ratio, half, _ = summarize.ratio_interval(gains)
+        ratio, half, _ = stats.ratio_interval(gains)
         hits += abs(ratio - 0.9) <= half
     assert 0.93 <= hits / 2000 <= 0.97
 
 
 @pytest.mark.parametrize("sd", [0.05, 0.2, 0.47])
 def test_seeds_for_is_the_fewest_seeds_that_reach_the_half_width(sd):
-    n = int(summarize.seeds_for(sd, 0.10))
-    assert summarize.t95(n - 1) * sd / math.sqrt(n) <= 0.10
-    assert summarize.t95(n - 2) * sd / math.sqrt(n - 1) > 0.10
-    assert summarize.seeds_for(0.0, 0.10) == "-"
+    n = int(stats.seeds_for(sd, 0.10))
+    assert stats.t95(n - 1) * sd / math.sqrt(n) <= 0.10
+    assert stats.t95(n - 2) * sd / math.sqrt(n - 1) > 0.10
+    assert stats.seeds_for(0.0, 0.10) == "-"
 
 
 def test_gain_along_run_is_the_mean_evaluation_after_the_start_minus_the_start():
     run = {"initial_reward": 0.5, "eval_curve": [[0, 0.5], [2, 0.6], [4, 0.7], [6, 0.8]]}
-    assert summarize.gain_along_run(run) == pytest.approx(0.2)
-    assert summarize.gain_along_run({"initial_reward": 0.5}) is None
-    assert summarize.gain_along_run({"initial_reward": 0.5, "eval_curve": [[0, 0.5]]}) is None
+    assert run_files.gain_along_run(run) == pytest.approx(0.2)
+    assert run_files.gain_along_run({"initial_reward": 0.5}) is None
+    assert run_files.gain_along_run({"initial_reward": 0.5, "eval_curve": [[0, 0.5]]}) is None
 
 
 def test_compare_prints_the_gain_along_the_run_kept(tmp_path, capsys):
@@ -101,7 +105,7 @@ def test_gains_prints_the_mean_gain_its_interval_and_the_spread_of_the_starts(tm
         folders.append(str(folder))
     summarize.gains(folders)
     out = capsys.readouterr().out
-    half = summarize.t95(2) * 0.1 / 3 ** 0.5
+    half = stats.t95(2) * 0.1 / 3 ** 0.5
     assert f"| gain | 3 | +0.200 ({0.2 - half:+.3f} to {0.2 + half:+.3f}) | 3 |" in out
     assert "| strict accuracy's gain | 3 | +0.100 (" in out
     assert "| 1 | 0.600 → 0.800 | +0.200 | +0.200 | 0.250 → 0.350 |" in out
@@ -127,29 +131,30 @@ def test_paired_splits_the_spread_of_jagg_minus_exact_into_the_evaluations_and_t
         return [str(p) for p in paths]
 
     t = [0.02, -0.02, 0.02, -0.02]
-    runs_var, common_var = summarize.sd_of(t) ** 2, 0.0002  # sd(+0.01, -0.01)² = 0.0002
+    runs_var, common_var = stats.sd_of(t) ** 2, 0.0002  # sd(+0.01, -0.01)² = 0.0002
     # common: the variance of the mean is runs_var / 4 seeds + common_var / 2 draws; Satterthwaite's df
     var = runs_var / 4 + common_var / 2
     df = var ** 2 / ((runs_var / 4) ** 2 / 3 + (common_var / 2) ** 2 / 1)
-    half = summarize.t95(int(df)) * var ** 0.5
+    half = stats.t95(int(df)) * var ** 0.5
     summarize.paired(write([1, 1, 1, 1], "common"))
     out = capsys.readouterr().out
     assert "base model: 0.500 (mean of 2 draws)" in out
     assert (f"| jagg | 4 | 2 | +0.000 ({-half:+.3f} to {half:+.3f}) | {common_var ** 0.5:.4f} | {common_var ** 0.5:.4f} "
             f"| {runs_var ** 0.5:.4f} | 100.0 % ({100 - 1000 * half:.0f}-{100 + 1000 * half:.0f} %) |") in out
     # with no evaluation error only the runs' own spread is left: the seeds a plain t interval needs
-    assert f", {summarize.seeds_for(runs_var ** 0.5 / 0.1, 0.10)} |" in out
+    assert f", {stats.seeds_for(runs_var ** 0.5 / 0.1, 0.10)} |" in out
 
     # alternating: one draw's error 0.01·√2 within each seed, nothing common; the runs' own variance
     # is what the seeds' means keep after the error's 0.0002 / 2 draws (0.02² exactly)
     summarize.paired(write([1, -1, 1, -1], "alternate"))
     out = capsys.readouterr().out
-    half = summarize.t95(3) * summarize.sd_of(t) / 2
+    half = stats.t95(3) * stats.sd_of(t) / 2
     assert (f"| jagg | 4 | 2 | +0.000 ({-half:+.3f} to {half:+.3f}) | {0.01 * 2 ** 0.5:.4f} | 0.0000 | 0.0200 "
             f"| 100.0 % ({100 - 1000 * half:.0f}-{100 + 1000 * half:.0f} %) |") in out
     # at 2 draws a seed's mean spreads by sd(t) (a plain t interval's seeds); with no evaluation
     # error by the runs' 0.02; and no number of draws takes the runs' own spread to ±10 at 4 seeds
-    assert f"| {summarize.seeds_for(summarize.sd_of(t) / 0.1, 0.10)}, {summarize.seeds_for(0.2, 0.10)} | never |" in out
+    seeds = f"{stats.seeds_for(stats.sd_of(t) / 0.1, 0.10)}, {stats.seeds_for(0.2, 0.10)}"
+    assert f"| {seeds} | never |" in out
     paths = [pathlib.Path(p) for p in write([1, 1, 1, 1], "common")]
 
     # No base model's draws, or a JAGG run drawn more often than its exact twin: refused, named.
@@ -186,8 +191,8 @@ def test_two_way_matches_the_textbook_mean_squares():
     msc = n * sum((v - g) ** 2 for v in c) / (k - 1)
     mse = sum((x[i][j] - r[i] - c[j] + g) ** 2 for i in range(n) for j in range(k)) / ((n - 1) * (k - 1))
     assert msr > mse and msc > mse  # no component clipped
-    comp = summarize.two_way(x)
-    var, df = summarize.mean_variance(comp, n, k)
+    comp = stats.two_way(x)
+    var, df = stats.mean_variance(comp, n, k)
     assert var == pytest.approx((msr + msc - mse) / (n * k))
     assert df == pytest.approx((msr + msc - mse) ** 2 / (msr ** 2 / (n - 1) + msc ** 2 / (k - 1)
                                                                 + mse ** 2 / ((n - 1) * (k - 1))))
@@ -210,9 +215,9 @@ def test_retention_pairs_each_mode_with_exact_and_the_papers_mode_seed_by_seed(t
     summarize.retention(str(tmp_path))
     out = capsys.readouterr().out
     kept_paper, kept_shared = [0.9, 1.0, 0.9], [1.0, 0.9, 1.0]
-    mean, half = summarize.mean_interval(kept_paper)
+    mean, half = stats.mean_interval(kept_paper)
     assert f"| paper | 8 | {100 * mean:.1f} % ({100 * (mean - half):.1f}-{100 * (mean + half):.1f} %)" in out
-    diff, dhalf = summarize.mean_interval([s - p for s, p in zip(kept_shared, kept_paper)])
+    diff, dhalf = stats.mean_interval([s - p for s, p in zip(kept_shared, kept_paper)])
     assert f"| {100 * diff:+.1f} ({100 * (diff - dhalf):+.1f} to {100 * (diff + dhalf):+.1f}) points |" in out
     assert "3 seeds (0-2)" in out and "| 90.0 % (seed 0) |" in out
 
@@ -270,7 +275,7 @@ def test_reward_at_interpolates_and_refuses_times_outside_the_curve():
         summarize.reward_at(curve, 21.0)
     # a run kept before epoch_seconds existed: its total spread evenly over the epochs
     old = {"train_seconds": 40.0, "epochs": 4, "eval_curve": [[0, 0.1], [2, 0.2], [4, 0.3]]}
-    assert summarize.timed_curve(old) == [(0.0, 0.1), (20.0, 0.2), (40.0, 0.3)]
+    assert run_files.timed_curve(old) == [(0.0, 0.1), (20.0, 0.2), (40.0, 0.3)]
 
 
 def test_wallclock_takes_single_runs_and_names_learning_rates_when_they_differ(tmp_path):
@@ -341,7 +346,7 @@ def test_retention_reads_todays_toy_runs(toy_runs, capsys):
     out = capsys.readouterr().out
     assert "2 seeds (0-1)" in out and "| exact | 8 | 100.0 % (100.0-100.0 %) |" in out and "| paper | 4 |" in out
     run = json.load(open(toy_runs / "quality" / "paper" / "seed0" / "summary.json"))  # T = 8, W = 4: 2 windows of 2 rows
-    assert "grad_steps" not in run and summarize.grad_rows_per_step(run) == 4
+    assert "grad_steps" not in run and run_files.grad_rows_per_step(run) == 4
 
 
 def test_compare_and_routing_read_todays_toy_compare_runs(toy_runs, capsys):
@@ -357,7 +362,7 @@ def test_compare_and_routing_read_todays_toy_compare_runs(toy_runs, capsys):
     assert len(s["jagg"]["probe"]["cosine"]) == 2 and "| jagg | 2 |" in out
     summarize.routing(runs, ",".join(runs))
     out = capsys.readouterr().out
-    route, gain, routed, kept, frac = summarize.routing_figures(runs[0])
+    route, gain, routed, kept, frac = run_files.routing_figures(runs[0])
     assert (route, gain, frac) == ("probe", s["jagg"]["reward_gain"], s["jagg"]["routed_frac_by_position"])
     assert f"| 0 | probe | {gain:.3f} ({100 * gain / s['exact']['reward_gain']:.0f} %) |" in out
     # W = 4 of T = 8, --jagg-frac 0.5: one of the 2 windows goes to JAGG each step, so both means exist and weigh the same probes
