@@ -21,7 +21,6 @@ The SDE window is left out: it samples other trajectories, so it has no estimate
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -36,6 +35,7 @@ import jagg_options  # noqa: E402
 import jagg_probe  # noqa: E402
 from offpolicy_error import MiniTask, ToyTask, train_exact  # noqa: E402
 from long_runs.run_folder import write_json  # noqa: E402
+from stats import mean_interval  # noqa: E402
 from toy_baselines import first_steps_gradients, subset_gradients  # noqa: E402
 
 
@@ -156,20 +156,6 @@ def timing(task, size, repeats, generator):
             fns[f"window{k}_jagg_w4"] = timed(None, k, W=4)
     medians = jagg_probe.interleaved_medians(fns, repeats)
     return {name: m["seconds"] for name, m in medians.items()}
-
-
-def t95(df):
-    from scipy import stats
-
-    return float(stats.t.ppf(0.975, df))
-
-
-def mean_interval(xs):
-    n, mean = len(xs), sum(xs) / len(xs)
-    if n < 2:
-        return mean, 0.0
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-    return mean, t95(n - 1) * sd / math.sqrt(n)
 
 
 def report(path):

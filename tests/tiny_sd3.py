@@ -2,7 +2,7 @@
 train_sd.py: SD3.5's parts (two CLIP text encoders and a T5 one, an AutoencoderKL, an MMDiT-X
 transformer with dual attention and RMS qk-norm, FlowMatchEulerDiscreteScheduler) at a size that
 trains in seconds on a CPU. Its images mean nothing: the tests check contracts, not learning
-(lab/mini_sd3.py builds and pretrains one whose images do)."""
+(lab/mini_sd3_pipeline.py builds and pretrains one whose images do)."""
 
 import torch
 
