@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import importlib
 import io
@@ -303,8 +304,9 @@ def claim_out(cfg):
 
 
 # === 2. THE MODEL: every line that knows SD3. Another family (examples/diffusers_models.py has
-# Flux, Qwen-Image and Wan) replaces this block: check the folder, load, the latents' shape,
-# encode, decode, velocity_fn, and the benchmark's transformer. ===
+# Flux, Qwen-Image and Wan) replaces this block: check the folder, load, the latents' shape, the
+# scheduler's sigmas, encode (and join or pick the conditioning), decode, velocity_fn, and the
+# benchmark's transformer. ===
 def check_model(cfg):
     """--resolution resolved and checked from the model folder's json configs (no weights are
     read): a multiple of 16 (the VAE's 8x times the 2x2 patches) and within the transformer's
@@ -400,6 +402,13 @@ def latent_shape(pipe, transformer, resolution):
     return (transformer.config.in_channels, h, h)
 
 
+def scheduler_sigmas(scheduler, num_steps):
+    """The pipeline scheduler's T + 1 sigmas from 1 to 0 (Flow-GRPO's), set on a copy of it."""
+    scheduler = copy.deepcopy(scheduler)
+    scheduler.set_timesteps(num_steps)
+    return scheduler.sigmas.float()  # [T+1], the last 0
+
+
 def fit_prompts(pipe, prompts):
     """The prompts cut, once, to the tokens the pipeline's longest text encoder takes (T5's 256, or
     CLIP's 77 without T5), with one warning: a longer line would cost time and memory at every
@@ -436,6 +445,11 @@ def encode(pipe, prompts, device):
         prompt=prompts, prompt_2=None, prompt_3=None, device=device,
         negative_prompt=[""] * len(prompts), max_sequence_length=t5_len)
     return (pe.float(), pooled.float()), (npe.float(), npooled.float())
+
+
+def cat_conditioning(conds):
+    """One (prompt_embeds, pooled) from chunks' conditionings (encode's), joined on B."""
+    return tuple(torch.cat([c[i] for c in conds]) for i in range(2))  # [B, L, E], [B, P]
 
 
 @torch.no_grad()
@@ -496,6 +510,30 @@ def make_ref_velocity_fn(transformer, ref_transformer, cond, uncond, guidance_sc
         finally:
             transformer.enable_adapters()
     return lora_off
+
+
+def velocity_fns(cond, uncond, idx, model, transformer, ref_transformer, cfg, use_bf16):
+    """(velocity_fn through model, the KL reference's or None) of the samples idx of a rollout."""
+    c = tuple(x[idx] for x in cond)  # their conditioning: prompt_embeds [b, L, E], pooled [b, P]
+    u = tuple(x[idx] for x in uncond)
+    ref_fn = None
+    if cfg.beta > 0:
+        ref_fn = make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg.guidance_scale,
+                                      use_bf16)
+    return make_velocity_fn(model, c, u, cfg.guidance_scale, use_bf16), ref_fn
+
+
+def check_contract(cfg, pipe, transformer, prompts, sigmas, use_bf16):
+    """jagg's velocity_fn contract on two different prompts before training: one line if broken."""
+    # v of z's shape, equal calls equal, S steps at once equal S single steps
+    cond, uncond = encode(pipe, (list(dict.fromkeys(prompts)) * 2)[:2], sigmas.device)
+    noise = torch.randn(2, *latent_shape(pipe, transformer, cfg.resolution), device=sigmas.device,
+                        generator=torch.Generator(sigmas.device).manual_seed(0))  # [2, C, h, w]
+    velocity_fn = make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16)
+    try:
+        jagg_probe.check_velocity_fn(velocity_fn, noise, sigmas, rtol=2e-2 if use_bf16 else None)
+    except ValueError as e:  # NaN weights, say
+        fail(f"--model {cfg.model!r} fails jagg's velocity_fn contract on the first prompts: {e}")
 
 
 # --benchmark's transformers without weights: SD3.5-medium's (2.24B parameters) on a GPU, on a
@@ -635,9 +673,7 @@ def sampling_sigmas(cfg, scheduler):
     jagg.sigma_schedule's."""
     if cfg.sigma_schedule == "linear":
         return jagg.sigma_schedule(cfg.num_steps, scheduler.config.get("shift", 3.0))
-    scheduler = copy.deepcopy(scheduler)
-    scheduler.set_timesteps(cfg.num_steps)
-    return scheduler.sigmas.float()  # [T+1], the last 0
+    return scheduler_sigmas(scheduler, cfg.num_steps)  # [T+1]
 
 
 # An SDE window (--sde-window K): Flow-GRPO-Fast samples K consecutive steps with the SDE and the
@@ -696,6 +732,24 @@ class Stopped(Exception):
     """A stop signal reached every rank mid-epoch: the epoch's work since its checkpoint is lost."""
 
 
+def stop_now(stop, device):
+    """Whether a signal in stop (this rank's) or another rank's stops the run: all ranks call it."""
+    return bool(grpo_step.all_gather_cat(torch.tensor([len(stop)], device=device)).sum())
+
+
+def stop_message(stop, where, checkpointed, out, world):
+    """The line a stopped run ends with: a command that goes on from its checkpoint (or None)."""
+    signal = stop[0] if stop else "a signal to another rank"
+    if checkpointed is None:
+        return (f"stopped by {signal} {where}, before the first checkpoint: start again with "
+                "the same command and --overwrite")
+    launcher = "python train_sd.py"
+    if world > 1:
+        launcher = f"torchrun --nproc_per_node {world} train_sd.py"
+    return (f"stopped by {signal} {where}; the checkpoint of epoch {checkpointed} stands: go "
+            f"on with {launcher} --resume {out}")
+
+
 @torch.no_grad()
 def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_start=None,
            stop_now=None):
@@ -722,8 +776,8 @@ def sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16, window_
         conds.append(cond)
         unconds.append(uncond)
         images += decode(pipe, final)
-    cond = tuple(torch.cat([c[i] for c in conds]) for i in range(2))  # [B, L, E], [B, P]
-    uncond = tuple(torch.cat([c[i] for c in unconds]) for i in range(2))
+    cond = cat_conditioning(conds)  # prompt_embeds [B, L, E], pooled [B, P]
+    uncond = cat_conditioning(unconds)
     return cat_trajectories(trajs), cond, uncond, images
 
 
@@ -752,6 +806,36 @@ def sample_grid(images, prompts, rewards, cell=96):
         ImageDraw.Draw(grid).text((x + 3, y + cell + 2), f"{p[:16]}\n{r:.3f}", fill="black",
                                   font=small)
     return grid
+
+
+def evaluate(epoch, cfg, pipe, transformer, ema, prompts, sigmas, reward_fn, use_bf16):
+    """Fixed prompts and noise, the EMA swapped in if kept: rank 0's eval/ figures and picture."""
+    if ema is not None:  # the trained weights set aside
+        trained = {n: p.detach().clone() for n, p in trainable(transformer).items()}
+        load_weights(transformer, ema)
+    images, rewards = draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn,
+                                      use_bf16, name=cfg.reward)
+    if ema is not None:
+        load_weights(transformer, trained)
+    figures = {}
+    if dist.is_initialized() and dist.get_rank() != 0:  # under FSDP, rank 0 alone writes
+        return figures
+    grid = sample_grid(images[:16], prompts[:16], rewards.tolist()[:16])
+    atomic_write(os.path.join(cfg.out, f"samples_{epoch:04d}.png"),
+                 lambda f: grid.save(f, format="PNG"), "wb")
+    ok = rewards.isfinite()  # [N]: a broken sample has no reward, and is counted
+    broken = sum(not im.info.get("finite", True) for im in images)
+    figures["eval/reward"] = rewards[ok].mean().item()
+    figures["eval/nonfinite_samples"] = int((~ok).sum())  # broken, or a NaN or inf reward
+    figures["eval/nonfinite_rewards"] = int((~ok).sum()) - broken
+    if figures["eval/nonfinite_rewards"]:
+        print(f"warning: epoch {epoch}'s evaluation: {figures['eval/nonfinite_rewards']} of "
+              f"{len(images)} rewards were not finite; eval/reward is the mean of the other "
+              f"{int(ok.sum())}")
+    if hasattr(reward_fn, "eval_metrics"):  # a custom reward's own evaluation figures
+        metrics = reward_fn.eval_metrics(images, prompts)
+        figures.update({f"eval/{k}": v for k, v in metrics.items()})
+    return figures
 
 
 # === 5. Files: the trained weights, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
@@ -872,7 +956,105 @@ def read_checkpoint(run, mmap=False):  # save_checkpoint's dict, or one line nam
         fail(e)
 
 
-# === 6. Training: the whole loop, from rollout to optimizer step; then the run's summary ===
+# === 6. Training: the run's setup, the loop from rollout to optimizer step, the summary ===
+def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs on the CPU in fp32)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def load_models(cfg, device, use_bf16):
+    """(cfg resolved, pipe, prompts, transformer, the KL reference's frozen copy or None)."""
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    pipe, transformer = load_pipeline(cfg, device, dtype)
+    prompts = fit_prompts(pipe, read_prompts(cfg))
+    resolution = cfg.resolution or default_resolution(pipe, transformer)  # a hub id's, now
+    cfg = dataclasses.replace(cfg, resolution=resolution)
+    ref_transformer = None  # the KL reference under full fine-tuning: frozen, in the pipe's dtype
+    if cfg.lora_rank == 0 and cfg.beta > 0:
+        ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
+    return cfg, pipe, prompts, transformer, ref_transformer
+
+
+def setup_training(cfg, transformer, ref_transformer, device, world):
+    """(net, params, optimizer, ema): FSDP's shards or DDP's wrapper, AdamW, the EMA if kept."""
+    if cfg.fsdp:  # weights, gradients and optimizer state sharded over the ranks; the reference too
+        for module in [m for m in (transformer, ref_transformer) if m is not None]:
+            shard_transformer(module)
+    params = list(trainable(transformer).values())
+    net = transformer  # what the training forwards run through: DDP's wrapper under torchrun
+    if world > 1 and not cfg.fsdp:
+        net = torch.nn.parallel.DistributedDataParallel(
+            transformer, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=FIXED["weight_decay"])
+    ema = None
+    if cfg.ema:
+        ema = {n: p.detach().clone() for n, p in trainable(transformer).items()}
+    return net, params, optimizer, ema
+
+
+def resume_run(cfg, transformer, optimizer, ema, rank):
+    """(epochs done, rows, probe average, ema): a fresh run's, or --resume's checkpoint's."""
+    if not cfg.resume:
+        return 0, [], None, ema
+    # where the run stopped: weights, optimizer state, EMA, rows, probe average
+    ckpt = read_checkpoint(cfg.resume)
+    load_weights(transformer, ckpt["weights"])
+    set_optimizer_state_dict(transformer, optimizer, ckpt["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    if ema is not None:
+        ema = {n: as_param(ckpt["ema"][n], p) for n, p in trainable(transformer).items()}
+    if rank == 0:  # the weights file is the checkpoint's, whatever a kill left there
+        save_weights(cfg.out, ckpt, cfg.lora_rank)
+    return ckpt["epoch"], ckpt["rows"], ckpt["probe_average"], ema
+
+
+def write_config(cfg, params, device, use_bf16, world, rank):
+    """The flags and FIXED, saved in config.json and printed by rank 0: the checkpoints' config."""
+    config = {**dataclasses.asdict(cfg), "fixed": FIXED}
+    if rank == 0:
+        write_json(os.path.join(cfg.out, "config.json"), config)
+        print(f"config: {json.dumps(config)}\ntrainable parameters: "
+              f"{sum(p.numel() for p in params):,}; device {device}; bf16 {use_bf16}; "
+              f"world {world}")
+    return config
+
+
+def rollout_row(epoch, cfg, rewards, broken, start, rank):
+    """An epoch's row as its rollouts leave it: the run's method and the rollout/ figures."""
+    ok = torch.isfinite(rewards)  # [world * B]: NaN for a broken sample, kept out of the mean
+    row = {"epoch": epoch, "method": cfg.method, "mode": cfg.jagg_options().mode_name(cfg.method),
+           "train/lr": cfg.lr, "rollout/reward_mean": rewards[ok].mean().item(),
+           "rollout/reward_std": rewards[ok].std().item(),
+           "rollout/nonfinite_samples": int((~ok).sum())}  # broken, or a NaN or inf reward
+    row["rollout/nonfinite_rewards"] = int((~ok).sum()) - broken
+    if row["rollout/nonfinite_rewards"] and rank == 0:
+        print(f"warning: epoch {epoch}: {row['rollout/nonfinite_rewards']} of "
+              f"{len(rewards)} rewards were not finite; those samples are left out of the "
+              "advantages")
+    if start is not None:
+        row["rollout/sde_window_start"] = start
+    return row
+
+
+def probe_figures(fns, params, traj, advantages, cfg, world, device):
+    """The probe/ figures, the ranks' means: JAGG's gradient against exact on one micro-batch."""
+    # The samples one optimizer step averages, all ranks: the probe measures JAGG's error in
+    # their noise.
+    step_batch = cfg.train_batch * world
+    if cfg.steps_per_epoch:
+        step_batch = max(1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch)
+    loss_cfg = jagg.LossConfig(cfg.noise_level, cfg.clip_range, cfg.beta)
+    probe = jagg_probe.probe_segments(fns, params, traj, advantages, loss_cfg, cfg.jagg_options(),
+                                      step_batch)
+    figures = {}
+    for key in ("cosine", "error_to_noise", "error", "noise"):  # the ranks' mean
+        values = torch.tensor([probe[key]], dtype=torch.float64, device=device)
+        name = "probe/grad_cosine" if key == "cosine" else f"probe/{key}"
+        figures[name] = grpo_step.all_gather_cat(values).mean(0).tolist()
+    return figures
+
+
 def optimizer_steps(perm, adv, cfg, generator):
     """The epoch's optimizer steps, [[micro-batch indices, ...] per step], as many on every rank.
     --steps-per-epoch N: Flow-GRPO's N equal steps, zero-advantage samples dropped (not under
@@ -887,6 +1069,13 @@ def optimizer_steps(perm, adv, cfg, generator):
         perm = perm[torch.randperm(len(perm), generator=generator)]
     parts = perm.tensor_split(cfg.steps_per_epoch)
     return [list(part.split(cfg.train_batch)) if len(part) else [] for part in parts]
+
+
+def update_ema(ema, transformer, step):
+    """Flow-GRPO's EMA step on the trained weights: decay min((1 + s) / (10 + s), 0.9)."""
+    decay = min(step / (9 + step), FIXED["ema_decay"])  # Flow-GRPO's, s = step - 1
+    for n, p in trainable(transformer).items():
+        ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
 
 
 def epoch_figures(stats):
@@ -906,10 +1095,20 @@ def epoch_figures(stats):
     return figures
 
 
-def pick_device():  # this rank's GPU, else the CPU (CUDA_VISIBLE_DEVICES= runs on the CPU in fp32)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+def param_checksums(params):
+    """Each rank's sum of the trained weights (whole under FSDP): equal while the ranks agree."""
+    sums = torch.stack([(p.full_tensor() if isinstance(p, DTensor) else p).detach().double()
+                        .sum() for p in params])
+    return grpo_step.all_gather_cat(sums.sum()[None]).tolist()
+
+
+def epoch_line(row, epochs):
+    """The one line an epoch prints: reward, loss, KL, clipfrac, approx_kl, routed, grad time."""
+    skipped = f" skipped {row['train/skipped_steps']}" if row["train/skipped_steps"] else ""
+    return (f"epoch {row['epoch']}/{epochs} reward {row['rollout/reward_mean']:.3f} loss "
+            f"{row['train/loss']:.4f} kl {row['train/kl']:.4f} clipfrac "
+            f"{row['train/clipfrac']:.3f} approx_kl {row['train/approx_kl']:.2e} routed "
+            f"{row['train/routed_frac']:.2f} grad {row['time/grad_seconds']:.1f} s{skipped}")
 
 
 def train(cfg, stop=()):
@@ -923,122 +1122,27 @@ def train(cfg, stop=()):
     if use_bf16:
         torch.cuda.set_device(device)
     reward_fn = load_reward(cfg.reward, device)
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
-    pipe, transformer = load_pipeline(cfg, device, dtype)
-    prompts_all = fit_prompts(pipe, read_prompts(cfg))
-    resolution = cfg.resolution or default_resolution(pipe, transformer)  # a hub id's, now
-    cfg = dataclasses.replace(cfg, resolution=resolution)
-    ref_transformer = None  # the KL reference under full fine-tuning: frozen, in the pipe's dtype
-    if cfg.lora_rank == 0 and cfg.beta > 0:
-        ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
-    if cfg.fsdp:  # weights, gradients and optimizer state sharded over the ranks; the reference too
-        for module in [m for m in (transformer, ref_transformer) if m is not None]:
-            shard_transformer(module)
-    params = list(trainable(transformer).values())
-    net = transformer
-    if world > 1 and not cfg.fsdp:
-        net = torch.nn.parallel.DistributedDataParallel(
-            transformer, device_ids=[device.index] if use_bf16 else None)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=FIXED["weight_decay"])
-    ema = None
-    if cfg.ema:
-        ema = {n: p.detach().clone() for n, p in trainable(transformer).items()}
-    ckpt = {"epoch": 0, "rows": [], "probe_average": None}  # a fresh run
-    if cfg.resume:  # where the run stopped: weights, optimizer state, EMA, rows, probe average
-        ckpt = read_checkpoint(cfg.resume)
-        load_weights(transformer, ckpt["weights"])
-        set_optimizer_state_dict(transformer, optimizer, ckpt["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
-        if ema is not None:
-            ema = {n: as_param(ckpt["ema"][n], p) for n, p in trainable(transformer).items()}
-        if rank == 0:  # the weights file is the checkpoint's, whatever a kill left there
-            save_weights(cfg.out, ckpt, cfg.lora_rank)
-    start_epoch, rows, probe_avg = ckpt["epoch"], ckpt["rows"], ckpt["probe_average"]
+    cfg, pipe, prompts_all, transformer, ref_transformer = load_models(cfg, device, use_bf16)
+    net, params, optimizer, ema = setup_training(cfg, transformer, ref_transformer, device, world)
+    start_epoch, rows, probe_avg, ema = resume_run(cfg, transformer, optimizer, ema, rank)
     checkpointed = start_epoch if cfg.resume else None  # the epoch of the newest checkpoint
     identity = run_identity(cfg)
-    launcher = "python train_sd.py"
-    if world > 1:
-        launcher = f"torchrun --nproc_per_node {world} train_sd.py"
-
-    def stop_now():  # a signal on any rank stops every rank at the same point
-        return bool(grpo_step.all_gather_cat(torch.tensor([len(stop)], device=device)).sum())
-
-    def stopped(where):  # the line a stopped run ends with: a command that goes on from here
-        signal = stop[0] if stop else "a signal to another rank"
-        if checkpointed is None:
-            return (f"stopped by {signal} {where}, before the first checkpoint: start again with "
-                    "the same command and --overwrite")
-        return (f"stopped by {signal} {where}; the checkpoint of epoch {checkpointed} stands: go "
-                f"on with {launcher} --resume {cfg.out}")
-    config = {**dataclasses.asdict(cfg), "fixed": FIXED}
-    if rank == 0:
-        write_json(os.path.join(cfg.out, "config.json"), config)
-        print(f"config: {json.dumps(config)}\ntrainable parameters: "
-              f"{sum(p.numel() for p in params):,}; device {device}; bf16 {use_bf16}; "
-              f"world {world}")
+    config = write_config(cfg, params, device, use_bf16, world, rank)  # printed, and saved
     sigmas = sampling_sigmas(cfg, pipe.scheduler).to(device)  # [T+1]
-    # jagg's contract, before training: v of z's shape, equal calls equal, S steps at once equal
-    # S single steps; on two different prompts.
-    cond, uncond = encode(pipe, (list(dict.fromkeys(prompts_all)) * 2)[:2], device)
-    noise = torch.randn(2, *latent_shape(pipe, transformer, cfg.resolution), device=device,
-                        generator=torch.Generator(device).manual_seed(0))  # [2, C, h, w]
-    velocity_fn = make_velocity_fn(transformer.eval(), cond, uncond, cfg.guidance_scale, use_bf16)
-    try:
-        jagg_probe.check_velocity_fn(velocity_fn, noise, sigmas, rtol=2e-2 if use_bf16 else None)
-    except ValueError as e:  # NaN weights, say
-        fail(f"--model {cfg.model!r} fails jagg's velocity_fn contract on the first prompts: {e}")
+    check_contract(cfg, pipe, transformer, prompts_all, sigmas, use_bf16)  # jagg's, before training
     loss_cfg = jagg.LossConfig(cfg.noise_level, cfg.clip_range, cfg.beta)
     opts, n_train = cfg.jagg_options(), cfg.trained_steps()
     eval_prompts = evaluation_prompts(cfg, prompts_all)
-    # The samples one optimizer step averages, all ranks: the probe measures JAGG's error in
-    # their noise.
-    step_batch = cfg.train_batch * world
-    if cfg.steps_per_epoch:
-        step_batch = max(1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch)
     evaluates = rank == 0 or cfg.fsdp  # under FSDP every rank runs the evaluation's forwards
-
-    def evaluate(epoch, row):
-        """Fixed prompts and noise, the EMA weights swapped in if kept: eval/reward, a picture."""
-        if ema is not None:  # the trained weights set aside
-            trained = {n: p.detach().clone() for n, p in trainable(transformer).items()}
-            load_weights(transformer, ema)
-        images, rewards = draw_evaluation(pipe, transformer, eval_prompts, cfg, sigmas, reward_fn,
-                                          use_bf16, name=cfg.reward)
-        if ema is not None:
-            load_weights(transformer, trained)
-        if rank == 0:
-            grid = sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16])
-            atomic_write(os.path.join(cfg.out, f"samples_{epoch:04d}.png"),
-                         lambda f: grid.save(f, format="PNG"), "wb")
-            ok = rewards.isfinite()  # [N]: a broken sample has no reward, and is counted
-            broken = sum(not im.info.get("finite", True) for im in images)
-            row["eval/reward"] = rewards[ok].mean().item()
-            row["eval/nonfinite_samples"] = int((~ok).sum())  # broken, or a NaN or inf reward
-            row["eval/nonfinite_rewards"] = int((~ok).sum()) - broken
-            if row["eval/nonfinite_rewards"]:
-                print(f"warning: epoch {epoch}'s evaluation: {row['eval/nonfinite_rewards']} of "
-                      f"{len(images)} rewards were not finite; eval/reward is the mean of the "
-                      f"other {int(ok.sum())}")
-            if hasattr(reward_fn, "eval_metrics"):  # a custom reward's own evaluation figures
-                metrics = reward_fn.eval_metrics(images, eval_prompts)
-                row.update({f"eval/{k}": v for k, v in metrics.items()})
-
-    def fns(idx, model):  # (velocity_fn, the reference's or None) of the samples idx
-        c, u = tuple(x[idx] for x in cond), tuple(x[idx] for x in uncond)  # their conditioning
-        ref_fn = None
-        if cfg.beta > 0:
-            ref_fn = make_ref_velocity_fn(transformer, ref_transformer, c, u, cfg.guidance_scale,
-                                          use_bf16)
-        return make_velocity_fn(model, c, u, cfg.guidance_scale, use_bf16), ref_fn
-
     if evaluates and start_epoch == 0:
         rows.append({"epoch": 0})
-        evaluate(0, rows[-1])
+        rows[-1].update(evaluate(0, cfg, pipe, transformer, ema, eval_prompts, sigmas, reward_fn,
+                                 use_bf16))
     # Each epoch's generators are seeded by the epoch: a resumed run draws what an uninterrupted
     # one would. The prompts are the same on every rank, the noise differs: a prompt's group
     # spans the ranks.
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
-        # --- rollouts: sample, decode, reward; a stop signal ends the epoch at once (Stopped)
+        # --- rollouts: sample and decode; a stop signal ends the epoch at once (Stopped)
         epoch_start = time.perf_counter()
         epoch_seed = cfg.seed * 1_000_003 + epoch
         prompt_gen = torch.Generator().manual_seed(epoch_seed)
@@ -1050,51 +1154,40 @@ def train(cfg, stop=()):
         if cfg.sde_window:  # the same on every rank
             start = window_start(epoch, cfg.sde_window, 0, cfg.sde_range_end or cfg.num_steps - 1,
                                  seed=cfg.seed)
+        stop_check = functools.partial(stop_now, stop, device)  # between the rollout's chunks
         try:
             traj, cond, uncond, images = sample(pipe, transformer, prompts, cfg, sigmas, noise_gen,
-                                                use_bf16, start, stop_now)
+                                                use_bf16, start, stop_check)
         except Stopped:
-            fail(stopped(f"in epoch {epoch}'s rollouts"))
+            fail(stop_message(stop, f"in epoch {epoch}'s rollouts", checkpointed, cfg.out, world))
+        # --- rewards and group advantages: groups gathered from every rank, a broken sample
+        # dropped from its group; then this rank's slice
         rewards = rewards_of(reward_fn, images, prompts, cfg.reward).to(device)  # [B]; NaN: none
         broken = sum(not im.info.get("finite", True) for im in images)  # images that did not decode
         broken = grpo_step.all_gather_cat(torch.tensor([broken], device=device)).sum().item()
-        # --- advantages over groups gathered from every rank, a broken sample dropped from its
-        # group; then this rank's slice
         all_rewards = grpo_step.all_gather_cat(rewards)  # [world * B]
         all_ids = grpo_step.all_gather_cat(prompt_ids.to(device))
         ok, adv = torch.isfinite(all_rewards), torch.zeros_like(all_rewards)
         adv[ok] = jagg.group_advantages(all_rewards[ok], all_ids[ok], global_std=cfg.global_std,
                                         clip=FIXED["adv_clip"])
         adv = adv.reshape(world, -1)[rank]  # [B]
-        row = {"epoch": epoch, "method": cfg.method, "mode": opts.mode_name(cfg.method),
-               "train/lr": cfg.lr, "rollout/reward_mean": all_rewards[ok].mean().item(),
-               "rollout/reward_std": all_rewards[ok].std().item(),
-               "rollout/nonfinite_samples": int((~ok).sum())}  # broken, or a NaN or inf reward
-        row["rollout/nonfinite_rewards"] = int((~ok).sum()) - broken
-        if row["rollout/nonfinite_rewards"] and rank == 0:
-            print(f"warning: epoch {epoch}: {row['rollout/nonfinite_rewards']} of "
-                  f"{len(all_rewards)} rewards were not finite; those samples are left out of the "
-                  "advantages")
-        if start is not None:
-            row["rollout/sde_window_start"] = start
+        row = rollout_row(epoch, cfg, all_rewards, broken, start, rank)
         perm = torch.randperm(len(prompts), generator=prompt_gen)
         if not cfg.fsdp and (cfg.steps_per_epoch or world == 1):  # broken samples do not train
             perm = perm[ok.reshape(world, -1)[rank].cpu()[perm]]  # (else their steps skip)
         # --- the probe, before training on its micro-batch: JAGG's gradient vs exact per segment
         if cfg.probe_every and epoch % cfg.probe_every == 0:
             probe_start, idx = time.perf_counter(), perm[: cfg.train_batch].to(device)
-            probe = jagg_probe.probe_segments(lambda i: fns(idx[i], transformer), params,
-                                              traj.subset(idx).first_steps(n_train), adv[idx],
-                                              loss_cfg, opts, step_batch)
-            for key in ("cosine", "error_to_noise", "error", "noise"):  # the ranks' mean
-                values = torch.tensor([probe[key]], dtype=torch.float64, device=device)
-                name = "probe/grad_cosine" if key == "cosine" else f"probe/{key}"
-                row[name] = grpo_step.all_gather_cat(values).mean(0).tolist()
+            # (the lambda runs within this iteration: its late binding of the loop's names is safe)
+            row.update(probe_figures(
+                lambda i: velocity_fns(cond, uncond, idx[i], transformer, transformer,  # noqa: B023
+                                       ref_transformer, cfg, use_bf16),
+                params, traj.subset(idx).first_steps(n_train), adv[idx], cfg, world, device))
             probe_avg = jagg_probe.probe_average(probe_avg, row["probe/grad_cosine"],
                                                  FIXED["probe_decay"])
             row["time/probe_seconds"] = time.perf_counter() - probe_start
-        # --- training: the epoch's optimizer steps, each accumulating micro-batches over the
-        # first n_train steps of their trajectories
+        # --- the optimizer steps, each accumulating micro-batches over the first n_train steps
+        # of their trajectories
         transformer.train()
         stats, routed = [], None
         steps = optimizer_steps(perm, adv.cpu(), cfg, prompt_gen)
@@ -1106,7 +1199,8 @@ def train(cfg, stop=()):
             optimizer.zero_grad(set_to_none=True)
             for j, idx in enumerate(micro):
                 idx = idx.to(device)
-                velocity_fn, ref_fn = fns(idx, net)
+                velocity_fn, ref_fn = velocity_fns(cond, uncond, idx, net, transformer,
+                                                   ref_transformer, cfg, use_bf16)
                 minibatch = traj.subset(idx).first_steps(n_train)
                 grad_start = time.perf_counter()
                 # DDP: no all-reduce per backward, one per step below; FSDP: none before the last
@@ -1131,30 +1225,23 @@ def train(cfg, stop=()):
                       f"norm ({grad_norm}); parameters and optimizer state left as they were")
             stats[-1].update(grad_norm=grad_norm, skipped=not finite)
             if ema is not None and finite and step % FIXED["ema_every"] == 0:
-                decay = min(step / (9 + step), FIXED["ema_decay"])  # Flow-GRPO's, s = step - 1
-                for n, p in trainable(transformer).items():
-                    ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
-            if i + 1 < len(steps) and stop_now():  # a stop mid-epoch: its steps are redone later
-                fail(stopped(f"in epoch {epoch}, after {i + 1} of its {len(steps)} optimizer "
-                             "steps"))
-        # --- logging and the checkpoint
+                update_ema(ema, transformer, step)
+            if i + 1 < len(steps) and stop_now(stop, device):  # its steps are redone on resume
+                where = f"in epoch {epoch}, after {i + 1} of its {len(steps)} optimizer steps"
+                fail(stop_message(stop, where, checkpointed, cfg.out, world))
+        # --- logging: the epoch's row (metrics.jsonl, below) and its one line
         row.update(epoch_figures(stats))
         row["time/train_seconds"] = time.perf_counter() - epoch_start  # not the evaluation
         row["routing/routed"] = routed  # the epoch's last optimizer step's, per segment
-        sums = torch.stack([(p.full_tensor() if isinstance(p, DTensor) else p).detach().double()
-                            .sum() for p in params])
-        row["train/param_checksums"] = grpo_step.all_gather_cat(sums.sum()[None]).tolist()
+        row["train/param_checksums"] = param_checksums(params)
         rows.append(row)
         if rank == 0:
-            skipped = f" skipped {row['train/skipped_steps']}" if row["train/skipped_steps"] else ""
-            print(f"epoch {epoch}/{cfg.epochs} reward {row['rollout/reward_mean']:.3f} loss "
-                  f"{row['train/loss']:.4f} kl {row['train/kl']:.4f} clipfrac "
-                  f"{row['train/clipfrac']:.3f} approx_kl {row['train/approx_kl']:.2e} routed "
-                  f"{row['train/routed_frac']:.2f} grad {row['time/grad_seconds']:.1f} s{skipped}",
-                  flush=True)
-        stopping = stop_now()  # every rank alike
+            print(epoch_line(row, cfg.epochs), flush=True)
+        # --- evaluation and the checkpoint; a stop signal ends the run after its checkpoint
+        stopping = stop_now(stop, device)  # every rank alike
         if evaluates and (epoch % cfg.eval_every == 0 or epoch == cfg.epochs) and not stopping:
-            evaluate(epoch, row)
+            row.update(evaluate(epoch, cfg, pipe, transformer, ema, eval_prompts, sigmas, reward_fn,
+                                use_bf16))
         if epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs or stopping:
             save_checkpoint(cfg.out, transformer, optimizer, ema, epoch, rows, config, probe_avg,
                             identity)
@@ -1163,16 +1250,8 @@ def train(cfg, stop=()):
             metrics = "".join(run_folder.json_text(r) + "\n" for r in rows)
             atomic_write(os.path.join(cfg.out, "metrics.jsonl"), metrics)
         if stopping:
-            fail(stopped(f"after epoch {epoch}"))
-    if dist.is_initialized():
-        dist.barrier()
-    summary = summarize(cfg, rows) if rank == 0 else None
-    if rank == 0:
-        write_json(os.path.join(cfg.out, "summary.json"), summary)
-        print(f"[{summary['mode']}] eval reward {summary['initial_reward']:.3f} -> "
-              f"{summary['final_reward']:.3f} ({cfg.eval_samples} samples), training "
-              f"{summary['train_seconds']:.0f} s (gradients {summary['grad_seconds']:.0f} s), "
-              f"outputs in {cfg.out}/")
+            fail(stop_message(stop, f"after epoch {epoch}", checkpointed, cfg.out, world))
+    summary = finish_run(cfg, rows, rank)  # summary.json, on rank 0 (None elsewhere)
     return rows, summary
 
 
@@ -1202,6 +1281,20 @@ def summarize(cfg, rows):
             "probe_error_to_noise_by_position": pooled.get("error_to_noise"),
             "probe_error_to_noise_stderr_by_position": pooled.get("stderr"),
             "config": dataclasses.asdict(cfg)}
+
+
+def finish_run(cfg, rows, rank):
+    """Every rank done, rank 0 writes summary.json and prints the run's last line; returns it."""
+    if dist.is_initialized():
+        dist.barrier()
+    summary = summarize(cfg, rows) if rank == 0 else None
+    if rank == 0:
+        write_json(os.path.join(cfg.out, "summary.json"), summary)
+        print(f"[{summary['mode']}] eval reward {summary['initial_reward']:.3f} -> "
+              f"{summary['final_reward']:.3f} ({cfg.eval_samples} samples), training "
+              f"{summary['train_seconds']:.0f} s (gradients {summary['grad_seconds']:.0f} s), "
+              f"outputs in {cfg.out}/")
+    return summary
 
 
 # === 7. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode) ===
