@@ -50,8 +50,8 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
     route="early"        ["velocity", jagg.linearity_score] A fixed schedule: JAGG takes the
                          earliest (highest-noise) segments first, where its error is smallest on
                          the toy DiT and the mini SD3; at equal cost it keeps more reward than
-                         the free score there (lab/reports/equal_cost.md). Our recommendation
-                         whenever jagg_frac < 1.
+                         the free score there (lab/reports/equal_cost.md). The default stays the
+                         free score, our reading of the paper's rule.
     route="late"         The opposite schedule: the latest (lowest-noise) segments first. The free
                          score ranks segments by noise level this way (jagg.py, section 7) and
                          keeps the same reward: this schedule says what the free score does.
@@ -106,7 +106,7 @@ class JaggOptions:
     max_graph_rows: int = None  # at most this many anchor rows in a graph at once; None: no bound
     max_drift: float = 0.5  # rollout interiors while the anchors' ratios drift less than this
     route: str = "velocity"  # "velocity": jagg.linearity_score; "early" / "late": the earliest /
-    # latest segments first (early: recommended when jagg_frac < 1); "probe": the probe's cosines
+    # latest segments first (early kept more reward at jagg_frac < 1); "probe": the probe's cosines
     min_cosine: float = None  # route="probe": a window whose cosine is below this stays exact
     boundaries: tuple = ()  # two experts: each network's first step; no segment spans two
 

@@ -32,7 +32,7 @@ from jagg import _check
 def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
     """Check velocity_fn once before training, on noise z: [B, *D] of samples with different
     conditioning and the schedule sigmas: [T + 1]: v of z's shape and finite, two equal calls
-    equal, one call on S steps equal to S one-step calls (jagg.py section 9: step-major). A
+    equal, one call on S steps equal to S one-step calls (jagg.py section 10: step-major). A
     ValueError names the mistake and its fix. rtol, relative to |v|; None: 1e-4 in fp32, 2e-2 in
     bf16 / fp16 or under autocast (pass 2e-2 if velocity_fn autocasts inside). Returns the largest
     relative difference."""

@@ -121,10 +121,10 @@ class Config:
                         choices=jagg_options.WEIGHTS)
     max_graph_rows: int = flag(None, "at most this many anchor rows in a graph at once: same "
                                      "gradient, less memory")
-    route: str = flag("velocity", "which windows --jagg-frac gives JAGG: velocity (the free "
-                                  "score, jagg.py's; it picks the lowest-noise windows, as late "
-                                  "does), early (the highest-noise first: recommended, smaller "
-                                  "error and more reward kept), late, or probe (measured)",
+    route: str = flag("velocity", "which windows --jagg-frac gives JAGG: velocity (jagg.py's free "
+                                  "score; it picks the lowest-noise windows, as late does), early "
+                                  "(the highest-noise first: smaller error and more reward kept "
+                                  "on the toy and the mini SD3), late, or probe (measured)",
                       choices=jagg_options.ROUTES)
     probe_every: int = flag(0, "every N epochs, measure JAGG's gradient against exact on one "
                                "micro-batch; 0: off", ">= 0")
@@ -304,9 +304,9 @@ def claim_out(cfg):
 
 
 # === 2. THE MODEL: every line that knows SD3. Another family (examples/diffusers_models.py has
-# Flux, Qwen-Image and Wan) replaces this block: check the folder, load, the latents' shape, the
-# scheduler's sigmas, encode (and join or pick the conditioning), decode, velocity_fn, and the
-# benchmark's transformer. ===
+# Flux, Qwen-Image, Wan and LTX-Video) replaces this block: check the folder, load, the latents'
+# shape, the scheduler's sigmas, encode (and join or pick the conditioning), decode, velocity_fn,
+# and the benchmark's transformer. ===
 def check_model(cfg):
     """--resolution resolved and checked from the model folder's json configs (no weights are
     read): a multiple of 16 (the VAE's 8x times the 2x2 patches) and within the transformer's

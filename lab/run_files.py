@@ -17,8 +17,8 @@ def load(path):
         return json.load(f)
 
 
-# The runs' files in both shapes: the kept runs' (lab/results/, made before the layout change of
-# issue 45) and today's train_toy.py's. Each reader takes either.
+# The runs' files in both shapes: the kept runs' (lab/results/, written in an older layout) and
+# today's train_toy.py's. Each reader takes either.
 def side(s, key, method):
     """A compare summary's key for one method ("exact" or "jagg"): {key: {exact, jagg}} in the
     kept runs' files (and train_sd.py's), each method's own summary in train_toy.py's."""

@@ -44,7 +44,7 @@ class Args(train_toy.Args):
     max_drift: float = arg(0.5, "--interior rollout: a forward past this drift; -1: never")
     route: str = arg("velocity", "which windows JAGG takes: velocity (the free score: lowest "
                                  "noise first, as late), early (highest noise first, fixed: "
-                                 "recommended), late, or probe (measured)")
+                                 "more reward kept at equal cost), late, or probe (measured)")
     min_cosine: float = arg(0.0, "--route probe: a window whose cosine is below this stays exact")
     # --- the probe (jagg_probe.py)
     probe_every: int = arg(0, "every N epochs and the first, JAGG's gradient against exact; 0: off")

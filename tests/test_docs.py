@@ -3,7 +3,6 @@ trainers parses with values in range, and every --flag they name exists. The lab
 checks in lab/tests/test_pages.py, with these helpers."""
 
 import glob
-import importlib.util
 import os
 import re
 import shlex
@@ -55,19 +54,13 @@ def script_commands(text, script):
     return commands
 
 
-def toy_options():
-    spec = importlib.util.spec_from_file_location("toy_options", os.path.join(ROOT, "lab", "toy_options.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def parses(script, args):
-    """Raises SystemExit unless args are the script's flags with values in their declared ranges."""
-    if script in ("train_toy.py", "toy_options.py"):
+def parses(script, args, toy_parse=None):
+    """Raises SystemExit unless args are the script's flags with values in their declared ranges.
+    toy_parse: the parser of a toy script other than train_toy.py (the lab's toy_options.py)."""
+    if script != "train_sd.py":
         import train_toy
 
-        parse = toy_options().parse_args if script == "toy_options.py" else train_toy.parse_args
+        parse = toy_parse or train_toy.parse_args
         args = [*args, "--out", os.path.join(ROOT, "runs", "never-written")]
         if "--base-ckpt" in args:  # a file the commands' script writes first
             del args[args.index("--base-ckpt") : args.index("--base-ckpt") + 2]
@@ -86,9 +79,9 @@ def parses(script, args):
         raise SystemExit(f"error: {e}")
 
 
-def check_commands(pages, script):
+def check_commands(pages, script, toy_parse=None):
     """Every script command in the pages parses (AssertionError naming the page if not); returns
-    how many there were."""
+    how many there were. toy_parse: as parses'."""
     found = 0
     for page in pages:
         with open(page) as f:
@@ -99,7 +92,7 @@ def check_commands(pages, script):
         for args in commands:
             if "--help" not in args:
                 try:
-                    parses(script, args)
+                    parses(script, args, toy_parse)
                 except SystemExit as e:
                     raise AssertionError(f"{os.path.relpath(page, ROOT)}: {script} {' '.join(args)}: {e}") from None
         found += len(commands)
@@ -123,7 +116,6 @@ def test_the_command_check_sees_bad_flags():
     for args in (["--steps", "80"], ["--window", "1"], ["--anchors", "shared"]):
         with pytest.raises(SystemExit):
             parses("train_toy.py", args)
-    parses("toy_options.py", ["--anchors", "shared"])
     pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
     for args in (["--window", "1"], ["--epochs", "0"], ["--no-such-flag"]):
         with pytest.raises(SystemExit):
@@ -148,7 +140,7 @@ def flags_of(path):
 
 
 def known_flags(lab):
-    scripts = ["train_toy.py", "train_sd.py", "lab/toy_options.py", "examples/your_model.py"]
+    scripts = ["train_toy.py", "train_sd.py", "examples/your_model.py"]
     if lab:
         scripts += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "lab", "*.py")))
     flags = set(OTHER_TOOLS) | {"--help"}

@@ -234,7 +234,7 @@ def test_routing_picks_the_most_linear_windows():
 def test_a_window_of_two_steps_never_takes_a_jagg_slot():
     """A 2-step window has no interior: JAGG saves nothing on it, so routing leaves it exact and
     jagg_frac counts the windows of 3 steps or more. T = 10, W = 4 (windows of 4, 4, 2): a share
-    of 0.34 goes to one 4-step window, 8 rows with grad, where it used to take the 2-step one (10)."""
+    of 0.34 goes to one 4-step window, 8 rows with grad, not to the 2-step one (10 rows)."""
     assert jagg.route_windows([1.0, 1.0, 1.0], [4, 4, 2], 1.0) == [True, True, False]
     assert jagg.route_windows([0.9, 0.95, 1.0], [4, 4, 2], 0.34) == [False, True, False]
     torch.manual_seed(3)

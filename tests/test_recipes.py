@@ -273,8 +273,8 @@ def test_every_flow_schedulers_sigmas_give_a_first_sde_step_of_sd3s_size(name):
         return traj.z_next[0].std().item()
 
     # The first step maps z to z (1 - eta^2 / 2) + eta eps whatever the sigmas: std
-    # sqrt(0.755^2 + 0.7^2) = 1.03. Before 6ab88df only sigma >= 1 was the first step, and
-    # UniPC's 1 - 1e-6 gave std_t = 0.7 sqrt(1e6) = 700: std 8,626 (flow_shift 3), 5,250 (5).
+    # sqrt(0.755^2 + 0.7^2) = 1.03. Were only sigma >= 1 the first step, UniPC's 1 - 1e-6 would
+    # give std_t = 0.7 sqrt(1e6) = 700: std 8,626 (flow_shift 3), 5,250 (5).
     sd3 = first_std(recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0), 10))
     assert first_std(sigmas) == pytest.approx(sd3, rel=1e-3)
     assert sd3 == pytest.approx(1.03, abs=0.03)

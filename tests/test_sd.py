@@ -133,7 +133,7 @@ def test_a_bad_flag_is_one_line_without_traceback(tmp_path):
     assert time.perf_counter() - start < 60 and os.listdir(tmp_path) == []
 
 
-# ------------------------------------------------------------------ a run's folder (issue 47)
+# ------------------------------------------------------------------ a run's folder
 
 
 WHOLE = dict(rows=[{"epoch": 0}], probe_average=None, weights={"w": torch.ones(2)}, ema=None, optimizer={})
@@ -751,7 +751,7 @@ def test_a_signal_stops_the_run_at_once_and_the_command_it_prints_goes_on(tiny, 
     assert json.load(open(out / "config.json"))["lr"] == 1e-2  # the run's flags, not the defaults
 
 
-# ------------------------------------------------------------------ a long run: the same run, or refused (issue 57)
+# ------------------------------------------------------------------ a long run: the same run, or refused
 
 
 def test_resume_with_the_folder_alone_takes_the_runs_flags(tiny, tmp_path):

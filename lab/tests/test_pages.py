@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from tests.test_docs import ROOT, check_commands, relative_links, unknown_flags
+import toy_options  # lab/ is on the path (lab/tests/conftest.py)
+from tests.test_docs import ROOT, check_commands, parses, relative_links, unknown_flags
 
 LAB_PAGES = [os.path.join(ROOT, "lab", "README.md"), *sorted(glob.glob(os.path.join(ROOT, "lab", "reports", "*.md")))]
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "lab", "*.sh")))
@@ -29,8 +30,15 @@ def test_script_commands_in_the_pages_parse(script):
     """Every train_toy.py, lab/toy_options.py and train_sd.py command of lab/'s pages and lab/*.sh
     (and lab/toy_quality.sh's modes) parses with values in range."""
     pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
-    found = check_commands(LAB_PAGES + SCRIPTS, script)
+    found = check_commands(LAB_PAGES + SCRIPTS, script, toy_options.parse_args)
     assert found >= 3, f"only {found} {script} commands found: the pattern sees nothing"
+
+
+def test_the_command_check_sees_the_options_flags():
+    """The check above would pass vacuously if toy_options' parser accepted anything."""
+    parses("toy_options.py", ["--anchors", "shared"], toy_options.parse_args)
+    with pytest.raises(SystemExit):
+        parses("toy_options.py", ["--anchors", "nowhere"], toy_options.parse_args)
 
 
 @pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: os.path.relpath(p, ROOT))

@@ -374,7 +374,7 @@ def test_compare_and_routing_read_todays_toy_compare_runs(toy_runs, capsys):
 
 
 def test_toy_pictures_draw_the_probe_from_todays_metrics(toy_runs, tmp_path):
-    """lab/toy_pictures.py (the probe pictures train_toy.py no longer draws) on a compare run: its JAGG side's."""
+    """lab/toy_pictures.py (the probe pictures, drawn apart from the demo) on a compare run: its JAGG side's."""
     from PIL import Image
 
     import toy_pictures
