@@ -1,4 +1,4 @@
-"""What a long training run needs around JAGG's gradient, and a two-minute demo does not.
+"""What a long training run needs around JAGG's gradient that a two-minute demo does not.
 
 train_sd.py uses both modules; train_toy.py uses neither; your own trainer may use grpo_step.
 - grpo_step.py: the optimizer step of a real run, over micro-batches and ranks (DDP, FSDP2),
