@@ -1037,7 +1037,7 @@ def rollout_row(epoch, cfg, rewards, broken, start, rank):
     return row
 
 
-def probe_figures(fns, params, traj, advantages, cfg, world, device):
+def probe_row(fns, params, traj, advantages, cfg, world, device):
     """The probe/ figures, the ranks' means: JAGG's gradient against exact on one micro-batch."""
     # The samples one optimizer step averages, all ranks: the probe measures JAGG's error in
     # their noise.
@@ -1179,7 +1179,7 @@ def train(cfg, stop=()):
         if cfg.probe_every and epoch % cfg.probe_every == 0:
             probe_start, idx = time.perf_counter(), perm[: cfg.train_batch].to(device)
             # (the lambda runs within this iteration: its late binding of the loop's names is safe)
-            row.update(probe_figures(
+            row.update(probe_row(
                 lambda i: velocity_fns(cond, uncond, idx[i], transformer, transformer,  # noqa: B023
                                        ref_transformer, cfg, use_bf16),
                 params, traj.subset(idx).first_steps(n_train), adv[idx], cfg, world, device))
