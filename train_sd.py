@@ -1211,19 +1211,15 @@ def train(cfg, stop=()):
                                                               loss_cfg, opts, ref_fn, probe_avg)
                 s["grad_seconds"] = time.perf_counter() - grad_start
                 stats.append(s)
-            # The optimizer step: the mean over the micro-batches and the ranks (one all-reduce),
-            # the clip, and the step, skipped on every rank alike where a loss or the gradient is
-            # not finite (a NaN would poison the weights and Adam's moments for good).
-            grpo_step.average_gradients(params, micro_batches=len(micro))
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, FIXED["max_grad_norm"]).item()
+            # The optimizer step: the gradient's mean over the micro-batches and the ranks (one
+            # all-reduce), clip_grad_norm_ to max_grad_norm, then optimizer.step(), skipped on
+            # every rank alike, with a warning, where a loss or the gradient is not finite (a NaN
+            # would poison the weights and Adam's moments for good).
             losses = [s["loss"] for s in stats[-len(micro):]]
-            finite = grpo_step.finite_on_every_rank(losses + [grad_norm], device)
-            if finite:
-                optimizer.step()
-            elif rank == 0:
-                print(f"optimizer step {step} skipped: non-finite loss ({losses}) or gradient "
-                      f"norm ({grad_norm}); parameters and optimizer state left as they were")
-            stats[-1].update(grad_norm=grad_norm, skipped=not finite)
+            done = grpo_step.optimizer_step(params, optimizer, losses, micro_batches=len(micro),
+                                            max_grad_norm=FIXED["max_grad_norm"], step=step)
+            stats[-1].update(done)  # grad_norm, skipped
+            finite = not done["skipped"]
             if ema is not None and finite and step % FIXED["ema_every"] == 0:
                 update_ema(ema, transformer, step)
             if i + 1 < len(steps) and stop_now(stop, device):  # its steps are redone on resume

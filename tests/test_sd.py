@@ -721,6 +721,28 @@ def test_broken_samples_get_no_reward_and_a_run_without_a_step_fails(tiny, tmp_p
     assert "NaN" not in (tmp_path / "none" / "summary.json").read_text()
 
 
+def test_a_non_finite_loss_skips_the_step_on_the_weights_and_the_run_says_so(tiny, tmp_path, monkeypatch):
+    """A NaN loss (as bf16 rollouts of real models give) in every micro-batch: each optimizer step is
+    skipped with a warning, the LoRA weights stay the initial ones, and the run ends in one line saying
+    no step was taken."""
+    real = jagg_options.window_gradients
+
+    def nan_loss(*args, **kwargs):
+        stats, routed = real(*args, **kwargs)
+        stats["loss"] = float("nan")
+        return stats, routed
+    monkeypatch.setattr(jagg_options, "window_gradients", nan_loss)
+    out = tmp_path / "run"
+    with pytest.warns(RuntimeWarning, match="skipped: non-finite loss"), \
+            pytest.raises(SystemExit, match="no optimizer step was taken"):
+        train_sd.main(run_args(tiny, out, "--epochs", "1"))
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert rows[-1]["train/skipped_steps"] >= 1 and rows[-1]["train/optimizer_steps"] == 0
+    weights = train_sd.read_checkpoint(out)["weights"]  # LoRA starts with B = 0; any step moves it
+    lora_b = [w for name, w in weights.items() if "lora_B" in name]
+    assert lora_b and all((w == 0).all() for w in lora_b)
+
+
 @slow
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_a_signal_stops_the_run_at_once_and_the_command_it_prints_goes_on(tiny, tmp_path, sig):
