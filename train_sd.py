@@ -137,6 +137,10 @@ class Config:
             interior=self.interior, weights=self.weights, max_graph_rows=self.max_graph_rows,
             route=self.route)
 
+    def loss_config(self):
+        """The per-step loss's knobs (jagg.LossConfig) of these flags."""
+        return jagg.LossConfig(self.noise_level, self.clip_range, self.beta)
+
     def trained_steps(self):  # the SDE window's steps, or Flow-GRPO's first int(T * fraction)
         return self.sde_window or int(self.num_steps * self.timestep_fraction)
 
@@ -1044,7 +1048,7 @@ def probe_row(fns, params, traj, advantages, cfg, world, device):
     step_batch = cfg.train_batch * world
     if cfg.steps_per_epoch:
         step_batch = max(1, cfg.prompts_per_epoch * cfg.group_size * world // cfg.steps_per_epoch)
-    loss_cfg = jagg.LossConfig(cfg.noise_level, cfg.clip_range, cfg.beta)
+    loss_cfg = cfg.loss_config()
     probe = jagg_probe.probe_segments(fns, params, traj, advantages, loss_cfg, cfg.jagg_options(),
                                       step_batch)
     figures = {}
@@ -1130,7 +1134,7 @@ def train(cfg, stop=()):
     config = write_config(cfg, params, device, use_bf16, world, rank)  # printed, and saved
     sigmas = sampling_sigmas(cfg, pipe.scheduler).to(device)  # [T+1]
     check_contract(cfg, pipe, transformer, prompts_all, sigmas, use_bf16)  # jagg's, before training
-    loss_cfg = jagg.LossConfig(cfg.noise_level, cfg.clip_range, cfg.beta)
+    loss_cfg = cfg.loss_config()
     opts, n_train = cfg.jagg_options(), cfg.trained_steps()
     eval_prompts = evaluation_prompts(cfg, prompts_all)
     evaluates = rank == 0 or cfg.fsdp  # under FSDP every rank runs the evaluation's forwards
@@ -1308,7 +1312,7 @@ def benchmark(cfg):
     traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level)
     traj = traj.first_steps(cfg.trained_steps())
     rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)  # [B]
-    loss_cfg = jagg.LossConfig(cfg.noise_level, cfg.clip_range, cfg.beta)
+    loss_cfg = cfg.loss_config()
     times = jagg_probe.time_gradients(velocity_fn, list(transformer.parameters()), traj, adv,
                                       loss_cfg, cfg.jagg_options("jagg"),
                                       velocity_fn if cfg.beta else None)
