@@ -2,13 +2,12 @@
 
     python train_sd.py --model stabilityai/stable-diffusion-3.5-medium --method jagg --window 4
     torchrun --nproc_per_node=8 train_sd.py --model DIR [--fsdp]
-    python train_sd.py --benchmark [--model DIR]       # exact vs JAGG's gradient, in one process
     python train_sd.py --method exact --out E; python train_sd.py --method jagg --out J
     python lab/compare_runs.py E J --out DIR           # JAGG against exact: reward kept, speedups
 
 The file reads in the order a run goes: 1. the flags; 2. THE MODEL, the only SD3 code (another
 family edits that block alone); 3. the rewards; 4. rollouts; 5. the run's files; 6. the training
-loop, train(), from rollout to optimizer step; 7. --benchmark; 8. the command line. An epoch is one
+loop, train(), from rollout to optimizer step; 7. the command line. An epoch is one
 rollout of --prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is
 one of its --num-steps. docs/flow_grpo.md lists what differs from Flow-GRPO's trainer.
 """
@@ -18,7 +17,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import hashlib
 import importlib
 import io
 import json
@@ -29,15 +27,13 @@ import time
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw, ImageFont
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from long_runs import grpo_step
 import jagg
 import jagg_options
 import jagg_probe
-from long_runs import run_folder
+from long_runs import checkpoint, grpo_step, run_folder
+from long_runs.checkpoint import load_weights, trainable
 from long_runs.run_folder import atomic_write, write_json
 
 # === 1. Flags: every hyperparameter in one place, printed at start and saved in config.json ===
@@ -70,8 +66,6 @@ class Config:
     seed: int = flag(0, "random seed; each rank adds its rank to the sampling seed", ">= 0")
     method: str = flag("jagg", "exact (Flow-GRPO's backward through every step) or jagg",
                        choices=["exact", "jagg"])
-    benchmark: bool = flag(False, "time exact vs JAGG in one process, write "
-                                  "--out/benchmark.json, and exit")
     epochs: int = flag(100, "GRPO epochs, each a rollout and then its optimizer steps", ">= 1")
     num_steps: int = flag(10, "T, sampling steps of a rollout (Flow-GRPO's 10)", ">= 2")
     timestep_fraction: float = flag(0.99, "train the first int(T x this) steps (Flow-GRPO's 0.99: "
@@ -154,8 +148,8 @@ class Config:
 # Flow-GRPO's settings that nothing here varies: fixed, and saved in config.json beside the flags.
 FIXED = dict(adv_clip=5.0, weight_decay=1e-4, max_grad_norm=1.0, ema_decay=0.9, ema_every=8,
              probe_decay=0.5)
-RESUMABLE = ("epochs", "eval_every", "checkpoint_every", "out", "resume", "overwrite",
-             "benchmark")  # what --resume may change
+RESUMABLE = ("epochs", "eval_every", "checkpoint_every", "out", "resume",
+             "overwrite")  # what --resume may change
 DEFAULT_PROMPTS = ["a photo of a cat sitting on a windowsill",
                    "a red bicycle leaning against a brick wall", "a bowl of ramen with chopsticks",
                    "a lighthouse on a cliff at sunset", "an astronaut riding a horse",
@@ -201,7 +195,7 @@ def validate(cfg, given=None):
     if cfg.resume and os.path.isfile(checkpoint_path(cfg.resume)) and given is not None:
         saved = read_checkpoint(cfg.resume, mmap=True)["config"]
         keep = {k: v for k, v in saved.items() if k in Config.__dataclass_fields__
-                and k not in given and k not in ("out", "resume", "overwrite", "benchmark")}
+                and k not in given and k not in ("out", "resume", "overwrite")}
         cfg = dataclasses.replace(cfg, **keep)
     floats = [(n, v) for n, v in dataclasses.asdict(cfg).items() if isinstance(v, float)]
     finite = [(math.isfinite(v), n, "a finite number") for n, v in floats]
@@ -233,7 +227,6 @@ def validate(cfg, given=None):
                                            f"{cfg.group_size}"),
         (not cfg.fsdp or "WORLD_SIZE" in os.environ,
          "--fsdp shards over torchrun's ranks: torchrun --nproc_per_node N train_sd.py --fsdp ..."),
-        (not (cfg.fsdp and cfg.benchmark), "--benchmark times one process: leave out --fsdp"),
         (not (cfg.resume and cfg.overwrite),
          "--resume continues a run, --overwrite deletes it: give one"),
         (not cfg.resume or os.path.isfile(checkpoint_path(cfg.resume)),
@@ -246,25 +239,10 @@ def validate(cfg, given=None):
         if not ok:
             fail(message)
     cfg = dataclasses.replace(cfg, out=cfg.resume or cfg.out, resolution=check_model(cfg))
-    if not cfg.benchmark:
-        load_reward(cfg.reward, check_only=True)
-        read_prompts(cfg)  # a missing, binary or empty file ends here
-    if cfg.resume:  # the checkpoint's resolved flags: any that changes what is trained is refused
-        saved = read_checkpoint(cfg.resume, mmap=True)
-        flags = dataclasses.asdict(cfg)
-        if not cfg.resolution:  # a hub id's resolution is known once it loads: the run's
-            flags["resolution"] = saved["config"]["resolution"]
-        # --model and --prompts are compared by what they hold (run_identity), not as strings
-        differ = run_folder.changed_flags(saved["config"], flags, RESUMABLE + ("model", "prompts"))
-        if differ:
-            fail(f"--resume: {', '.join(differ)}; give the run's, or leave the flag out (only "
-                 "--epochs, --eval-every, --checkpoint-every and --out may change)")
-        if cfg.epochs < saved["epoch"]:
-            fail(f"--resume: --epochs {cfg.epochs} is below the checkpoint's epoch "
-                 f"{saved['epoch']}: give --epochs >= {saved['epoch']}")
-        differ = changed_identity(saved["identity"], run_identity(cfg))
-        if differ:
-            fail(f"--resume: {differ[0]}; resuming would train another run than the one saved")
+    load_reward(cfg.reward, check_only=True)
+    read_prompts(cfg)  # a missing, binary or empty file ends here
+    if cfg.resume:
+        check_resume(cfg)
     return cfg
 
 
@@ -301,20 +279,19 @@ def claim_out(cfg):
     if os.path.isfile(checkpoint_path(cfg.out)):
         resume = f"python train_sd.py --resume {cfg.out}"
     try:
-        return run_folder.claim_folder(cfg.out, () if cfg.benchmark else run_files, cfg.resume,
-                                       cfg.overwrite, resume)
+        return run_folder.claim_folder(cfg.out, run_files, cfg.resume, cfg.overwrite, resume)
     except ValueError as e:
         fail(e)
 
 
 # === 2. THE MODEL: every line that knows SD3. Another family (examples/diffusers_models.py has
 # Flux, Qwen-Image, Wan and LTX-Video) replaces this block: check the folder, load, the latents'
-# shape, the scheduler's sigmas, encode (and join or pick the conditioning), decode, velocity_fn,
-# and the benchmark's transformer. ===
+# shape, the scheduler's sigmas, encode (and join or pick the conditioning), decode and
+# velocity_fn. ===
 def check_model(cfg):
     """--resolution resolved and checked from the model folder's json configs (no weights are
     read): a multiple of 16 (the VAE's 8x times the 2x2 patches) and within the transformer's
-    position embedding (not for --benchmark, which builds a transformer of its own). A hub id:
+    position embedding. A hub id:
     --resolution as given, resolved once loaded."""
     if cfg.resolution % 16 != 0 or cfg.resolution < 0:
         fail(f"--resolution must be 0 or a multiple of 16 (the VAE's 8x times the 2x2 patches), "
@@ -330,8 +307,6 @@ def check_model(cfg):
             or index["transformer"][0] is None:
         fail(f"--model {cfg.model!r} has no transformer in model_index.json: pass a "
              "StableDiffusion3Pipeline folder")
-    if cfg.benchmark and cfg.resolution:
-        return cfg.resolution
     tc = read_json(os.path.join(path, "transformer", "config.json"))
     if tc.get("_class_name", "SD3Transformer2DModel") != "SD3Transformer2DModel":
         fail(f"--model {cfg.model!r} holds a {tc['_class_name']}: train_sd.py trains an SD3 "
@@ -471,12 +446,12 @@ def decode(pipe, latents):
     return pil
 
 
-def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond_grad=False):
+def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16):
     """velocity_fn(z [S, B, C, H, W], t [S, B]) -> v [S, B, C, H, W] with classifier-free
     guidance; cond, uncond: (prompt_embeds [B, L, E], pooled [B, P]), repeated as a block per
-    step. The unconditional branch runs without graph as Flow-GRPO's current trainer (the
-    gradient through s * v_c alone); uncond_grad: with graph, as its first release (the exact
-    derivative s J_c - (s - 1) J_u)."""
+    step. The unconditional branch runs without graph as in Flow-GRPO's current trainer: the
+    gradient flows through s * v_c alone (its first release kept both branches' graphs, the
+    exact derivative s J_c - (s - 1) J_u, for twice the backward)."""
     def velocity_fn(z, t):
         S, x = t.shape[0], z.flatten(0, 1)  # x: [S*B, C, H, W], step-major
         timestep = (t.flatten() * 1000).to(x.dtype)  # SD3's timesteps are sigma * 1000
@@ -489,7 +464,7 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16, uncond
                             pooled_projections=cond[1].repeat(S, 1),
                             return_dict=False)[0]  # [S*B, C, H, W]
             if guidance_scale > 1:
-                with contextlib.nullcontext() if uncond_grad else torch.no_grad():
+                with torch.no_grad():
                     v_u = transformer(hidden_states=x, timestep=timestep,
                                       encoder_hidden_states=uncond[0].repeat(S, 1, 1),
                                       pooled_projections=uncond[1].repeat(S, 1),
@@ -540,46 +515,6 @@ def check_contract(cfg, pipe, transformer, prompts, sigmas, use_bf16):
         fail(f"--model {cfg.model!r} fails jagg's velocity_fn contract on the first prompts: {e}")
 
 
-# --benchmark's transformers without weights: SD3.5-medium's (2.24B parameters) on a GPU, on a
-# CPU a reduced one of its kind (7.8M) that 2 cores time in minutes; or --model's folder's shape.
-SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
-                   attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
-                   caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
-                   pos_embed_max_size=384, dual_attention_layers=tuple(range(13)),
-                   qk_norm="rms_norm")
-SD3_CPU = dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32,
-               num_attention_heads=6, joint_attention_dim=192, caption_projection_dim=192,
-               pooled_projection_dim=192, pos_embed_max_size=32, dual_attention_layers=(),
-               qk_norm=None)
-
-
-def benchmark_model(cfg, device, batch):
-    """--benchmark's (transformer, name, cond, uncond, latent shape, scheduler): random weights of
-    --model's folder's shape, else SD3.5-medium's on a GPU or SD3_CPU; random embeddings."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    gpu, local = device.type == "cuda", os.path.isdir(os.path.expanduser(cfg.model))
-    if local:
-        path = os.path.expanduser(cfg.model)
-        config = SD3Transformer2DModel.load_config(path, subfolder="transformer")
-        name = cfg.model
-    else:
-        config = SD35_MEDIUM if gpu else SD3_CPU
-        name = "SD3.5-medium" if gpu else "SD3 reduced for a CPU"
-    with torch.device(device):  # initialised where it runs: 2.24B parameters take seconds on a GPU
-        transformer = SD3Transformer2DModel.from_config(config)
-    transformer = transformer.to(dtype=torch.bfloat16 if gpu else torch.float32)
-    if cfg.lora_rank:
-        add_lora(transformer, cfg.lora_rank)
-    if cfg.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    tc = transformer.config
-    h = (cfg.resolution or min(512, tc.sample_size * 8)) // 8  # the latents' side
-    cond, uncond = [(torch.randn(batch, 77, tc.joint_attention_dim, device=device),  # [B, L, E]
-                     torch.randn(batch, tc.pooled_projection_dim, device=device))  # [B, P]
-                    for _ in range(2)]
-    tokens = (h // tc.patch_size) ** 2 + 77
-    return transformer, name, cond, uncond, (tc.in_channels, h, h), tokens, \
-        FlowMatchEulerDiscreteScheduler(shift=3.0)
 # ================================ end of the model block ================================
 
 
@@ -789,11 +724,13 @@ def evaluation_prompts(cfg, prompts_all):
     return [prompts_all[i % len(prompts_all)] for i in range(cfg.eval_samples)]  # in order, cycled
 
 
-def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
-                    noise_seed=None, name="the reward"):
-    """(images, rewards [N]) of the prompts, each with its own noise, fixed by --seed (or by
-    noise_seed)."""
-    seed = cfg.seed + 12345 if noise_seed is None else noise_seed
+def evaluation_seed(cfg):  # the evaluation's noise: the same at every evaluation, fixed by --seed
+    return cfg.seed + 12345
+
+
+def draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16, seed,
+                    name="the reward"):
+    """(images, rewards [N]) of the prompts, each with its own noise drawn from seed."""
     g = torch.Generator(device=sigmas.device).manual_seed(seed)
     images = sample(pipe, transformer, prompts, cfg, sigmas, g, use_bf16)[3]
     return images, rewards_of(reward_fn, images, prompts, name)
@@ -818,7 +755,7 @@ def evaluate(epoch, cfg, pipe, transformer, ema, prompts, sigmas, reward_fn, use
         trained = {n: p.detach().clone() for n, p in trainable(transformer).items()}
         load_weights(transformer, ema)
     images, rewards = draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn,
-                                      use_bf16, name=cfg.reward)
+                                      use_bf16, evaluation_seed(cfg), cfg.reward)
     if ema is not None:
         load_weights(transformer, trained)
     figures = {}
@@ -842,91 +779,18 @@ def evaluate(epoch, cfg, pipe, transformer, ema, prompts, sigmas, reward_fn, use
     return figures
 
 
-# === 5. Files: the trained weights, and one checkpoint file OUT/checkpoint.pt, whole or ignored ===
-def trainable(transformer):
-    return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-
-
+# === 5. Files: the trained weights for users, and one checkpoint OUT/checkpoint.pt, whole or
+# ignored (long_runs/checkpoint.py gathers FSDP's shards and checks a resumed run is this one) ===
 def weights_path(folder, lora_rank):  # the trained weights (the EMA if kept), for users
     return os.path.join(folder, "lora.safetensors" if lora_rank else "transformer.safetensors")
-
-
-def load_weights(transformer, weights):
-    """Copy saved whole tensors {name: tensor} into the trainable parameters (sharded like them
-    under FSDP)."""
-    params = trainable(transformer)
-    if params.keys() != weights.keys():
-        raise ValueError(f"{len(weights)} saved weights for {len(params)} trainable parameters: "
-                         "the same --lora-rank?")
-    with torch.no_grad():
-        for n, w in weights.items():
-            params[n].copy_(as_param(w, params[n]))
-
-
-def as_param(w, p):  # a whole tensor laid out as the parameter p: its device, dtype and sharding
-    w = w.to(p.device, p.dtype)
-    return distribute_tensor(w, p.device_mesh, p.placements) if isinstance(p, DTensor) else w
 
 
 def checkpoint_path(run):
     return os.path.join(run, "checkpoint.pt")
 
 
-def model_identity(model):
-    """A model folder by what it holds, not by the string typed: its resolved path and a hash of its
-    json files (model_index, configs, the tokenizers') and of its weight files' names and sizes.
-    A hub id: the id itself (resolved only once it loads)."""
-    path = os.path.expanduser(model)
-    if not os.path.isdir(path):
-        return {"path": model, "hash": None}
-    digest = hashlib.sha256()
-    for folder, _, files in sorted(os.walk(path)):
-        for name in sorted(files):
-            file = os.path.join(folder, name)
-            digest.update(os.path.relpath(file, path).encode())
-            if name.endswith(".json"):
-                with open(file, "rb") as f:
-                    digest.update(f.read())
-            else:  # weights and the rest: their size (reading gigabytes would take minutes)
-                digest.update(str(os.path.getsize(file)).encode())
-    return {"path": os.path.realpath(path), "hash": digest.hexdigest()}
-
-
-def run_identity(cfg):
-    """What makes a run the run it is beyond its flags, saved in its checkpoint and compared on
-    resume: the number of processes (a group's samples span the ranks, so another count trains
-    another run), the model (model_identity), the prompts (a hash of the list) and FIXED."""
-    prompts = hashlib.sha256(json.dumps(read_prompts(cfg)).encode()).hexdigest()
-    return {"processes": int(os.environ.get("WORLD_SIZE", 1)), "model": model_identity(cfg.model),
-            "prompts": prompts, "fixed": dict(FIXED)}
-
-
-def changed_identity(saved, now):
-    """Why a resumed run would not be the saved run: one text per difference; empty when none."""
-    out = []
-    if saved["processes"] != now["processes"]:
-        how = f"torchrun --nproc_per_node {saved['processes']}"
-        if saved["processes"] == 1:
-            how = "one process, without torchrun"
-        out.append(f"the run trained on {saved['processes']} process(es) and this one has "
-                   f"{now['processes']}: resume it with {how}")
-    if saved["model"]["hash"] != now["model"]["hash"] or (
-            saved["model"]["hash"] is None and saved["model"]["path"] != now["model"]["path"]):
-        out.append(f"--model is {now['model']['path']}, not the model the run trained "
-                   f"({saved['model']['path']}): give that one")
-    if saved["prompts"] != now["prompts"]:
-        out.append("the prompts are not the run's (its --prompts file changed, or it is another "
-                   "one): restore the run's")
-    for key in sorted(set(saved["fixed"]) | set(now["fixed"])):
-        if saved["fixed"].get(key) != now["fixed"].get(key):
-            out.append(f"train_sd.py's FIXED {key} is {now['fixed'].get(key)}, the run's "
-                       f"{saved['fixed'].get(key)}: restore it")
-    return out
-
-
-def whole(tensors):  # {name: tensor} gathered whole (FSDP's shards), in fp32 on the CPU
-    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
-            .contiguous() for n, t in tensors.items()}
+def run_identity(cfg):  # checkpoint.run_identity of this run: compared on --resume
+    return checkpoint.run_identity(cfg.model, read_prompts(cfg), FIXED)
 
 
 def save_weights(out, state, lora_rank):
@@ -941,12 +805,9 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe
     """Every rank gathers the state (FSDP's shards); rank 0 writes the weights, then the checkpoint
     as one file, each atomically. The checkpoint comes last: a kill or a full disk between the two
     leaves the older checkpoint, which a resumed run trains on from (its weights rewritten), never
-    a checkpoint newer than its weights. Tensors and plain data only, so that it is read with
-    weights_only; the optimizer state keyed by name."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    a checkpoint newer than its weights."""
     state = dict(epoch=epoch, config=config, rows=rows, probe_average=probe_average,
-                 weights=whole(trainable(transformer)), ema=ema and whole(ema), identity=identity,
-                 optimizer=get_optimizer_state_dict(transformer, optimizer, options=options))
+                 identity=identity, **checkpoint.gather_state(transformer, optimizer, ema))
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_weights(out, state, config["lora_rank"])
         atomic_write(checkpoint_path(out), lambda f: torch.save(state, f), "wb")
@@ -955,9 +816,29 @@ def save_checkpoint(out, transformer, optimizer, ema, epoch, rows, config, probe
 def read_checkpoint(run, mmap=False):  # save_checkpoint's dict, or one line naming it
     keys = ("epoch", "config", "rows", "probe_average", "weights", "ema", "optimizer", "identity")
     try:
-        return run_folder.read_checkpoint(checkpoint_path(run), keys, "train_sd.py", mmap)
+        return checkpoint.read(checkpoint_path(run), keys, "train_sd.py", mmap)
     except ValueError as e:
         fail(e)
+
+
+def check_resume(cfg):
+    """--resume's run is the run these flags would train: its resolved flags (any that changes
+    what is trained is refused), its epochs, and its identity (processes, model, prompts, FIXED)."""
+    saved = read_checkpoint(cfg.resume, mmap=True)
+    flags = dataclasses.asdict(cfg)
+    if not cfg.resolution:  # a hub id's resolution is known once it loads: the run's
+        flags["resolution"] = saved["config"]["resolution"]
+    # --model and --prompts are compared by what they hold (run_identity), not as strings
+    differ = checkpoint.changed_flags(saved["config"], flags, RESUMABLE + ("model", "prompts"))
+    if differ:
+        fail(f"--resume: {', '.join(differ)}; give the run's, or leave the flag out (only "
+             "--epochs, --eval-every, --checkpoint-every and --out may change)")
+    if cfg.epochs < saved["epoch"]:
+        fail(f"--resume: --epochs {cfg.epochs} is below the checkpoint's epoch "
+             f"{saved['epoch']}: give --epochs >= {saved['epoch']}")
+    differ = checkpoint.changed_identity(saved["identity"], run_identity(cfg), "train_sd.py")
+    if differ:
+        fail(f"--resume: {differ[0]}; resuming would train another run than the one saved")
 
 
 # === 6. Training: the run's setup, the loop from rollout to optimizer step, the summary ===
@@ -1003,11 +884,7 @@ def resume_run(cfg, transformer, optimizer, ema, rank):
         return 0, [], None, ema
     # where the run stopped: weights, optimizer state, EMA, rows, probe average
     ckpt = read_checkpoint(cfg.resume)
-    load_weights(transformer, ckpt["weights"])
-    set_optimizer_state_dict(transformer, optimizer, ckpt["optimizer"],
-                             options=StateDictOptions(full_state_dict=True))
-    if ema is not None:
-        ema = {n: as_param(ckpt["ema"][n], p) for n, p in trainable(transformer).items()}
+    ema = checkpoint.load_state(transformer, optimizer, ckpt, ema)
     if rank == 0:  # the weights file is the checkpoint's, whatever a kill left there
         save_weights(cfg.out, ckpt, cfg.lora_rank)
     return ckpt["epoch"], ckpt["rows"], ckpt["probe_average"], ema
@@ -1297,47 +1174,7 @@ def finish_run(cfg, rows, rank):
     return summary
 
 
-# === 7. --benchmark: exact vs JAGG timed in one process (lab/sd_benchmark.py: every mode) ===
-def benchmark(cfg):
-    """Exact vs the flags' JAGG mode, one training step's gradient each, on a random transformer
-    (benchmark_model: the timing does not depend on the weights); medians of interleaved
-    repeats."""
-    device, B = pick_device(), cfg.train_batch
-    torch.manual_seed(cfg.seed)
-    transformer, name, cond, uncond, shape, tokens, scheduler = benchmark_model(cfg, device, B)
-    gpu = device.type == "cuda"  # bf16 autocast there, as training
-    velocity_fn = make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, gpu)
-    sigmas = sampling_sigmas(cfg, scheduler).to(device)  # [T+1]
-    start, noise = time.perf_counter(), torch.randn(B, *shape, device=device)  # [B, C, h, w]
-    traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level)
-    traj = traj.first_steps(cfg.trained_steps())
-    rollout_s, adv = time.perf_counter() - start, torch.randn(B, device=device)  # [B]
-    loss_cfg = cfg.loss_config()
-    times = jagg_probe.time_gradients(velocity_fn, list(transformer.parameters()), traj, adv,
-                                      loss_cfg, cfg.jagg_options("jagg"),
-                                      velocity_fn if cfg.beta else None)
-    exact, jagg_time = times["exact"], times["jagg"]
-    result = {"model": name, "batch": B, "window": cfg.window,
-              "device": torch.cuda.get_device_name(device) if gpu else "cpu",
-              "mode": cfg.jagg_options().mode_name("jagg"), "trained_steps": cfg.trained_steps(),
-              "rows": {m: times[m]["grad_rows"] for m in times},
-              "exact_backward_s": exact["backward_s"], "jagg_backward_s": jagg_time["backward_s"],
-              "exact_step_s": exact["step_s"], "jagg_step_s": jagg_time["step_s"],
-              "rollout_s": rollout_s,
-              "backward_speedup": exact["backward_s"] / jagg_time["backward_s"],
-              "step_speedup": exact["step_s"] / jagg_time["step_s"],
-              "epoch_speedup": (rollout_s + exact["step_s"]) / (rollout_s + jagg_time["step_s"]),
-              "tokens": tokens, "params": sum(p.numel() for p in transformer.parameters())}
-    print(f"{name} ({result['params'] / 1e6:.1f}M parameters, {result['device']}, B = {B}), "
-          f"{result['mode']} at W = {cfg.window}: backward {result['backward_speedup']:.2f}x "
-          f"faster than exact ({exact['backward_s']:.3f} s -> {jagg_time['backward_s']:.3f} s), "
-          f"the step {result['step_speedup']:.2f}x, an epoch {result['epoch_speedup']:.2f}x")
-    write_json(os.path.join(cfg.out, "benchmark.json"),
-               {"config": dataclasses.asdict(cfg), "result": result})
-    return result
-
-
-# === 8. The command line. Ctrl-C, SIGTERM, SIGHUP stop every rank at its next optimizer step ===
+# === 7. The command line. Ctrl-C, SIGTERM, SIGHUP stop every rank at its next optimizer step ===
 def main(argv=None):
     cfg = validate(parse(argv), given_flags(argv))
     lock = claim_out(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
@@ -1351,8 +1188,6 @@ def main(argv=None):
         return "start again with the same command and --overwrite"
     try:
         with run_folder.stop_on_signals() as stop:
-            if cfg.benchmark:
-                return benchmark(cfg)
             rows, summary = train(cfg, stop)
     except run_folder.WriteError as e:  # a full disk, say: the last checkpoint stands
         fail(f"{e}: free space, then {go_on()}")

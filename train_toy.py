@@ -59,16 +59,19 @@ class Args:
     pretrain_steps: int = arg(2000, "flow-matching steps to pretrain the base model")
 
 
-def parse_args(argv=None, cls=Args, description=__doc__):
-    """cls (Args, or a dataclass that extends it) from the command line, one --flag per field. A
-    bad value of Args' fields stops here in one line naming it, before any work."""
-    parser = argparse.ArgumentParser(description=description.split("\n")[0],
+def parse_args(argv=None):
+    """Args from the command line, one --flag per field; a bad value stops here (check_args)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in fields(cls):
-        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
+    for f in fields(Args):
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default,
-                            help=f.metadata["help"], **kind)
-    a = cls(**vars(parser.parse_args(argv)))
+                            help=f.metadata["help"], type=f.type)
+    return check_args(Args(**vars(parser.parse_args(argv))))
+
+
+def check_args(a):
+    """a itself, or a stop in one line naming the first bad value and what it must be, before any
+    work."""
     finite = all(math.isfinite(getattr(a, f.name)) for f in fields(a) if f.type is float)
     rules = [  # (flag, holds, what it must be)
         ("method", a.method in ("exact", "jagg", "compare"), "exact, jagg or compare"),
@@ -209,15 +212,13 @@ def train(args, base, method):
 
 
 def compare(args, exact, jagg_run):
-    """--method compare's summary.json, written into --out: JAGG's share of exact's reward gain,
-    exact's rows with grad and seconds over JAGG's, and both summaries."""
-    c = {"method": "compare", "mode": jagg_run.get("mode", "jagg"), "exact": exact, "jagg": jagg_run,
-         "config": asdict(args),
+    """--method compare's summary: JAGG's share of exact's reward gain, exact's rows with grad and
+    seconds over JAGG's, and both summaries."""
+    c = {"method": "compare", "exact": exact, "jagg": jagg_run, "config": asdict(args),
          "reward_gain_ratio": jagg_run["reward_gain"] / exact["reward_gain"] if exact["reward_gain"]
          else None, "grad_rows_ratio": exact["grad_rows"] / jagg_run["grad_rows"],
          "grad_speedup": exact["grad_seconds"] / jagg_run["grad_seconds"],
          "train_speedup": exact["train_seconds"] / jagg_run["train_seconds"]}
-    save_json(os.path.join(args.out, "summary.json"), c)
     return c
 
 
@@ -312,6 +313,7 @@ def main(argv=None):
         save(os.path.join(args.out, name), lambda f: picture.save(f, format="PNG"), "wb")
     if args.method == "compare":
         c = compare(args, summaries["exact"], summaries["jagg"])
+        save_json(os.path.join(args.out, "summary.json"), c)
         print(f"JAGG kept {100 * (c['reward_gain_ratio'] or 0):.0f} % of exact GRPO's reward gain; "
               f"{c['grad_rows_ratio']:.2f}x fewer rows with grad, gradients "
               f"{c['grad_speedup']:.1f}x faster, training {c['train_speedup']:.1f}x (rollouts included)")

@@ -118,7 +118,8 @@ def draw_samples(args, ex, jg):
             512, transformer.config.sample_size * pipe.vae_scale_factor))
         prompts = train_sd.evaluation_prompts(cfg, train_sd.read_prompts(cfg))
         images, rewards = train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas,
-                                                   train_sd.load_reward(cfg.reward), use_bf16)
+                                                   train_sd.load_reward(cfg.reward), use_bf16,
+                                                   train_sd.evaluation_seed(cfg))
         epoch, recorded = summary["eval_curve"][-1 if trained else 0]
         if abs(rewards.mean().item() - recorded) > 1e-4:
             print(f"note: {name}'s redrawn evaluation scores {rewards.mean().item():.4f}, the run recorded "

@@ -79,7 +79,7 @@ def main(argv=None):
         means, strict = list(old.get("draws", [])), list(old.get("strict_draws", []))
         for k in range(len(means), args.draws):
             images, rewards = train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
-                                                       noise_seed=args.noise_seed + k)
+                                                       args.noise_seed + k)
             means.append(rewards.mean().item())
             if hasattr(reward_fn, "eval_metrics"):  # the GenEval-like reward's strict accuracy
                 strict.append(reward_fn.eval_metrics(images, prompts)["strict"])

@@ -8,7 +8,7 @@
 #   lora_ckpt  the same with gradient checkpointing (train_sd.py's training default), W = 4
 # and on a machine with more than one GPU, FSDP over all of them (lab/fsdp_memory.py).
 #
-#   lab/gpu_benchmark.sh [OUT] [more train_sd.py flags]    # writes OUT/<config>_w<W> (default runs/gpu_bench)
+#   lab/gpu_benchmark.sh [OUT] [more lab/sd_benchmark.py flags]    # writes OUT/<config>_w<W> (default runs/gpu_bench)
 #   lab/gpu_benchmark.sh /tmp/b --size tiny --device cpu   # the same script, tested on a CPU
 #
 # A machine without diffusers (e.g. a lent GPU with no network): put its wheels in .whl/ first,
@@ -37,8 +37,6 @@ bench full 4 "$@"
 bench full 8 "$@"
 bench lora 4 --train lora --lora-rank 32 --batch 9 "$@"
 bench lora_ckpt 4 --train lora --lora-rank 32 --batch 9 --checkpointing "$@"
-echo "=== train_sd.py --benchmark (the user's card: the flags' mode against exact, in one process)"
-python3 train_sd.py --benchmark --lora-rank 0 --no-gradient-checkpointing --window 4 --out "$out/card"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -gt 1 ]; then  # FSDP: per-GPU state and each mode's activations, on every GPU of the machine
   echo "=== FSDP, $gpus GPUs"

@@ -101,12 +101,27 @@ def policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args):
             "advantage_weighted_log_ratio": want, "grad_norm": stats["grad_norm"], "trained_params": sum(p.numel() for p in params)}
 
 
+def both_branches_velocity_fn(transformer, cond, uncond, scale):
+    """train_sd.make_velocity_fn (fp32) with graph through both guidance branches, as Flow-GRPO's
+    first release: the exact derivative s J_c - (s - 1) J_u of the guided velocity."""
+    def velocity_fn(z, t):
+        S, x = t.shape[0], z.flatten(0, 1)  # [S*B, C, H, W]
+
+        def branch(c):
+            return transformer(hidden_states=x, timestep=(t.flatten() * 1000).to(x.dtype),
+                               encoder_hidden_states=c[0].repeat(S, 1, 1), pooled_projections=c[1].repeat(S, 1),
+                               return_dict=False)[0]
+        v_u = branch(uncond)
+        return (v_u + scale * (branch(cond) - v_u)).reshape(z.shape)
+    return velocity_fn
+
+
 def pathwise_darkness_gradient(pipe, transformer, params, cfg, prompts, g):
     """The gradient of the batch's mean darkness by differentiating through the sampler and the VAE
     decoder (the reparameterised SDE: fixed noise, the states a function of the parameters). An
     estimate of the same gradient GRPO's score-function estimate targets, with far less noise."""
     cond, uncond = train_sd.encode(pipe, prompts, "cpu")
-    fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, uncond_grad=True)
+    fn = both_branches_velocity_fn(transformer, cond, uncond, cfg.guidance_scale)
     sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler)
     C, h = pipe.transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
     z = torch.randn(len(prompts), C, h, h, generator=g)  # [B, C, h, w]
@@ -132,7 +147,7 @@ def direction(pipe, transformer, cfg, prompts_all, reward_fn, args):
         path.append(pathwise_darkness_gradient(pipe, transformer, params, cfg, [prompts_all[i] for i in ids.tolist()], g))
         ids, prompts, traj, cond, uncond, images = rollouts(pipe, transformer, cfg, prompts_all, args, g)
         adv = jagg.group_advantages(reward_fn(images, prompts), ids)
-        fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, uncond_grad=True)
+        fn = both_branches_velocity_fn(transformer, cond, uncond, cfg.guidance_scale)
         for p in params:
             p.grad = None
         jagg_options.window_gradients(fn, traj, adv, loss_cfg, cfg.jagg_options("exact"))

@@ -1,5 +1,5 @@
 """Every training mode of the SD3 transformer timed and weighed: the tables of lab/reports/benchmarks.md and
-lab/reports/sde_window.md (train_sd.py --benchmark times the flags' one mode against exact; this times them all).
+lab/reports/sde_window.md, and the command that times JAGG against exact on your GPU.
 
     python lab/sd_benchmark.py --window 4                                   # the reduced SD3 on a CPU
     python lab/sd_benchmark.py --size sd35-medium --resolution 512 --window 4 --max-graph-rows 2   # on a GPU
@@ -63,9 +63,17 @@ class BenchConfig:
         return int(self.num_steps * self.timestep_fraction)
 
 
+# Transformers without weights (the timing does not depend on them): SD3.5-medium's on a GPU, on a CPU a
+# reduced one of its kind that 2 cores time in minutes.
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
 SD3_CONFIGS = {
-    "sd35-medium": train_sd.SD35_MEDIUM,  # SD3.5-medium's transformer (MMDiT-X, 2.24B parameters)
-    "cpu": train_sd.SD3_CPU,  # a reduced SD3 transformer (7.8M parameters) that a 2-core CPU times in minutes
+    "sd35-medium": SD35_MEDIUM,  # SD3.5-medium's transformer (MMDiT-X, 2.24B parameters)
+    "cpu": dict(SD35_MEDIUM, sample_size=32, num_layers=6, attention_head_dim=32, num_attention_heads=6,
+                joint_attention_dim=192, caption_projection_dim=192, pooled_projection_dim=192,
+                pos_embed_max_size=32, dual_attention_layers=(), qk_norm=None),  # 7.8M parameters
     # For tests only.
     "tiny": dict(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,

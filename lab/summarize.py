@@ -2,9 +2,9 @@
 
     python lab/summarize.py compare runs/toy runs/toy_seed1 ...          # train_toy.py / train_sd.py compare runs
     python lab/summarize.py routing --exact runs/toy,runs/toy_seed1 runs/route_probe_seed0 ...
-    python lab/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # train_sd.py --benchmark
+    python lab/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # lab/sd_benchmark.py's
     python lab/summarize.py toybench runs/toy_bench/benchmark.json       # lab/toy_benchmark.py
-    python lab/summarize.py settings runs/bench_full runs/bench_lora ...  # train_sd.py benchmarks side by side
+    python lab/summarize.py settings runs/bench_full runs/bench_lora ...  # lab/sd_benchmark.py's side by side
     python lab/summarize.py curves runs/a runs/b ... [--last 3] [--png F] # single runs: their evaluation curves
     python lab/summarize.py gains runs/mini_geneval/paper_seed*/exact     # one method over seeds: does it raise the reward
     python lab/summarize.py paired runs/noise_seed*.json                  # lab/eval_noise.py's draws: the spread's sources
@@ -139,7 +139,7 @@ def training_step_rows(r, scale, unit, setting=None):
 
 
 def bench(files):
-    """train_sd.py's training-step table, one benchmark.json per configuration and W: what is
+    """lab/sd_benchmark.py's training-step table, one benchmark.json per configuration and W: what is
     trained, checkpointing and B; saved activations and peak memory where measured."""
     results = [load(path) for path in files]
     results = [r.get("result", r) for r in results]
@@ -155,7 +155,7 @@ def bench(files):
 
 
 def settings(files):
-    """Several train_sd.py benchmarks of one W side by side, one column per setting (what is
+    """Several lab/sd_benchmark.py runs of one W side by side, one column per setting (what is
     trained, checkpointing, B): each mode's training-step speedup over exact and its saved activations."""
     results = [r.get("result", r) for r in (load(path) for path in files)]
     names = [("full" if r.get("train", "full") == "full" else f"LoRA r{r.get('lora_rank')}")

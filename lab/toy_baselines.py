@@ -33,7 +33,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 import train_sd  # noqa: E402
-import train_toy  # noqa: E402
 from train_toy import arg  # noqa: E402
 
 import toy_options  # noqa: E402  (this file's folder, lab/, is on the path)
@@ -51,7 +50,7 @@ class Args(toy_options.Args):
 def parse_args(argv=None):
     """Args from the command line: train_toy.py's and lab/toy_options.py's flags, and the
     baseline's; a bad value stops here in one line naming it."""
-    args = train_toy.parse_args(argv, Args, __doc__)
+    args = toy_options.parse_args(argv, Args, __doc__)
     T, K, W = args.num_steps, args.trained_steps, args.window
     rules = [("baseline", args.baseline in BASELINES, "one of " + ", ".join(BASELINES)),
              ("trained_steps", 1 <= K <= T, f"in [1, --num-steps {T}]"),

@@ -15,12 +15,13 @@ baselines (lab/toy_baselines.py) replace the gradient or the rollout through tra
 routing per window (lab/toy_pictures.py draws them).
 """
 
+import argparse
 import copy
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -62,9 +63,16 @@ def jagg_opts(args, method):
         route=args.route, min_cosine=args.min_cosine)
 
 
-def parse_args(argv=None):
-    """Args from the command line; a bad value stops here in one line naming its flag."""
-    args = train_toy.parse_args(argv, Args, __doc__)
+def parse_args(argv=None, cls=Args, description=__doc__):
+    """cls (Args, or a dataclass that extends it) from the command line, one --flag per field, as
+    train_toy.parse_args; a bad value stops here in one line naming its flag."""
+    parser = argparse.ArgumentParser(description=description.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(cls):
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+                            help=f.metadata["help"], **kind)
+    args = train_toy.check_args(cls(**vars(parser.parse_args(argv))))
     rules = [("max_graph_rows", args.max_graph_rows >= 0, ">= 0 (0: no bound)"),
              ("max_drift", args.max_drift >= 0 or args.max_drift == -1, ">= 0, or -1 (never)"),
              ("probe_every", args.probe_every >= 0, ">= 0"),
@@ -210,6 +218,8 @@ def run(args, gradient=None, rollout=None, mode=None):
             print(f"[{s['mode']}] probe, window {i}: cosine {c:.2f}, error/noise {e:.2f}")
     if args.method == "compare":
         c = train_toy.compare(args, summaries["exact"], summaries["jagg"])
+        c["mode"] = summaries["jagg"]["mode"]
+        run_folder.write_json(os.path.join(args.out, "summary.json"), c)
         print(f"{summaries['jagg']['mode']} kept {100 * (c['reward_gain_ratio'] or 0):.0f} % of "
               f"exact GRPO's reward gain with {c['grad_rows_ratio']:.2f}x fewer rows with grad")
     return summaries

@@ -7,8 +7,6 @@ and exits before any work.
   folder holding another run is refused.
 - atomic_write, write_json: a file is written beside its place and renamed over it, so a reader
   or a killed run sees the old file or the new one, never half of one.
-- read_checkpoint, changed_flags: a checkpoint is read safely (weights_only) and a resumed run
-  must be the run that was saved.
 - stop_on_signals: Ctrl-C, SIGTERM (a cluster's preemption) and SIGHUP (a closed terminal) end
   the run at a point where it can stop cleanly.
 """
@@ -22,7 +20,6 @@ import signal
 import sys
 import tempfile
 
-import torch
 
 
 class WriteError(OSError):
@@ -125,32 +122,6 @@ def release(lock):
     lock.seek(0)
     lock.truncate()
     lock.close()
-
-
-def read_checkpoint(path, keys, owner, mmap=False):
-    """owner's checkpoint, a dict of tensors and plain data, read safely (weights_only), or one
-    line naming it when it is cut, foreign, or lacks one of keys."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        missing = set(keys) - set(ckpt if isinstance(ckpt, dict) else ())
-        if missing:
-            raise ValueError(f"it has no {', '.join(sorted(missing))}")
-    except Exception as e:
-        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        if "Weights only load failed" in str(e):  # torch's advice to unpickle it would run its code
-            why = "it holds more than tensors and plain data: not ours, or tampered with"
-        raise ValueError(f"cannot resume: {path} is not a whole {owner} checkpoint "
-                         f"({type(e).__name__}: {why}); the run cannot go on from it: start it "
-                         "again in another --out, or here with --overwrite (which deletes its "
-                         "files)") from None
-    return ckpt
-
-
-def changed_flags(saved, flags, may_change=()):
-    """Why resuming with flags (a dict) would train another run than the saved flags did: one text
-    per flag not in may_change whose value differs; empty when none does."""
-    return [f"--{k.replace('_', '-')} {flags[k]} differs from the run's {v}"
-            for k, v in saved.items() if k in flags and k not in may_change and flags[k] != v]
 
 
 @contextlib.contextmanager

@@ -140,7 +140,7 @@ def test_compare_runs_and_redrawn_evaluations(tiny_build, tmp_path, capsys, monk
     assert len(exact["draws"]) == 2 and json.load(open(tmp_path / "noise.json"))["models"][1]["draws"] == exact["draws"]
     # 3 draws asked of a file holding 2: only the third is drawn, equal to a fresh 3-draw run's
     calls, real_draw = [], train_sd.draw_evaluation
-    monkeypatch.setattr(train_sd, "draw_evaluation", lambda *a, **k: calls.append(k["noise_seed"]) or real_draw(*a, **k))
+    monkeypatch.setattr(train_sd, "draw_evaluation", lambda *a, **k: calls.append(a[7]) or real_draw(*a, **k))
     _, grown = eval_noise.main([str(out / "exact"), "--draws", "3", "--out", str(tmp_path / "noise.json")])
     monkeypatch.undo()
     assert calls == [eval_noise.NOISE_SEED + 2] * 2 and grown["draws"][:2] == exact["draws"]
@@ -149,7 +149,7 @@ def test_compare_runs_and_redrawn_evaluations(tiny_build, tmp_path, capsys, monk
     _, cfg, (pipe, transformer, sigmas, bf16) = compare_runs.load_run(str(out / "exact"))
     prompts = train_sd.evaluation_prompts(cfg, train_sd.read_prompts(cfg))
     draws = [train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, lambda ims, ps: [0.0] * len(ims), bf16,
-                                      seed)[0] for seed in (None, eval_noise.NOISE_SEED, eval_noise.NOISE_SEED + 1)]
+                                      seed)[0] for seed in (train_sd.evaluation_seed(cfg), eval_noise.NOISE_SEED, eval_noise.NOISE_SEED + 1)]
     pixels = [torch.tensor(np.stack([np.asarray(im) for im in images]), dtype=torch.float32) for images in draws]
     assert not torch.equal(pixels[1], pixels[2]) and not torch.equal(pixels[0], pixels[1])  # independent noise
 
