@@ -294,7 +294,7 @@ def _velocity_fn(net, c=None, calls=None):  # net on (z, t) and each sample's co
         return net(torch.cat(x, dim=-1)).reshape(z.shape)  # rows [S * B] step-major (section 10)
     return velocity_fn
 
-def train_toy(jagg_frac, epochs=10, T=10, W=4, seed=1):
+def toy_grpo(jagg_frac, epochs=10, T=10, W=4, seed=1):
     """GRPO on the toy (jagg_frac 0: exact). Returns the mean reward of each epoch's rollout."""
     torch.manual_seed(seed)
     prompt_of = torch.arange(32) // 8  # [B], each sample's prompt: 4 prompts, 8 samples each
@@ -413,7 +413,7 @@ if __name__ == "__main__":
     # D only shows that training runs and learns: on a toy this easy, cruder gradients learn too.
     print("D. A smoke test: section 9's GRPO, JAGG and exact from one start per seed: mean reward")
     for seed in (1, 2, 3):
-        jagg, exact = train_toy(jagg_frac=1.0, seed=seed), train_toy(jagg_frac=0.0, seed=seed)
+        jagg, exact = toy_grpo(jagg_frac=1.0, seed=seed), toy_grpo(jagg_frac=0.0, seed=seed)
         print(f"   seed {seed}: {jagg[0]:.2f} -> {jagg[-1]:.2f} with JAGG, {exact[-1]:.2f} exact")
         assert jagg[-1] > jagg[0] + 0.5 and abs(jagg[-1] - exact[-1]) < 0.05
     print("ok")

@@ -1,4 +1,4 @@
-"""A training run's folder: one run per folder, whole files, resumed only as the same run.
+"""A training run's folder: one run per folder, files written whole, a clean stop on a signal.
 
 Not JAGG's: what a long run (train_sd.py) needs around its training loop. Each error is a
 ValueError whose message is one line naming the file or flag and the fix; the trainer prints it
