@@ -14,9 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import jagg_probe  # noqa: E402
-from long_runs import grpo_step  # noqa: E402
 
-T, NOISE_LEVEL, CFG_SCALE, GROUP, PROMPTS, MINIBATCH = 10, 0.7, 4.5, 8, 4, 16
+T, NOISE_LEVEL, CFG_SCALE, GROUP, PROMPTS, MINIBATCH, WINDOW = 10, 0.7, 4.5, 8, 4, 16, 4
 
 
 class Net(torch.nn.Module):
@@ -64,12 +63,10 @@ def main(epochs=20, seed=0):
     # Once, before training: v of z's shape, no dropout, and S steps at once equal S single steps
     # (the conditioning repeated as a block). A ValueError names the mistake and its fix.
     jagg_probe.check_velocity_fn(make_velocity_fn(model, torch.arange(PROMPTS)), torch.randn(PROMPTS, 2), sigmas)
-    # CONVENTION: the same noise_level for rollout and loss (train_step refuses a mismatch).
+    # CONVENTION: the same noise_level for rollout and loss (the loss refuses a mismatch).
     cfg = jagg.LossConfig(noise_level=NOISE_LEVEL, clip_range=0.2, beta=0.04)
-    # One JaggOptions for the probe and training alike, so the probe measures the mode that trains:
-    # the 75 % of windows the probe found most faithful go to JAGG.
-    opts = jagg_options.JaggOptions(window=4, jagg_frac=0.75, route="probe")
-    probe_avg, history = None, []
+    paper = jagg_options.JaggOptions(window=WINDOW)  # the paper's JAGG, as the probe names it
+    history = []
     for epoch in range(epochs):
         c = torch.arange(PROMPTS).repeat_interleave(GROUP)  # [B]: GROUP samples per prompt
         traj = jagg.rollout(make_velocity_fn(model, c), torch.randn(len(c), 2), sigmas, NOISE_LEVEL)
@@ -81,18 +78,19 @@ def main(epochs=20, seed=0):
             idx = perm[:8]
             probe = jagg_probe.probe_segments(  # fns(i): the velocity_fns of the probe's samples i (two halves)
                 lambda i: (make_velocity_fn(model, c[idx[i]]), make_velocity_fn(ref, c[idx[i]])), model.parameters(),
-                traj.subset(idx), adv[idx], cfg, opts, train_batch=MINIBATCH)
-            # error_to_noise: JAGG's error over an optimizer step's own sampling noise (below ~0.1: lost in it)
+                traj.subset(idx), adv[idx], cfg, paper, train_batch=MINIBATCH)
+            # error_to_noise: JAGG's error over an optimizer step's own sampling noise (below ~0.1: lost
+            # in it; near 1: that window is better trained exactly, jagg_frac < 1 or a smaller WINDOW)
             print(f"probe: cosine {[round(x, 3) for x in probe['cosine']]}, "
                   f"error_to_noise {[round(x, 3) for x in probe['error_to_noise']]}")
-            probe_avg = jagg_probe.probe_average(probe_avg, probe["cosine"], decay=0.5)
         for idx in perm.split(MINIBATCH):  # minibatches: slice the trajectories AND their conditioning alike
-            stats, routed = grpo_step.train_step(
-                make_velocity_fn(model, c[idx]), opt, traj.subset(idx), adv[idx], cfg, opts,
-                ref_velocity_fn=make_velocity_fn(ref, c[idx]), probe_cosines=probe_avg)
-        print(f"epoch {epoch:2d}  reward {history[-1]:+.3f}  routed to JAGG {routed}  kl {stats['kl']:.4f}")
-    return history, routed
-
+            opt.zero_grad(set_to_none=True)
+            stats, routed = jagg.paper_gradients(make_velocity_fn(model, c[idx]), traj.subset(idx), adv[idx], cfg,
+                                                 WINDOW, ref_fn=make_velocity_fn(ref, c[idx]))  # adds to .grad
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        print(f"epoch {epoch:2d}  reward {history[-1]:+.3f}  loss {stats['loss']:+.4f}  kl {stats['kl']:.4f}")
+    return history
 
 if __name__ == "__main__":
     main()

@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
+import jagg
+import jagg_options
 import jagg_probe
-from long_runs import grpo_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,33 +20,29 @@ def load_example():
     return module
 
 
-def test_example_raises_its_reward_and_routes_by_the_probe(monkeypatch):
+def test_example_raises_its_reward_with_the_papers_jagg_and_probes_that_mode(monkeypatch):
     example = load_example()
-    calls = {"probe": 0, "train_step": []}
-    probe, train_step = jagg_probe.probe_segments, grpo_step.train_step
+    calls = {"probe": [], "paper_gradients": []}
+    probe, paper_gradients = jagg_probe.probe_segments, jagg.paper_gradients
 
     def counting_probe(*args, **kwargs):
-        calls["probe"] += 1
-        calls.setdefault("probe_opts", []).append(args[5])
+        calls["probe"].append(args[5])
         return probe(*args, **kwargs)
 
-    def recording_train_step(*args, **kwargs):
-        calls["train_step"].append(dict(kwargs, opts=args[5]))
-        return train_step(*args, **kwargs)
+    def recording_paper_gradients(*args, **kwargs):
+        calls["paper_gradients"].append((args[4:], kwargs))
+        return paper_gradients(*args, **kwargs)
 
     monkeypatch.setattr(jagg_probe, "probe_segments", counting_probe)
-    monkeypatch.setattr(grpo_step, "train_step", recording_train_step)
-    history, routed = example.main(epochs=12)
+    monkeypatch.setattr(jagg, "paper_gradients", recording_paper_gradients)
+    history = example.main(epochs=12)
     first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3
     assert last > first + 0.1, history  # the template trains, not merely runs
-    assert calls["probe"] == 3  # epochs 0, 5, 10
-    # every optimizer step routed by the probe's averaged cosines, with the reference model and minibatches
-    assert all(k["opts"].route == "probe" and k["probe_cosines"] is not None and k["ref_velocity_fn"] is not None
-               for k in calls["train_step"])
-    # The probe measures the mode that trains: the same options (interior, anchors, weights) for both.
-    assert all(o == k["opts"] for o in calls["probe_opts"] for k in calls["train_step"])
-    assert len(calls["train_step"]) == 12 * 2  # 32 samples in minibatches of 16
-    assert 0 < sum(routed) < len(routed)  # --jagg-frac 0.75: some windows JAGG, some exact
+    # the probe at epochs 0, 5, 10 measures the mode that trains: the paper's JAGG at the same W
+    assert calls["probe"] == [jagg_options.JaggOptions(window=example.WINDOW)] * 3
+    assert len(calls["paper_gradients"]) == 12 * 2  # 32 samples in minibatches of 16
+    # every step the paper's JAGG on every window (jagg_frac 1), with the KL reference
+    assert all(args == (example.WINDOW,) and kwargs["ref_fn"] is not None for args, kwargs in calls["paper_gradients"])
 
 
 def test_example_velocity_follows_the_convention():

@@ -659,17 +659,17 @@ def test_torchrun_fsdp_trains_checkpoints_and_resumes(tiny, tmp_path):
 
 
 @slow
-def test_sde_window_trains_its_steps_alone_and_the_whole_trajectory_is_todays_run(tiny, tmp_path):
+def test_sde_window_trains_its_steps_alone_and_a_window_of_the_whole_trajectory_is_the_plain_run(tiny, tmp_path):
     """--sde-window K: stochastic and trained on K steps only, placed per epoch; a window over the
-    whole trajectory (T = 4, range 0-3) is today's run, bit for bit."""
+    whole trajectory (T = 4, range 0-3) is the run without --sde-window, bit for bit."""
     from safetensors.torch import load_file
 
-    today = train_sd.main(run_args(tiny, tmp_path / "today", "--epochs", "1", "--window", "4"))
+    plain = train_sd.main(run_args(tiny, tmp_path / "plain", "--epochs", "1", "--window", "4"))
     whole = train_sd.main(run_args(tiny, tmp_path / "whole", "--epochs", "1", "--window", "4", "--sde-window", "4",
                                    "--sde-range-end", "4"))
     for key in ("rollout/reward_mean", "train/loss", "train/grad_rows", "eval/reward"):
-        assert today[1][key] == whole[1][key], key
-    a, b = load_file(tmp_path / "today" / "lora.safetensors"), load_file(tmp_path / "whole" / "lora.safetensors")
+        assert plain[1][key] == whole[1][key], key
+    a, b = load_file(tmp_path / "plain" / "lora.safetensors"), load_file(tmp_path / "whole" / "lora.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows = train_sd.main(run_args(tiny, tmp_path / "win", "--epochs", "2", "--window", "3", "--sde-window", "3",
                                   "--num-steps", "6", "--anchors", "shared", "--interior", "rollout", "--probe-every", "1"))
