@@ -169,19 +169,23 @@ def sample_data(labels):
     return x
 
 
-def pretrain(steps=2000, seed=0, batch=512):
-    """A ToyDiT pretrained by flow matching on the prompts' distributions: the demo's base model."""
+def pretrain(steps=2000, seed=0, batch=512, log_every=0):
+    """A ToyDiT pretrained by flow matching on the prompts' distributions: the demo's base model.
+    log_every > 0: a line of progress every that many steps."""
     torch.manual_seed(seed)
     model = ToyDiT(ToyDiTConfig(num_classes=len(PROMPTS)))
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         labels = torch.randint(len(PROMPTS), (batch,))  # [B]
         loss = flow_matching_loss(model, sample_data(labels), labels)
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
+        if log_every and step % log_every == 0:
+            print(f"  pretraining step {step}/{steps}, flow-matching loss {loss.item():.3f}",
+                  flush=True)
     return model
 
 

@@ -135,6 +135,14 @@ class Config:
         """The per-step loss's knobs (jagg.LossConfig) of these flags."""
         return jagg.LossConfig(self.noise_level, self.clip_range, self.beta)
 
+    def papers_jagg(self, world=1):
+        """Whether jagg.paper_gradients computes the gradient: every JAGG flag at the paper's value
+        (--method exact is its jagg_frac 0), and on many ranks no routing for them to agree on
+        (--jagg-frac 0 or 1). Else jagg_options.window_gradients, the same where both apply."""
+        opts = self.jagg_options()
+        return (opts == jagg_options.JaggOptions(window=opts.window, jagg_frac=opts.jagg_frac)
+                and (world == 1 or opts.jagg_frac in (0.0, 1.0)))
+
     def trained_steps(self):  # the SDE window's steps, or Flow-GRPO's first int(T * fraction)
         return self.sde_window or int(self.num_steps * self.timestep_fraction)
 
@@ -277,7 +285,7 @@ def claim_out(cfg):
                  "samples_*.png")
     resume = None  # how to continue the run the folder holds, if it has a checkpoint
     if os.path.isfile(checkpoint_path(cfg.out)):
-        resume = f"python train_sd.py --resume {cfg.out}"
+        resume = f"{launcher(int(os.environ.get('WORLD_SIZE', 1)))} --resume {cfg.out}"
     try:
         return run_folder.claim_folder(cfg.out, run_files, cfg.resume, cfg.overwrite, resume)
     except ValueError as e:
@@ -623,8 +631,8 @@ def sampling_sigmas(cfg, scheduler):
 def window_start(epoch, size, low, high, seed=0):
     """The first SDE step of epoch's rollouts (epochs count from 1): a window of size steps
     within steps low .. high - 1 of the schedule."""
-    jagg._check(0 <= low and size >= 1 and low + size <= high,
-                f"an SDE window of {size} steps does not fit in steps {low} to {high - 1}")
+    if not (0 <= low and size >= 1 and low + size <= high):
+        raise ValueError(f"an SDE window of {size} steps does not fit in steps {low} to {high - 1}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return low + int(torch.randint(high - size - low + 1, (1,), generator=g))
 
@@ -636,9 +644,9 @@ def window_rollout(velocity_fn, noise, sigmas, noise_level, start, size, generat
     window's steps as a jagg.Trajectory of size steps (its .t holds their sigmas) and the final
     clean samples z_T [B, *D] to reward. start 0 and size T is jagg.rollout, bit for bit."""
     T = len(sigmas) - 1
-    jagg._check(0 <= start and size >= 1 and start + size <= T,
-                f"an SDE window of {size} steps from step {start} does not fit in a trajectory "
-                f"of {T} steps")
+    if not (0 <= start and size >= 1 and start + size <= T):
+        raise ValueError(f"an SDE window of {size} steps from step {start} does not fit in a "
+                         f"trajectory of {T} steps")
     velocity_fn, z = jagg_options.checked(velocity_fn), noise
 
     def ode(z, k):  # Euler, the SDE step's mean at noise level 0, in fp32 at least
@@ -660,8 +668,9 @@ def window_rollout(velocity_fn, noise, sigmas, noise_level, start, size, generat
 def cat_trajectories(trajs):
     """One jagg.Trajectory from several, joined on B (a rollout drawn in chunks)."""
     levels = {traj.noise_level for traj in trajs}
-    jagg._check(len(levels) == 1, "trajectories drawn at different noise levels cannot form one "
-                                  f"batch: {levels}")
+    if len(levels) != 1:
+        raise ValueError(f"trajectories drawn at different noise levels cannot form one batch: "
+                         f"{levels}")
     tensors = {name: torch.cat([getattr(traj, name) for traj in trajs], dim=1)
                for name in jagg.Trajectory.TENSORS}
     return jagg.Trajectory(**tensors, noise_level=trajs[0].noise_level)
@@ -676,17 +685,20 @@ def stop_now(stop, device):
     return bool(grpo_step.all_gather_cat(torch.tensor([len(stop)], device=device)).sum())
 
 
+def launcher(world):  # the command that runs train_sd.py on world processes
+    if world > 1:
+        return f"torchrun --nproc_per_node {world} train_sd.py"
+    return "python train_sd.py"
+
+
 def stop_message(stop, where, checkpointed, out, world):
     """The line a stopped run ends with: a command that goes on from its checkpoint (or None)."""
     signal = stop[0] if stop else "a signal to another rank"
     if checkpointed is None:
         return (f"stopped by {signal} {where}, before the first checkpoint: start again with "
                 "the same command and --overwrite")
-    launcher = "python train_sd.py"
-    if world > 1:
-        launcher = f"torchrun --nproc_per_node {world} train_sd.py"
     return (f"stopped by {signal} {where}; the checkpoint of epoch {checkpointed} stands: go "
-            f"on with {launcher} --resume {out}")
+            f"on with {launcher(world)} --resume {out}")
 
 
 @torch.no_grad()
@@ -1013,6 +1025,7 @@ def train(cfg, stop=()):
     check_contract(cfg, pipe, transformer, prompts_all, sigmas, use_bf16)  # jagg's, before training
     loss_cfg = cfg.loss_config()
     opts, n_train = cfg.jagg_options(), cfg.trained_steps()
+    papers_jagg = cfg.papers_jagg(world)  # jagg.py's own call computes the gradient
     eval_prompts = evaluation_prompts(cfg, prompts_all)
     evaluates = rank == 0 or cfg.fsdp  # under FSDP every rank runs the evaluation's forwards
     if evaluates and start_epoch == 0:
@@ -1087,9 +1100,14 @@ def train(cfg, stop=()):
                 # DDP: no all-reduce per backward, one per step below; FSDP: none before the last
                 with grpo_step.no_sync_for(net, last=j == len(micro) - 1)():
                     # THE JAGG CALL: the micro-batch's gradient added to .grad (--method exact:
-                    # every window exact, Flow-GRPO's per-step backward)
-                    s, routed = jagg_options.window_gradients(velocity_fn, minibatch, adv[idx],
-                                                              loss_cfg, opts, ref_fn, probe_avg)
+                    # every window exact, Flow-GRPO's per-step backward); with an option beyond
+                    # the paper, jagg_options' general form of the same call
+                    if papers_jagg:
+                        s, routed = jagg.paper_gradients(velocity_fn, minibatch, adv[idx], loss_cfg,
+                                                         opts.window, opts.jagg_frac, ref_fn)
+                    else:
+                        s, routed = jagg_options.window_gradients(
+                            velocity_fn, minibatch, adv[idx], loss_cfg, opts, ref_fn, probe_avg)
                 s["grad_seconds"] = time.perf_counter() - grad_start
                 stats.append(s)
             # The optimizer step: the gradient's mean over the micro-batches and the ranks (one
@@ -1178,13 +1196,11 @@ def finish_run(cfg, rows, rank):
 def main(argv=None):
     cfg = validate(parse(argv), given_flags(argv))
     lock = claim_out(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
-    launcher = "python train_sd.py"
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        launcher = f"torchrun --nproc_per_node {os.environ['WORLD_SIZE']} train_sd.py"
+    world = int(os.environ.get("WORLD_SIZE", 1))
 
     def go_on():  # how to go on from what the folder holds: a command that works
         if os.path.isfile(checkpoint_path(cfg.out)):
-            return f"go on with {launcher} --resume {cfg.out}"
+            return f"go on with {launcher(world)} --resume {cfg.out}"
         return "start again with the same command and --overwrite"
     try:
         with run_folder.stop_on_signals() as stop:

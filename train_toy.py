@@ -122,7 +122,7 @@ def base_model(args):
     path = args.base_ckpt or f"runs/cache/toy_dit_h64_d3_s{args.pretrain_steps}_seed{args.seed}.pt"
     if not os.path.exists(path):
         print(f"pretraining the base toy DiT ({args.pretrain_steps} steps) into {path}")
-        save_base_model(toy_dit.pretrain(args.pretrain_steps, args.seed), path)
+        save_base_model(toy_dit.pretrain(args.pretrain_steps, args.seed, log_every=500), path)
     try:
         return toy_dit.load(path)
     except Exception as e:

@@ -21,22 +21,22 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
 import train_sd  # noqa: E402
 
-WINDOW_GRADIENTS = jagg_options.window_gradients  # the original, which the baseline calls on its steps
+PAPER_GRADIENTS = jagg.paper_gradients  # the original, which the baseline calls on its steps
 
 
 def random_steps(count, generator):
-    """A window_gradients that trains a random count of traj's steps, exactly, their mean as the loss."""
-    def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=None, probe_cosines=None):
+    """A jagg.paper_gradients (train_sd.py's call at --method exact) that trains a random count of
+    traj's steps, exactly, their mean as the loss."""
+    def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_fn=None):
         T = traj.z.shape[0]
         steps = sorted(torch.randperm(T, generator=generator)[:count].tolist())
         sub = jagg.Trajectory(**{name: getattr(traj, name)[steps] for name in jagg.Trajectory.TENSORS},
                               noise_level=traj.noise_level)  # their order kept; exact needs no neighbours
-        exact = jagg_options.JaggOptions(window=2, jagg_frac=0.0)  # every step exact: W only groups them
-        return WINDOW_GRADIENTS(velocity_fn, sub, advantages, cfg, exact, ref_velocity_fn)
-    return window_gradients
+        # every step exact (jagg_frac 0): the window only groups them
+        return PAPER_GRADIENTS(velocity_fn, sub, advantages, cfg, window=2, jagg_frac=0.0, ref_fn=ref_fn)
+    return paper_gradients
 
 
 def main(argv=None):
@@ -52,11 +52,13 @@ def main(argv=None):
     if cfg.method != "exact":
         parser.error("give train_sd.py --method exact: the baseline replaces its gradient")
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 17)
-    jagg_options.window_gradients = random_steps(args.random_steps, generator)
+    if not cfg.papers_jagg(int(os.environ.get("WORLD_SIZE", 1))):
+        parser.error("give train_sd.py no JAGG option: the baseline replaces jagg.paper_gradients")
+    jagg.paper_gradients = random_steps(args.random_steps, generator)
     try:
         return train_sd.main(theirs)
     finally:
-        jagg_options.window_gradients = WINDOW_GRADIENTS
+        jagg.paper_gradients = PAPER_GRADIENTS
 
 
 if __name__ == "__main__":

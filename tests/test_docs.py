@@ -10,8 +10,7 @@ import shlex
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GUIDES = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
-PAGES = GUIDES
+PAGES = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]  # the guides
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
 
 
@@ -35,7 +34,7 @@ def test_relative_links_resolve(page):
 def test_the_link_check_sees_links():
     """The check above would pass vacuously if the pattern found nothing."""
     assert len(relative_links(os.path.join(ROOT, "README.md"))) >= 5
-    assert len(GUIDES) >= 4
+    assert len(PAGES) >= 4
 
 
 def script_commands(text, script):
@@ -110,7 +109,7 @@ def test_script_commands_in_the_pages_parse(script):
     docs/ uses flags that exist, with values in range: a renamed flag fails here, not at the
     reader's."""
     pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
-    found = check_commands(GUIDES, script)
+    found = check_commands(PAGES, script)
     assert found >= 1, f"no {script} command found: the pattern sees nothing"
 
 

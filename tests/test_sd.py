@@ -233,12 +233,15 @@ def test_json_has_no_bare_nan_and_the_distributed_group_times_out(tmp_path, monk
 # ------------------------------------------------------------------ one short run, and the model's pieces
 
 
-def test_one_short_run_end_to_end_with_a_reward_from_outside(tiny, tmp_path):
+def test_one_short_run_end_to_end_with_a_reward_from_outside(tiny, tmp_path, monkeypatch):
     """One epoch of JAGG (W = 3 over T = 4: a 3-step window and an exact 1-step one) with the probe,
-    a reward named module:function whose eval_metrics are logged, and the run folder's files."""
-    out = tmp_path / "run"
+    a reward named module:function whose eval_metrics are logged, and the run folder's files; the
+    gradient is jagg.py's own call, once per micro-batch."""
+    out, calls, paper_gradients = tmp_path / "run", [], jagg.paper_gradients
+    monkeypatch.setattr(jagg, "paper_gradients", lambda *a, **k: calls.append(a[4:]) or paper_gradients(*a, **k))
     rows = train_sd.main(run_args(tiny, out, "--epochs", "1", "--window", "3", "--probe-every", "1",
                                   "--reward", "test_sd:brightness"))
+    assert [(W, frac, callable(ref_fn)) for W, frac, ref_fn in calls] == [(3, 1.0, True)] * 2  # beta 0.04
     assert [r["epoch"] for r in rows] == [0, 1] and rows[1]["eval/count"] == 4.0
     assert rows[1]["train/routed_frac"] == 1.0 and rows[1]["mode"] == "jagg"
     assert rows[1]["train/grad_rows"] == (2 + 1) * 2  # 2 anchors + 1 exact step, 2 micro-batches
@@ -412,6 +415,19 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
     assert path.read_text() == '{\n  "reward": 1.0\n}'
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left behind
     assert path.stat().st_mode & 0o777 == 0o644  # readable by others, not mkstemp's 0600
+
+
+def test_the_papers_call_trains_unless_an_option_or_the_ranks_routing_asks_for_the_general_one():
+    """Config.papers_jagg: jagg.paper_gradients for the paper's flags (and --method exact), on many
+    ranks only where no routing must agree (--jagg-frac 0 or 1); else jagg_options.window_gradients."""
+    def papers(*flags, world=1):
+        return train_sd.parse(list(flags)).papers_jagg(world)
+    assert papers() and papers("--method", "exact") and papers("--jagg-frac", "0.5", "--window", "3")
+    assert papers(world=4) and papers("--method", "exact", "--jagg-frac", "0.5", world=4)
+    assert not papers("--jagg-frac", "0.5", world=2)  # the ranks agree on routing in window_gradients
+    for flag in (["--anchors", "shared"], ["--interior", "rollout"], ["--weights", "index"],
+                 ["--max-graph-rows", "2"], ["--route", "early"]):
+        assert not papers(*flag), flag
 
 
 def test_mode_names_derive_from_the_options():
@@ -716,13 +732,13 @@ def test_a_non_finite_loss_skips_the_step_on_the_weights_and_the_run_says_so(tin
     """A NaN loss (as bf16 rollouts of real models give) in every micro-batch: each optimizer step is
     skipped with a warning, the LoRA weights stay the initial ones, and the run ends in one line saying
     no step was taken."""
-    real = jagg_options.window_gradients
+    real = jagg.paper_gradients  # the call the default flags train with
 
     def nan_loss(*args, **kwargs):
         stats, routed = real(*args, **kwargs)
         stats["loss"] = float("nan")
         return stats, routed
-    monkeypatch.setattr(jagg_options, "window_gradients", nan_loss)
+    monkeypatch.setattr(jagg, "paper_gradients", nan_loss)
     out = tmp_path / "run"
     with pytest.warns(RuntimeWarning, match="skipped: non-finite loss"), \
             pytest.raises(SystemExit, match="no optimizer step was taken"):

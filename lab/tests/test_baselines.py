@@ -152,8 +152,8 @@ def test_the_runner_trains_each_baseline_at_its_cost(tmp_path):
 
 
 def test_the_mini_sd3s_random_steps_are_one_draw_per_micro_batch():
-    """lab/sd_baselines.py's stand-in for window_gradients: the micro-batch's drawn steps, exactly, the
-    loss their mean, against autograd of that loss written out; it draws anew at each call."""
+    """lab/sd_baselines.py's stand-in for jagg.paper_gradients: the micro-batch's drawn steps, exactly,
+    the loss their mean, against autograd of that loss written out; it draws anew at each call."""
     import sd_baselines
 
     torch.manual_seed(6)
@@ -162,14 +162,32 @@ def test_the_mini_sd3s_random_steps_are_one_draw_per_micro_batch():
     cfg = jagg.LossConfig(0.7, 0.2)
     gradient = sd_baselines.random_steps(3, torch.Generator().manual_seed(4))
     model.zero_grad(set_to_none=True)
-    stats, _ = gradient(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions())
+    stats, _ = gradient(as_velocity_fn(model), traj, adv, cfg, 4, 0.0)
     steps = sorted(torch.randperm(6, generator=torch.Generator().manual_seed(4))[:3].tolist())
     got = flat(model)
     torch.testing.assert_close(got, by_hand(model, traj, adv, cfg, [steps] * 4), rtol=1e-10, atol=1e-12)
     assert stats["grad_rows"] == 3
     model.zero_grad(set_to_none=True)
-    gradient(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions())
+    gradient(as_velocity_fn(model), traj, adv, cfg, 4, 0.0)
     assert not torch.equal(flat(model), got)  # another draw
+
+
+def test_the_mini_sd3s_random_steps_train_train_sds_run(tmp_path):
+    """sd_baselines.main drives train_sd.py's own loop: each micro-batch back-propagates --random-steps
+    of its steps (the rows with grad say so), and train_sd's call is restored after."""
+    import sd_baselines
+    import tiny_sd3
+
+    torch.set_default_dtype(torch.float32)  # a diffusers pipeline, as users run it (the fixture restores it)
+    pipe = tiny_sd3.build(tmp_path / "pipe")
+    flags = ["--model", str(pipe), "--out", str(tmp_path / "run"), "--num-steps", "4", "--timestep-fraction", "1",
+             "--prompts-per-epoch", "2", "--group-size", "2", "--train-batch", "2", "--steps-per-epoch", "0",
+             "--lora-rank", "4", "--epochs", "1", "--eval-samples", "2", "--reward", "darkness", "--method", "exact"]
+    rows = sd_baselines.main(["--random-steps", "2", "--", *flags])
+    assert rows[1]["train/grad_rows"] == 2 * 2  # 2 micro-batches, 2 of the 4 steps each
+    assert jagg.paper_gradients is sd_baselines.PAPER_GRADIENTS
+    with pytest.raises(SystemExit):  # a JAGG option would bypass the baseline
+        sd_baselines.main(["--random-steps", "2", "--", *flags, "--anchors", "shared", "--overwrite"])
 
 
 def test_equal_cost_table_pairs_each_mode_with_exact_of_its_seed(tmp_path, capsys):
