@@ -1,4 +1,4 @@
-"""Measure JAGG on your own model: is velocity_fn right, is JAGG's gradient close, is it faster?
+"""Measure JAGG on your own model: is velocity_fn right, and is JAGG's gradient close?
 
 jagg.py assumes a contract of velocity_fn and an interpolation of Jacobians that holds better on
 some models than on others. Nothing here trains; each function measures one thing a user adapting
@@ -11,13 +11,10 @@ JAGG to a new model should know before a long run, in the order to run them:
     2. the probe            gradient_cosines, probe_segments: JAGG's gradient against exact's,
                             per window, in units of an optimizer step's own noise; route="probe"
                             (jagg_options.JaggOptions) trains by its running average
-    3. time_gradients       one batch's gradient timed exactly and with JAGG, interleaved
+Is it faster on your model? lab/bench.py's time_gradients times one batch's gradient both ways.
 """
 
 import math
-import statistics
-import time
-from dataclasses import replace
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -310,68 +307,3 @@ def probe_average(average, cosines, decay):
     if average is None:
         return list(cosines)
     return [decay * m + (1 - decay) * c for m, c in zip(average, cosines)]
-
-
-# === 3. Is it faster on your model? ===
-def interleaved_medians(fns, repeats, warmup=1):
-    """Call each fn() -> {key: seconds} warmup + repeats times, rotating which goes first so that
-    drift on a shared machine hits all alike. Returns {name: {key: median over repeats}}."""
-    names, runs = list(fns), {name: [] for name in fns}
-    for r in range(warmup + repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            out = fns[name]()
-            if r >= warmup:
-                runs[name].append(out)
-    return {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]}
-            for name, rs in runs.items()}
-
-
-def clock(device):
-    """time.perf_counter(), after the device's queued work (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def timed_velocity_fn(velocity_fn, seconds, key_graph="fwd_graph", key_no_graph="fwd_nograd"):
-    """velocity_fn that adds each call's seconds to seconds[key_graph] or seconds[key_no_graph],
-    as it builds a graph or not: the forwards of a gradient, apart from its backward passes."""
-    def velocity(z, t):
-        start = clock(z.device)
-        v = velocity_fn(z, t)
-        key = key_graph if torch.is_grad_enabled() else key_no_graph
-        seconds[key] = seconds.get(key, 0.0) + clock(z.device) - start
-        return v
-    return velocity
-
-
-def time_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None,
-                   repeats=5):
-    """Is JAGG faster on YOUR model? The batch's gradient (jagg_options.window_gradients)
-    computed exactly (opts with jagg_frac 0) and with opts, each repeats times after a warm-up
-    round, interleaved so that a shared machine's drift hits both alike. Returns {"exact": ...,
-    "jagg": ...}, each {"backward_s": the seconds outside the network's forwards (the backward
-    passes, and the losses' own derivatives), "step_s": the whole gradient, "grad_rows"}
-    (medians). params' .grad are cleared before each call."""
-    grad_rows, device = {}, traj.z.device
-
-    def run(method, method_opts):
-        def call():
-            for p in params:
-                p.grad = None
-            seconds = {}
-            fn = timed_velocity_fn(velocity_fn, seconds)
-            ref_fn = None
-            if ref_velocity_fn is not None:
-                ref_fn = timed_velocity_fn(ref_velocity_fn, seconds, "fwd_ref", "fwd_ref")
-            start = clock(device)
-            stats = jagg_options.window_gradients(fn, traj, advantages, cfg, method_opts, ref_fn)[0]
-            step = clock(device) - start
-            grad_rows[method] = stats["grad_rows"]
-            return {"backward_s": step - sum(seconds.values()), "step_s": step}
-        return call
-    # rounds run jagg then exact, exact then jagg, ...
-    exact_opts = replace(opts, jagg_frac=0.0)
-    times = interleaved_medians({"jagg": run("jagg", opts), "exact": run("exact", exact_opts)},
-                                repeats)
-    return {m: {**times[m], "grad_rows": grad_rows[m]} for m in ("exact", "jagg")}

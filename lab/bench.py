@@ -1,10 +1,13 @@
 """Exact vs JAGG measured: every training mode of jagg.py and jagg_options.py timed interleaved (medians of
-repeats), the activations autograd saves for backward weighed, and the tables the benchmarks print.
+repeats; time_gradients: one batch's gradient on your model), the activations autograd saves for backward
+weighed, and the tables the benchmarks print.
 lab/sd_benchmark.py and lab/fsdp_memory.py use it on SD3 transformers; the modes' names derive from
 their options (JaggOptions.mode_name)."""
 
 import contextlib
+import dataclasses
 import itertools
+import statistics
 import os
 import sys
 import time
@@ -16,7 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
-import jagg_probe  # noqa: E402
 
 # The training modes the benchmarks compare, by name: (anchors, interior), every one of jagg_options'
 # combinations; every JAGG mode interpolates every segment (jagg_frac = 1). exact: None.
@@ -38,13 +40,79 @@ def bench_modes(max_graph_rows):
     return modes
 
 
+# Timing: interleaved medians on a shared machine, and one batch's gradient exact against JAGG (the
+# adopter's question "is it faster on my model?", docs/your_trainer.md)
+def interleaved_medians(fns, repeats, warmup=1):
+    """Call each fn() -> {key: seconds} warmup + repeats times, rotating which goes first so that
+    drift on a shared machine hits all alike. Returns {name: {key: median over repeats}}."""
+    names, runs = list(fns), {name: [] for name in fns}
+    for r in range(warmup + repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            out = fns[name]()
+            if r >= warmup:
+                runs[name].append(out)
+    return {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]}
+            for name, rs in runs.items()}
+
+
+def clock(device):
+    """time.perf_counter(), after the device's queued work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def timed_velocity_fn(velocity_fn, seconds, key_graph="fwd_graph", key_no_graph="fwd_nograd"):
+    """velocity_fn that adds each call's seconds to seconds[key_graph] or seconds[key_no_graph],
+    as it builds a graph or not: the forwards of a gradient, apart from its backward passes."""
+    def velocity(z, t):
+        start = clock(z.device)
+        v = velocity_fn(z, t)
+        key = key_graph if torch.is_grad_enabled() else key_no_graph
+        seconds[key] = seconds.get(key, 0.0) + clock(z.device) - start
+        return v
+    return velocity
+
+
+def time_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None,
+                   repeats=5):
+    """Is JAGG faster on YOUR model? The batch's gradient (jagg_options.window_gradients)
+    computed exactly (opts with jagg_frac 0) and with opts, each repeats times after a warm-up
+    round, interleaved so that a shared machine's drift hits both alike. Returns {"exact": ...,
+    "jagg": ...}, each {"backward_s": the seconds outside the network's forwards (the backward
+    passes, and the losses' own derivatives), "step_s": the whole gradient, "grad_rows"}
+    (medians). params' .grad are cleared before each call."""
+    grad_rows, device = {}, traj.z.device
+
+    def run(method, method_opts):
+        def call():
+            for p in params:
+                p.grad = None
+            seconds = {}
+            fn = timed_velocity_fn(velocity_fn, seconds)
+            ref_fn = None
+            if ref_velocity_fn is not None:
+                ref_fn = timed_velocity_fn(ref_velocity_fn, seconds, "fwd_ref", "fwd_ref")
+            start = clock(device)
+            stats = jagg_options.window_gradients(fn, traj, advantages, cfg, method_opts, ref_fn)[0]
+            step = clock(device) - start
+            grad_rows[method] = stats["grad_rows"]
+            return {"backward_s": step - sum(seconds.values()), "step_s": step}
+        return call
+    # rounds run jagg then exact, exact then jagg, ...
+    exact_opts = dataclasses.replace(opts, jagg_frac=0.0)
+    times = interleaved_medians({"jagg": run("jagg", opts), "exact": run("exact", exact_opts)},
+                                repeats)
+    return {m: {**times[m], "grad_rows": grad_rows[m]} for m in ("exact", "jagg")}
+
+
 def timed(timings, key, device):
     """A context that adds the seconds of its block to timings[key] (synchronised on CUDA)."""
     @contextlib.contextmanager
     def block():
-        start = jagg_probe.clock(device)
+        start = clock(device)
         yield
-        timings[key] = timings.get(key, 0.0) + jagg_probe.clock(device) - start
+        timings[key] = timings.get(key, 0.0) + clock(device) - start
     return block()
 
 
@@ -89,7 +157,7 @@ def benchmark_window(velocity_fn, params, z, t, step_loss, repeats=5, warmup=1):
             return timings
         return run
 
-    out = jagg_probe.interleaved_medians({"exact": timed_method(jagg.backward_exact), "jagg": timed_method(jagg_options.backward_jagg)}, repeats, warmup)
+    out = interleaved_medians({"exact": timed_method(jagg.backward_exact), "jagg": timed_method(jagg_options.backward_jagg)}, repeats, warmup)
     for p in params:
         p.grad = None
     return out
@@ -165,10 +233,10 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
             start = time.perf_counter()
             opts = jagg_options.JaggOptions(window, 0.0 if name == "exact" else 1.0, anchors=anchors, interior=interior,
                                     max_graph_rows=max_graph_rows)
-            fn = jagg_probe.timed_velocity_fn(velocity_fn, timings)
+            fn = timed_velocity_fn(velocity_fn, timings)
             ref_fn = None
             if ref_velocity_fn is not None:
-                ref_fn = jagg_probe.timed_velocity_fn(ref_velocity_fn, timings, "fwd_ref", "fwd_ref")
+                ref_fn = timed_velocity_fn(ref_velocity_fn, timings, "fwd_ref", "fwd_ref")
             stats, _ = jagg_options.window_gradients(fn, traj, advantages, cfg, opts, ref_fn)
             if cuda:
                 torch.cuda.synchronize(device)
@@ -189,7 +257,7 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
     fns = {name: timed_mode(name) for name in modes}
     if rollout_fn is not None:
         fns["rollout"] = rollout
-    out = jagg_probe.interleaved_medians(fns, repeats, warmup)
+    out = interleaved_medians(fns, repeats, warmup)
     for name in modes:  # the memory figure, outside the timed runs (the hooks cost time)
         out[name]["saved_gb"] = saved_bytes_peak(fns[name]) / 2**30
     for p in params:

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jagg  # noqa: E402
 import jagg_options  # noqa: E402
 import jagg_probe  # noqa: E402
+import bench  # noqa: E402
 from offpolicy_error import MiniTask, ToyTask, train_exact  # noqa: E402
 from long_runs.run_folder import write_json  # noqa: E402
 from stats import mean_interval  # noqa: E402
@@ -137,7 +138,7 @@ def timing(task, size, repeats, generator):
 
     def timed(gradient, window=0, W=None):
         def run():
-            start = jagg_probe.clock(torch.device("cpu"))
+            start = bench.clock(torch.device("cpu"))
             task.sde_window = window
             where = int(torch.randint(0, T - window + 1, (), generator=generator)) if window else None
             batch = task.draw(size, generator, where)
@@ -147,14 +148,14 @@ def timing(task, size, repeats, generator):
                                               ref_fn)
             else:
                 flat_gradient(task, gradient, batch, generator)
-            return {"seconds": jagg_probe.clock(torch.device("cpu")) - start}
+            return {"seconds": bench.clock(torch.device("cpu")) - start}
         return run
     fns = {name: timed(gradient) for name, gradient in steps.items()}
     for k in sorted({int(name[5:]) for name in steps if name.startswith("first")}):  # JAGG's rows, W = 8, 4
         fns[f"window{k}"] = timed(exact_gradient, k)
         if k % 4 == 0 and k > 4:
             fns[f"window{k}_jagg_w4"] = timed(None, k, W=4)
-    medians = jagg_probe.interleaved_medians(fns, repeats)
+    medians = bench.interleaved_medians(fns, repeats)
     return {name: m["seconds"] for name, m in medians.items()}
 
 

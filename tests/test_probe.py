@@ -2,7 +2,6 @@
 computed here, pooling over probes against numpy, and the timing of exact against JAGG. The
 velocity_fn contract check is tested on every diffusers family in test_recipes.py."""
 
-import dataclasses
 import math
 
 import pytest
@@ -141,25 +140,6 @@ def test_pool_probes_gives_the_standard_error_of_the_pooled_figure():
     same = [{"cosine": [1.0], "error": [0.5 * b], "noise": [b]} for b in v]  # every probe reads 0.5
     assert jagg_probe.pool_probes(same)["stderr"] == pytest.approx([0.0], abs=1e-15)
     assert jagg_probe.pool_probes(probes[:1])["stderr"] == [None, None]
-
-
-def test_time_gradients_times_exact_against_the_options_and_leaves_their_gradient():
-    """jagg_probe.time_gradients: both gradients timed (medians of the repeats), the rows with grad each
-    computes (T = 8, W = 4: exact 8 steps, JAGG 2 of each window's 4), and params left with the last call's
-    gradient, which is window_gradients' of that method (so the timed work is the training work)."""
-    torch.manual_seed(11)
-    model = MLPFlow()
-    traj, adv = toy_batch(model, T=8, B=4)
-    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.0)
-    opts, params = jagg_options.JaggOptions(4), list(model.parameters())
-    times = jagg_probe.time_gradients(as_velocity_fn(model), params, traj, adv, cfg, opts, repeats=2)
-    assert {m: t["grad_rows"] for m, t in times.items()} == {"exact": 8, "jagg": 2 * 2}
-    assert all(0 < t["backward_s"] <= t["step_s"] for t in times.values())
-    last = [p.grad.clone() for p in params]  # repeats = 2: the last round runs exact last (the order alternates)
-    for p in params:
-        p.grad = None
-    jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, dataclasses.replace(opts, jagg_frac=0.0))
-    assert all(torch.equal(a, p.grad) for a, p in zip(last, params))
 
 
 class TimedFlow(torch.nn.Module):

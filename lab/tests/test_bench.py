@@ -2,6 +2,7 @@
 (lab/sd_benchmark.py), the toy's (lab/toy_benchmark.py), FSDP's memory per rank (lab/fsdp_memory.py), the charts' ticks
 (lab/charts.py) and the gradient-signal statistics (lab/gradient_signal.py)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -17,6 +18,8 @@ import jagg
 import jagg_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import flows  # noqa: E402  (tests/flows.py: the small flows and batches of the top level's tests)
 
 
 class MLPFlow(torch.nn.Module):
@@ -207,3 +210,22 @@ def test_gradient_signal_stats_on_known_gradients():
     assert noisy["signal_kept_stderr"] < 0.1 and 0 < noisy["batch_agreement_stderr"] < 0.05
     wrong = signal_stats(exact, [-x for x in exact])  # the opposite direction loses the signal
     assert wrong["signal_kept"] == pytest.approx(-1.0)
+
+
+def test_time_gradients_times_exact_against_the_options_and_leaves_their_gradient():
+    """bench.time_gradients: both gradients timed (medians of the repeats), the rows with grad each
+    computes (T = 8, W = 4: exact 8 steps, JAGG 2 of each window's 4), and params left with the last call's
+    gradient, which is window_gradients' of that method (so the timed work is the training work)."""
+    torch.manual_seed(11)
+    model = flows.MLPFlow()
+    traj, adv = flows.toy_batch(model, T=8, B=4)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.0)
+    opts, params = jagg_options.JaggOptions(4), list(model.parameters())
+    times = bench.time_gradients(flows.as_velocity_fn(model), params, traj, adv, cfg, opts, repeats=2)
+    assert {m: t["grad_rows"] for m, t in times.items()} == {"exact": 8, "jagg": 2 * 2}
+    assert all(0 < t["backward_s"] <= t["step_s"] for t in times.values())
+    last = [p.grad.clone() for p in params]  # repeats = 2: the last round runs exact last (the order alternates)
+    for p in params:
+        p.grad = None
+    jagg_options.window_gradients(flows.as_velocity_fn(model), traj, adv, cfg, dataclasses.replace(opts, jagg_frac=0.0))
+    assert all(torch.equal(a, p.grad) for a, p in zip(last, params))
