@@ -6,8 +6,10 @@
     python lab/compare_runs.py E J --out DIR           # JAGG against exact: reward kept, speedups
 
 The file reads in the order a run goes: 1. the flags; 2. THE MODEL, the only SD3 code (another
-family edits that block alone); 3. the rewards; 4. rollouts; 5. the run's files; 6. the training
-loop, train(), from rollout to optimizer step; 7. the command line. An epoch is one
+family replaces that block, keeping its functions' signatures: the rest passes a conditioning
+around as encode returns it, a tuple of tensors batched on dim 0); 3. the rewards; 4. rollouts;
+5. the run's files; 6. the training loop, train(), from rollout to optimizer step; 7. the command
+line. An epoch is one
 rollout of --prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is
 one of its --num-steps. docs/flow_grpo.md lists what differs from Flow-GRPO's trainer.
 """
@@ -457,9 +459,9 @@ def decode(pipe, latents):
 def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16):
     """velocity_fn(z [S, B, C, H, W], t [S, B]) -> v [S, B, C, H, W] with classifier-free
     guidance; cond, uncond: (prompt_embeds [B, L, E], pooled [B, P]), repeated as a block per
-    step. The unconditional branch runs without graph as in Flow-GRPO's current trainer: the
-    gradient flows through s * v_c alone (its first release kept both branches' graphs, the
-    exact derivative s J_c - (s - 1) J_u, for twice the backward)."""
+    step. The unconditional branch runs without graph, as in Flow-GRPO's trainer: the gradient
+    flows through s * v_c alone, not the guided velocity's whole derivative s J_c - (s - 1) J_u,
+    which would need the unconditional branch's graph and twice the backward."""
     def velocity_fn(z, t):
         S, x = t.shape[0], z.flatten(0, 1)  # x: [S*B, C, H, W], step-major
         timestep = (t.flatten() * 1000).to(x.dtype)  # SD3's timesteps are sigma * 1000
@@ -647,22 +649,11 @@ def window_rollout(velocity_fn, noise, sigmas, noise_level, start, size, generat
     if not (0 <= start and size >= 1 and start + size <= T):
         raise ValueError(f"an SDE window of {size} steps from step {start} does not fit in a "
                          f"trajectory of {T} steps")
-    velocity_fn, z = jagg_options.checked(velocity_fn), noise
-
-    def ode(z, k):  # Euler, the SDE step's mean at noise level 0, in fp32 at least
-        t = sigmas[k].expand(1, z.shape[0]).to(z.device)  # [1, B]
-        v = velocity_fn(z[None], t)[0]  # [B, *D]
-        dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)
-        dt = (sigmas[k + 1] - sigmas[k]).to(z.device, dtype)
-        return z.to(dtype) + v.to(dtype) * dt  # [B, *D]
-
-    for k in range(start):
-        z = ode(z, k)
+    velocity_fn = jagg_options.checked(velocity_fn)
+    # the ODE (Euler, the SDE step's mean at noise level 0) before the window and after it
+    z = jagg_probe.ode_rollout(velocity_fn, noise, sigmas[: start + 1])  # [B, *D]
     traj = jagg.rollout(velocity_fn, z, sigmas[start : start + size + 1], noise_level, generator)
-    z = traj.sample
-    for k in range(start + size, T):
-        z = ode(z, k)
-    return traj, z
+    return traj, jagg_probe.ode_rollout(velocity_fn, traj.sample, sigmas[start + size :])
 
 
 def cat_trajectories(trajs):
@@ -869,7 +860,7 @@ def load_models(cfg, device, use_bf16):
     cfg = dataclasses.replace(cfg, resolution=resolution)
     ref_transformer = None  # the KL reference under full fine-tuning: frozen, in the pipe's dtype
     if cfg.lora_rank == 0 and cfg.beta > 0:
-        ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(pipe.vae.dtype)
+        ref_transformer = copy.deepcopy(transformer).requires_grad_(False).to(dtype)
     return cfg, pipe, prompts, transformer, ref_transformer
 
 

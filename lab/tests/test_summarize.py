@@ -293,7 +293,7 @@ def test_wallclock_takes_single_runs_and_names_learning_rates_when_they_differ(t
     assert list(table) == ["all steps, exact, lr 0.0003", "all steps, the paper's JAGG, lr 0.0003", "all steps, exact, lr 0.003"]
 
 
-# --- Both shapes of the runs' files: the kept runs' (made before issue 45's layout) and today's train_toy.py's
+# --- Both layouts of the runs' files: the kept runs' and train_toy.py's
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
