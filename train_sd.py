@@ -9,9 +9,9 @@ The file reads in the order a run goes: 1. the flags; 2. THE MODEL, the only SD3
 family replaces that block, keeping its functions' signatures: the rest passes a conditioning
 around as encode returns it, a tuple of tensors batched on dim 0); 3. the rewards; 4. rollouts;
 5. the run's files; 6. the training loop, train(), from rollout to optimizer step; 7. the command
-line. An epoch is one
-rollout of --prompts-per-epoch x --group-size samples and its optimizer steps; a sampling step is
-one of its --num-steps. docs/flow_grpo.md lists what differs from Flow-GRPO's trainer.
+line. An epoch is one rollout of --prompts-per-epoch x --group-size samples and its optimizer
+steps; a sampling step is one of its --num-steps. docs/flow_grpo.md lists what differs from
+Flow-GRPO's trainer.
 """
 
 import argparse
