@@ -69,7 +69,8 @@ TIME_FIXES = [  # (the t velocity_fn would have to be called with to match, as c
     (lambda t: t * 1000, "t * 1000",
      "it passes the model sigma where the model takes sigma * 1000 (SD3, Wan, LTX-Video)"),
     (lambda t: t / 1000, "t / 1000",
-     "it passes the model sigma * 1000 where the model takes sigma (Flux, Qwen-Image scale inside)"),
+     ("it passes the model sigma * 1000 where the model takes sigma (Flux, Qwen-Image scale "
+      "inside)")),
     (lambda t: 1 - t, "1 - t", "its time runs backwards (1 - sigma where the model takes sigma)"),
     (lambda t: 1 - t * 1000, "1 - t * 1000",
      "its time runs backwards and is not scaled by 1000 where the model needs it"),
@@ -86,8 +87,9 @@ def shifted(sigmas, factor):
 
 @torch.no_grad()
 def ode_rollout(velocity_fn, noise, sigmas):
-    """The final latents of the deterministic sampler, z += v (sigma_next - sigma), step by step from
-    noise [B, *D] over sigmas [T + 1]: the pipelines' FlowMatchEuler step, jagg.rollout at noise 0."""
+    """The final latents of the deterministic sampler, z += v (sigma_next - sigma), step by step
+    from noise [B, *D] over sigmas [T + 1]: the pipelines' FlowMatchEuler step, jagg.rollout at
+    noise 0."""
     z = noise
     for k in range(len(sigmas) - 1):
         t = sigmas[k].expand(1, z.shape[0]).to(z.device)  # [1, B]
@@ -115,7 +117,8 @@ def check_against_pipeline(velocity_fn, noise, sigmas, pipeline_latents, rtol=1e
     error = distance(velocity_fn, sigmas)
     if error <= rtol:
         return error
-    where = f"velocity_fn rolled out without noise ends {error:.2g} (relative) from the pipeline's latents"
+    where = (f"velocity_fn rolled out without noise ends {error:.2g} (relative) from the "
+             "pipeline's latents")
     for fix, code, cause in TIME_FIXES:
         def fixed(z, t, fix=fix):
             return velocity_fn(z, fix(t))
@@ -123,13 +126,13 @@ def check_against_pipeline(velocity_fn, noise, sigmas, pipeline_latents, rtol=1e
             raise ValueError(f"{where}: {cause}; called with {code} in place of t, it matches")
     for factor in (1 / 6, 1 / 5, 1 / 3, 1 / 2, 3 / 5, 2 / 3, 3 / 2, 5 / 3, 2, 3, 5, 6):
         if distance(velocity_fn, shifted(sigmas, factor)) <= rtol:
-            raise ValueError(f"{where}: the sigmas are not the pipeline's, which are these shifted by "
-                             f"{factor:.3g}; take its scheduler's own (scheduler_sigmas, with the token "
-                             "count for a dynamic shift)")
+            raise ValueError(f"{where}: the sigmas are not the pipeline's, which are these "
+                             f"shifted by {factor:.3g}; take its scheduler's own "
+                             "(scheduler_sigmas, with the token count for a dynamic shift)")
     raise ValueError(f"{where}, and no change of the time input or of the shift explains it: check "
                      "that both ran on the same noise, conditioning, masks and guidance scale, the "
-                     "model's extra inputs (frame rate, image ids, guidance), the latents' packing, "
-                     "and the scheduler's sigmas (scheduler_sigmas)")
+                     "model's extra inputs (frame rate, image ids, guidance), the latents' "
+                     "packing, and the scheduler's sigmas (scheduler_sigmas)")
 
 
 # === 2. The probe: JAGG's gradient against the exact one, per window ===

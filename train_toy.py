@@ -316,7 +316,8 @@ def main(argv=None):
         save_json(os.path.join(args.out, "summary.json"), c)
         print(f"JAGG kept {100 * (c['reward_gain_ratio'] or 0):.0f} % of exact GRPO's reward gain; "
               f"{c['grad_rows_ratio']:.2f}x fewer rows with grad, gradients "
-              f"{c['grad_speedup']:.1f}x faster, training {c['train_speedup']:.1f}x (rollouts included)")
+              f"{c['grad_speedup']:.1f}x faster, training {c['train_speedup']:.1f}x "
+              "(rollouts included)")
 
 
 if __name__ == "__main__":

@@ -28,12 +28,15 @@ PROMPTS = ["a photo of a cat sitting on a windowsill", "a lighthouse on a cliff 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", required=True, help="a StableDiffusion3Pipeline folder or hub id")
+    parser.add_argument("--model", required=True,
+                        help="a StableDiffusion3Pipeline folder or hub id")
     parser.add_argument("--num-steps", type=int, default=10, help="T, sampling steps")
     parser.add_argument("--guidance-scale", type=float, default=4.5, help="CFG scale")
-    parser.add_argument("--time-input", choices=["sigma*1000", "sigma", "1-sigma"], default="sigma*1000",
-                        help="what the transformer is given as its timestep: SD3's is sigma*1000; the "
-                             "others show what the check says of a wrong convention")
+    parser.add_argument("--time-input", choices=["sigma*1000", "sigma", "1-sigma"],
+                        default="sigma*1000",
+                        help="what the transformer is given as its timestep: SD3's is "
+                             "sigma*1000; the others show what the check says of a wrong "
+                             "convention")
     args = parser.parse_args(argv)
     from diffusers import StableDiffusion3Pipeline
 

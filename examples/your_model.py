@@ -24,7 +24,8 @@ class Net(torch.nn.Module):
     def __init__(self, d=2, n_prompts=PROMPTS, h=64):
         super().__init__()
         self.embed = torch.nn.Embedding(n_prompts + 1, h)  # the last id is the empty prompt (CFG)
-        self.net = torch.nn.Sequential(torch.nn.Linear(d + 1 + h, h), torch.nn.SiLU(), torch.nn.Linear(h, d))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(d + 1 + h, h), torch.nn.SiLU(), torch.nn.Linear(h, d))
 
     def forward(self, x, sigma, c):  # x [N, d], sigma [N], c [N] -> v [N, d]
         return self.net(torch.cat([x, sigma[:, None], self.embed(c)], dim=-1))
@@ -37,13 +38,14 @@ def make_velocity_fn(model, c):
     converted here (e.g. SD3's transformer takes timestep = sigma * 1000)."""
     def velocity_fn(z, t):
         S, B = t.shape
-        x = z.reshape(S * B, *z.shape[2:])  # [S*B, *D]: keep the sample's own shape (an image's C, H, W)
-        # CONVENTION: rows are step-major (row s * B + b is sample b at step s), so the conditioning
-        # is repeated S times as a block: c.repeat(S) (embeddings [B, L, E]: .repeat(S, 1, 1)), never
-        # repeat_interleave, which would pair each state with another sample's prompt.
+        x = z.reshape(S * B, *z.shape[2:])  # [S*B, *D]: a sample keeps its own shape (C, H, W)
+        # CONVENTION: rows are step-major (row s * B + b is sample b at step s), so the
+        # conditioning is repeated S times as a block: c.repeat(S) (embeddings [B, L, E]:
+        # .repeat(S, 1, 1)), never repeat_interleave, which would pair each state with another
+        # sample's prompt.
         s, cs = t.reshape(S * B), c.repeat(S)  # [S*B], [S*B]
         v_c = model(x, s, cs)  # [S*B, *D]: the conditional branch carries the graph when training
-        with torch.no_grad():  # CFG's unconditional branch without graph, as Flow-GRPO and train_sd.py
+        with torch.no_grad():  # CFG's unconditional branch: no graph (Flow-GRPO's, train_sd.py's)
             v_u = model(x, s, torch.full_like(cs, PROMPTS))
         return (v_u + CFG_SCALE * (v_c - v_u)).reshape(z.shape)  # [S, B, *D]
     return velocity_fn
@@ -56,13 +58,14 @@ def reward(x, c):  # [B]: here, closeness to a target point per prompt
 def main(epochs=20, seed=0):
     torch.manual_seed(seed)
     model = Net()
-    model.eval()  # CONVENTION: no dropout, in rollouts and training alike: else the first ratio is not 1
-    ref = copy.deepcopy(model).requires_grad_(False)  # the frozen reference of the KL term (beta > 0)
+    model.eval()  # CONVENTION: no dropout in rollouts or training, else the first ratio is not 1
+    ref = copy.deepcopy(model).requires_grad_(False)  # the KL term's frozen reference (beta > 0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sigmas = jagg.sigma_schedule(T, shift=3.0)  # [T + 1]
     # Once, before training: v of z's shape, no dropout, and S steps at once equal S single steps
     # (the conditioning repeated as a block). A ValueError names the mistake and its fix.
-    jagg_probe.check_velocity_fn(make_velocity_fn(model, torch.arange(PROMPTS)), torch.randn(PROMPTS, 2), sigmas)
+    jagg_probe.check_velocity_fn(make_velocity_fn(model, torch.arange(PROMPTS)),
+                                 torch.randn(PROMPTS, 2), sigmas)
     # CONVENTION: the same noise_level for rollout and loss (the loss refuses a mismatch).
     cfg = jagg.LossConfig(noise_level=NOISE_LEVEL, clip_range=0.2, beta=0.04)
     paper = jagg_options.JaggOptions(window=WINDOW)  # the paper's JAGG, as the probe names it
@@ -70,27 +73,33 @@ def main(epochs=20, seed=0):
     for epoch in range(epochs):
         c = torch.arange(PROMPTS).repeat_interleave(GROUP)  # [B]: GROUP samples per prompt
         traj = jagg.rollout(make_velocity_fn(model, c), torch.randn(len(c), 2), sigmas, NOISE_LEVEL)
-        r = reward(traj.sample, c)  # [B]; under torchrun gather rewards and prompt ids from all ranks first
+        r = reward(traj.sample, c)  # [B]; under torchrun, gather all ranks' rewards and prompt ids
         adv = jagg.group_advantages(r, c)  # per-prompt statistics: group ids are the prompt ids
         history.append(r.mean().item())
         perm = torch.randperm(len(c))
-        if epoch % 5 == 0:  # the probe: JAGG's gradient against the exact one, per window, on 8 samples
+        if epoch % 5 == 0:  # the probe: JAGG's gradient against exact, per window, on 8 samples
             idx = perm[:8]
-            probe = jagg_probe.probe_segments(  # fns(i): the velocity_fns of the probe's samples i (two halves)
-                lambda i: (make_velocity_fn(model, c[idx[i]]), make_velocity_fn(ref, c[idx[i]])), model.parameters(),
-                traj.subset(idx), adv[idx], cfg, paper, train_batch=MINIBATCH)
-            # error_to_noise: JAGG's error over an optimizer step's own sampling noise (below ~0.1: lost
-            # in it; near 1: that window is better trained exactly, jagg_frac < 1 or a smaller WINDOW)
+
+            def fns(i):  # the velocity_fns (model, reference) of the probe's samples idx[i]
+                return make_velocity_fn(model, c[idx[i]]), make_velocity_fn(ref, c[idx[i]])
+            probe = jagg_probe.probe_segments(fns, model.parameters(), traj.subset(idx), adv[idx],
+                                              cfg, paper, train_batch=MINIBATCH)
+            # error_to_noise: JAGG's error over an optimizer step's own sampling noise (below
+            # ~0.1: lost in it; near 1: that window is better trained exactly, with
+            # jagg_frac < 1 or a smaller WINDOW)
             print(f"probe: cosine {[round(x, 3) for x in probe['cosine']]}, "
                   f"error_to_noise {[round(x, 3) for x in probe['error_to_noise']]}")
-        for idx in perm.split(MINIBATCH):  # minibatches: slice the trajectories AND their conditioning alike
+        for idx in perm.split(MINIBATCH):  # slice the trajectories AND their conditioning alike
             opt.zero_grad(set_to_none=True)
-            stats, routed = jagg.paper_gradients(make_velocity_fn(model, c[idx]), traj.subset(idx), adv[idx], cfg,
-                                                 WINDOW, ref_fn=make_velocity_fn(ref, c[idx]))  # adds to .grad
+            stats, routed = jagg.paper_gradients(  # adds the minibatch's gradient to .grad
+                make_velocity_fn(model, c[idx]), traj.subset(idx), adv[idx], cfg, WINDOW,
+                ref_fn=make_velocity_fn(ref, c[idx]))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-        print(f"epoch {epoch:2d}  reward {history[-1]:+.3f}  loss {stats['loss']:+.4f}  kl {stats['kl']:.4f}")
+        print(f"epoch {epoch:2d}  reward {history[-1]:+.3f}  loss {stats['loss']:+.4f}  "
+              f"kl {stats['kl']:.4f}")
     return history
+
 
 if __name__ == "__main__":
     main()

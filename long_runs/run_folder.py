@@ -118,7 +118,7 @@ def claim_folder(out, run_files, resume=False, overwrite=False, resume_command=N
 
 
 def release(lock):
-    """Free a folder claim_folder locked: its lock file emptied (no process id left), then closed."""
+    """Free a folder claim_folder locked: its lock file emptied (no process id left), closed."""
     lock.seek(0)
     lock.truncate()
     lock.close()
