@@ -28,7 +28,7 @@ PRESETS = {"mini": MINI,
                                    "--eval-samples", "96"]}
 
 
-# The mini task's rewards by their old train_sd.py names (the lab tools' --reward), as train_sd.py names them.
+# The lab tools' --reward short names for the mini task's rewards, and train_sd.py's module:function for each.
 REWARDS = {"shapes": "lab.mini_sd3:shapes_reward", "geneval": "lab.mini_sd3:geneval_reward",
            "cover": "lab.mini_sd3:cover_reward", "shapes_cover": "lab.mini_sd3:shapes_cover_reward"}
 
