@@ -147,7 +147,8 @@ def test_an_epoch_is_the_papers_loop_written_out(float64):
 
 @slow
 def test_short_grpo_run_raises_reward_for_both_methods(base_ckpt, tmp_path):
-    train_toy.main(quick(base_ckpt, tmp_path, "--epochs", "15"))
+    argv = quick(base_ckpt, tmp_path, "--epochs", "15")
+    train_toy.main(argv)
     top = json.load(open(tmp_path / "summary.json"))
     assert top["method"] == "compare"
     ex, jg = top["exact"], top["jagg"]
@@ -162,8 +163,7 @@ def test_short_grpo_run_raises_reward_for_both_methods(base_ckpt, tmp_path):
     for k in ("train", "grad"):
         assert top[f"{k}_speedup"] == pytest.approx(seconds["exact"][k] / seconds["jagg"][k])
     # both start from the base checkpoint's own evaluation, recomputed here from the file
-    args = train_toy.parse_args(quick(base_ckpt, tmp_path, "--epochs", "15"))
-    base_reward = train_toy.evaluate(toy_dit.load(base_ckpt), args)[0]
+    base_reward = train_toy.evaluate(toy_dit.load(base_ckpt), train_toy.parse_args(argv))[0]
     assert ex["initial_reward"] == jg["initial_reward"] == pytest.approx(base_reward, abs=1e-6)
     assert ex["grad_rows"] == 2 * jg["grad_rows"]  # JAGG: 2 of every 4 steps with grad
 
