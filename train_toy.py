@@ -288,6 +288,12 @@ def curve_picture(curves, size=(720, 400), box=(60, 40, 590, 350)):
 
 def main(argv=None):
     args = parse_args(argv)
+    # One thread: the toy's tensors are tiny, and on a busy 2-core machine two threads ran 25x slower
+    torch.set_num_threads(1)
+    try:  # the run's folder first, so that an unwritable --out ends here in one line, before any work
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: --out {args.out!r} cannot be made ({e.strerror}): give a folder you can write")
     print("config: " + json.dumps(asdict(args)))
     save_json(os.path.join(args.out, "config.json"), asdict(args))
     base = base_model(args)

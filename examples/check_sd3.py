@@ -4,8 +4,8 @@ pipeline before training with it.
     python examples/check_sd3.py --model PATH                     # an SD3 / SD3.5 pipeline folder
     python examples/check_sd3.py --model PATH --time-input sigma  # what a wrong time input gives
 
-Two checks, each a ValueError that names the problem. jagg_probe.check_velocity_fn: the shape,
-determinism and the step-major repeat of the conditioning. jagg_probe.check_against_pipeline:
+Two checks, each a ValueError that names the problem. checks.check_velocity_fn: the shape,
+determinism and the step-major repeat of the conditioning. checks.check_against_pipeline:
 velocity_fn rolled out without noise must end where StableDiffusion3Pipeline ends for the same
 noise, prompt embeddings and guidance; a wrong time convention (sigma where SD3 takes sigma * 1000,
 the time reversed, another shift) trains without any error, and only this check names it. For
@@ -19,8 +19,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jagg_probe  # noqa: E402
-import train_sd  # noqa: E402  (its SD3 velocity_fn, text encoding and sigmas)
+from beyond_paper import checks  # noqa: E402
+import train_sd  # noqa: E402  (its SD3 velocity_fn and text encoding)
+from diffusers_models import scheduler_sigmas  # noqa: E402  (this folder's recipes)
 
 PROMPTS = ["a photo of a cat sitting on a windowsill", "a lighthouse on a cliff at sunset"]
 
@@ -43,9 +44,10 @@ def main(argv=None):
     pipe = StableDiffusion3Pipeline.from_pretrained(args.model)
     pipe.set_progress_bar_config(disable=True)
     transformer = pipe.transformer.eval()
-    resolution = train_sd.default_resolution(pipe, transformer)
+    resolution = min(512, transformer.config.sample_size * pipe.vae_scale_factor)  # train_sd.py's default
+    h = resolution // pipe.vae_scale_factor
     cond, uncond = train_sd.encode(pipe, PROMPTS, "cpu")  # each (prompt_embeds, pooled)
-    noise = torch.randn(len(PROMPTS), *train_sd.latent_shape(pipe, transformer, resolution),
+    noise = torch.randn(len(PROMPTS), transformer.config.in_channels, h, h,
                         generator=torch.Generator().manual_seed(0))  # [B, C, h, w]
     fn = train_sd.make_velocity_fn(transformer, cond, uncond, args.guidance_scale, use_bf16=False)
     wrong = {"sigma*1000": lambda t: t, "sigma": lambda t: t / 1000, "1-sigma": lambda t: 1 - t}
@@ -54,10 +56,9 @@ def main(argv=None):
     def velocity_fn(z, t):  # [S, B, C, h, w], [S, B] -> [S, B, C, h, w]
         return fn(z, time_input(t))
 
-    cfg = train_sd.Config(model=args.model, num_steps=args.num_steps, sigma_schedule="scheduler")
-    sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler)  # [T + 1], the scheduler's own
+    sigmas = scheduler_sigmas(pipe.scheduler, args.num_steps)  # [T + 1], the scheduler's own
     with torch.no_grad():
-        jagg_probe.check_velocity_fn(velocity_fn, noise, sigmas)
+        checks.check_velocity_fn(velocity_fn, noise, sigmas)
         print("check_velocity_fn: passed (shape, determinism, conditioning repeated step-major)")
         latents = pipe(prompt_embeds=cond[0], pooled_prompt_embeds=cond[1],
                        negative_prompt_embeds=uncond[0], negative_pooled_prompt_embeds=uncond[1],
@@ -65,7 +66,7 @@ def main(argv=None):
                        num_inference_steps=args.num_steps, guidance_scale=args.guidance_scale,
                        output_type="latent").images  # [B, C, h, w]
         try:
-            error = jagg_probe.check_against_pipeline(velocity_fn, noise, sigmas, latents)
+            error = checks.check_against_pipeline(velocity_fn, noise, sigmas, latents)
         except ValueError as e:
             raise SystemExit(f"check_against_pipeline: {e}") from None
     print(f"check_against_pipeline: passed, relative difference {error:.1e} from the pipeline's "

@@ -1,8 +1,8 @@
 """velocity_fn recipes for the diffusers transformers people train with GRPO: what jagg.py needs
 from SD3 / SD3.5, Flux, Qwen-Image, Wan 2.1 / 2.2 and LTX-Video. tests/test_recipes.py builds each
-at a tiny random size, checks it with jagg_probe.check_velocity_fn, trains it exact and with JAGG,
+at a tiny random size, checks it with checks.check_velocity_fn, trains it exact and with JAGG,
 checks one window's JAGG gradient against explicit Jacobians, and checks with
-jagg_probe.check_against_pipeline that the recipe with scheduler_sigmas, rolled out at noise
+checks.check_against_pipeline that the recipe with scheduler_sigmas, rolled out at noise
 level 0, gives the final latents of the family's own diffusers pipeline (same latents, same
 embeddings, same guidance).
 
@@ -222,3 +222,24 @@ def wan_velocity_fn(transformer, prompt_embeds, negative_embeds=None, guidance_s
         return v.reshape(z.shape)  # [S, B, C, F, H, W]
 
     return velocity_fn
+
+
+# Wan 2.2 A14B's two experts in JAGG's windows. A window across the switch would interpolate
+# between two networks' Jacobians, exact under no condition: beyond_paper.options tiles each
+# network's steps on their own when given the steps where the second takes over,
+#     JaggOptions(window=4, boundaries=expert_boundaries(sigmas, pipe.config.boundary_ratio)).
+def expert_boundaries(sigmas, switch_sigma):
+    """JaggOptions.boundaries for a model with two experts: the first network runs the steps
+    whose sigma is >= switch_sigma, the second the others, as diffusers' WanPipeline does (its
+    transformer at timesteps >= boundary_ratio x 1000, so switch_sigma = boundary_ratio: Wan 2.2
+    A14B's 0.875 text-to-video, 0.9 image-to-video; a switch at timestep t_b of a model whose time
+    is sigma x 1000 is switch_sigma = t_b / 1000). sigmas: [T + 1], decreasing, the schedule
+    given to jagg.rollout (step k runs at sigmas[k]; the last entry runs no step). Returns (k,),
+    the second network's first step, or () when all T steps run one network. Training only a
+    trajectory's first n steps (first_steps), keep the boundaries below n."""
+    s = torch.as_tensor(sigmas, dtype=torch.float64).flatten()[:-1]  # the steps' sigmas [T]
+    if not (len(s) >= 1 and bool((s[1:] <= s[:-1]).all())):
+        raise ValueError("sigmas must be a decreasing schedule [T + 1] as given to rollout, "
+                         f"got {torch.as_tensor(sigmas).tolist()}")
+    k = int((s >= switch_sigma).sum())  # the steps of the first network: they come first
+    return (k,) if 0 < k < len(s) else ()

@@ -12,8 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
-import jagg_probe  # noqa: E402
+from beyond_paper import checks, options, probe  # noqa: E402
 
 T, NOISE_LEVEL, CFG_SCALE, GROUP, PROMPTS, MINIBATCH, WINDOW = 10, 0.7, 4.5, 8, 4, 16, 4
 
@@ -64,11 +63,11 @@ def main(epochs=20, seed=0):
     sigmas = jagg.sigma_schedule(T, shift=3.0)  # [T + 1]
     # Once, before training: v of z's shape, no dropout, and S steps at once equal S single steps
     # (the conditioning repeated as a block). A ValueError names the mistake and its fix.
-    jagg_probe.check_velocity_fn(make_velocity_fn(model, torch.arange(PROMPTS)),
+    checks.check_velocity_fn(make_velocity_fn(model, torch.arange(PROMPTS)),
                                  torch.randn(PROMPTS, 2), sigmas)
     # CONVENTION: the same noise_level for rollout and loss (the loss refuses a mismatch).
     cfg = jagg.LossConfig(noise_level=NOISE_LEVEL, clip_range=0.2, beta=0.04)
-    paper = jagg_options.JaggOptions(window=WINDOW)  # the paper's JAGG, as the probe names it
+    paper = options.JaggOptions(window=WINDOW)  # the paper's JAGG, as the probe names it
     history = []
     for epoch in range(epochs):
         c = torch.arange(PROMPTS).repeat_interleave(GROUP)  # [B]: GROUP samples per prompt
@@ -82,13 +81,13 @@ def main(epochs=20, seed=0):
 
             def fns(i):  # the velocity_fns (model, reference) of the probe's samples idx[i]
                 return make_velocity_fn(model, c[idx[i]]), make_velocity_fn(ref, c[idx[i]])
-            probe = jagg_probe.probe_segments(fns, model.parameters(), traj.subset(idx), adv[idx],
-                                              cfg, paper, train_batch=MINIBATCH)
+            measured = probe.probe_segments(fns, model.parameters(), traj.subset(idx), adv[idx],
+                                            cfg, paper, train_batch=MINIBATCH)
             # error_to_noise: JAGG's error over an optimizer step's own sampling noise (below
             # ~0.1: lost in it; near 1: that window is better trained exactly, with
             # jagg_frac < 1 or a smaller WINDOW)
-            print(f"probe: cosine {[round(x, 3) for x in probe['cosine']]}, "
-                  f"error_to_noise {[round(x, 3) for x in probe['error_to_noise']]}")
+            print(f"probe: cosine {[round(x, 3) for x in measured['cosine']]}, "
+                  f"error_to_noise {[round(x, 3) for x in measured['error_to_noise']]}")
         for idx in perm.split(MINIBATCH):  # slice the trajectories AND their conditioning alike
             opt.zero_grad(set_to_none=True)
             stats, routed = jagg.paper_gradients(  # adds the minibatch's gradient to .grad

@@ -30,15 +30,15 @@ def toy_batches(args):
 
 
 def draw_groups(pipe, transformer, cfg, prompts_all, n_prompts, group, generator, window_start=None):
-    """train_sd.py's rollouts for n_prompts prompts drawn from prompts_all, group samples each, at
+    """lab/sd_runner.py's rollouts for n_prompts prompts drawn from prompts_all, group samples each, at
     cfg's T, CFG and noise level (with window_start, an SDE window of cfg.sde_window steps there).
     Returns (prompt ids [B], prompts, traj, cond, uncond, images)."""
-    import train_sd
+    import sd_runner
 
     ids = torch.randint(len(prompts_all), (n_prompts,), generator=generator).repeat_interleave(group)  # [B]
     prompts = [prompts_all[i] for i in ids.tolist()]
-    sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler)
-    traj, cond, uncond, images = train_sd.sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16=False,
+    sigmas = sd_runner.sampling_sigmas(cfg, pipe.scheduler)
+    traj, cond, uncond, images = sd_runner.sample(pipe, transformer, prompts, cfg, sigmas, generator, use_bf16=False,
                                                  window_start=window_start)
     return ids, prompts, traj, cond, uncond, images
 
@@ -46,21 +46,21 @@ def draw_groups(pipe, transformer, cfg, prompts_all, n_prompts, group, generator
 def mini_batches(args, full_finetune=True, reward="shapes", group=4, cfg_grad="cond", global_std=False):
     """The same from the mini SD3 (CFG 4.5, T = 10, the shapes reward unless `reward` says
     otherwise): groups of `group` samples per prompt, the parameters full fine-tuning trains or,
-    with full_finetune=False, train_sd.py's LoRA (zero-initialised, so the same base model)."""
+    with full_finetune=False, lab/sd_runner.py's LoRA (zero-initialised, so the same base model)."""
     import presets
-    import train_sd
+    import sd_runner
 
     folder = presets.mini_pipeline() if args.model == "mini" else args.model
-    cfg = train_sd.parse(["--model", folder, "--prompts", presets.prompts_file(folder), "--reward",
+    cfg = sd_runner.parse(["--model", folder, "--prompts", presets.prompts_file(folder), "--reward",
                           presets.REWARDS.get(reward, reward), "--lora-rank", "0" if full_finetune else "32",
                           "--no-gradient-checkpointing", "--train-batch", str(args.batch), "--seed", str(args.seed)])
     pipe, transformer, cfg = presets.load(cfg, seed=args.seed)  # the seed: the LoRA's initialisation
-    prompts_all, reward_fn = train_sd.read_prompts(cfg), train_sd.load_reward(cfg.reward)
+    prompts_all, reward_fn = sd_runner.read_prompts(cfg), sd_runner.load_reward(cfg.reward)
     g = torch.Generator().manual_seed(args.seed)
     params = [p for p in transformer.parameters() if p.requires_grad]
     for _ in range(args.batches):
         ids, prompts, traj, cond, uncond, images = draw_groups(pipe, transformer, cfg, prompts_all, args.batch // group,
                                                                group, g)
-        adv = jagg.group_advantages(train_sd.rewards_of(reward_fn, images, prompts), ids, global_std=global_std)
-        fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, cfg_grad == "both")
+        adv = jagg.group_advantages(sd_runner.rewards_of(reward_fn, images, prompts), ids, global_std=global_std)
+        fn = sd_runner.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False, cfg_grad == "both")
         yield fn, params, traj, adv, cfg.num_steps

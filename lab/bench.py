@@ -18,13 +18,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
+from beyond_paper import options  # noqa: E402
 
 # The training modes the benchmarks compare, by name: (anchors, interior), every one of jagg_options'
 # combinations; every JAGG mode interpolates every segment (jagg_frac = 1). exact: None.
 TRAINING_MODES = {"exact": None, **{
-    jagg_options.JaggOptions(anchors=a, interior=i).mode_name(): (a, i)
-    for i, a in itertools.product(jagg_options.INTERIOR_MODES, jagg_options.ANCHOR_MODES)}}
+    options.JaggOptions(anchors=a, interior=i).mode_name(): (a, i)
+    for i, a in itertools.product(options.INTERIOR_MODES, options.ANCHOR_MODES)}}
 
 
 def bench_modes(max_graph_rows):
@@ -76,7 +76,7 @@ def timed_velocity_fn(velocity_fn, seconds, key_graph="fwd_graph", key_no_graph=
 
 def time_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None,
                    repeats=5):
-    """Is JAGG faster on YOUR model? The batch's gradient (jagg_options.window_gradients)
+    """Is JAGG faster on YOUR model? The batch's gradient (options.window_gradients)
     computed exactly (opts with jagg_frac 0) and with opts, each repeats times after a warm-up
     round, interleaved so that a shared machine's drift hits both alike. Returns {"exact": ...,
     "jagg": ...}, each {"backward_s": the seconds outside the network's forwards (the backward
@@ -94,7 +94,7 @@ def time_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocit
             if ref_velocity_fn is not None:
                 ref_fn = timed_velocity_fn(ref_velocity_fn, seconds, "fwd_ref", "fwd_ref")
             start = clock(device)
-            stats = jagg_options.window_gradients(fn, traj, advantages, cfg, method_opts, ref_fn)[0]
+            stats = options.window_gradients(fn, traj, advantages, cfg, method_opts, ref_fn)[0]
             step = clock(device) - start
             grad_rows[method] = stats["grad_rows"]
             return {"backward_s": step - sum(seconds.values()), "step_s": step}
@@ -157,7 +157,7 @@ def benchmark_window(velocity_fn, params, z, t, step_loss, repeats=5, warmup=1):
             return timings
         return run
 
-    out = interleaved_medians({"exact": timed_method(jagg.backward_exact), "jagg": timed_method(jagg_options.backward_jagg)}, repeats, warmup)
+    out = interleaved_medians({"exact": timed_method(jagg.backward_exact), "jagg": timed_method(options.backward_jagg)}, repeats, warmup)
     for p in params:
         p.grad = None
     return out
@@ -210,7 +210,7 @@ def mode_settings(name):
 
 def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
                          rollout_fn=None, modes=tuple(TRAINING_MODES), repeats=3, warmup=1):
-    """Time the gradient of one whole trajectory (jagg_options.window_gradients, as training runs it: the KL
+    """Time the gradient of one whole trajectory (options.window_gradients, as training runs it: the KL
     reference included when cfg.beta > 0) in each mode, and rollout_fn() if given, interleaved;
     medians. modes: names of TRAINING_MODES, or "<name>_rows<k>" with a bound on the rows in a
     graph (mode_settings). Returns {mode: {"train_s", "fwd_graph", "fwd_nograd", "fwd_ref",
@@ -231,13 +231,13 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
-            opts = jagg_options.JaggOptions(window, 0.0 if name == "exact" else 1.0, anchors=anchors, interior=interior,
+            opts = options.JaggOptions(window, 0.0 if name == "exact" else 1.0, anchors=anchors, interior=interior,
                                     max_graph_rows=max_graph_rows)
             fn = timed_velocity_fn(velocity_fn, timings)
             ref_fn = None
             if ref_velocity_fn is not None:
                 ref_fn = timed_velocity_fn(ref_velocity_fn, timings, "fwd_ref", "fwd_ref")
-            stats, _ = jagg_options.window_gradients(fn, traj, advantages, cfg, opts, ref_fn)
+            stats, _ = options.window_gradients(fn, traj, advantages, cfg, opts, ref_fn)
             if cuda:
                 torch.cuda.synchronize(device)
                 timings["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30

@@ -9,7 +9,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from long_runs import run_folder  # noqa: E402
+import run_folder  # noqa: E402
 
 COLORS = {"exact": (40, 90, 200), "jagg": (230, 120, 20), "base": (150, 150, 150)}
 PALETTE = [(40, 90, 200), (230, 120, 20), (40, 160, 80), (200, 50, 50), (140, 80, 180), (120, 120, 120),

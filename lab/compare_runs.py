@@ -1,8 +1,8 @@
 """Compare a finished JAGG run with a finished exact one trained with the same settings: the quality
 tables' way of training exact GRPO once per seed and every JAGG mode against it.
 
-    python train_sd.py $(python lab/presets.py mini) --method exact --seed 0 --out OUT/paper_seed0/exact
-    python train_sd.py $(python lab/presets.py mini) --method jagg --seed 0 --out OUT/paper_seed0/jagg
+    python lab/sd_runner.py $(python lab/presets.py mini) --method exact --seed 0 --out OUT/paper_seed0/exact
+    python lab/sd_runner.py $(python lab/presets.py mini) --method jagg --seed 0 --out OUT/paper_seed0/jagg
     python lab/compare_runs.py OUT/paper_seed0/exact OUT/paper_seed0/jagg --out OUT/paper_seed0 --final-evals 3
 
 writes OUT/paper_seed0/summary.json (what lab/summarize.py compare reads), with the final reward of each run the mean of its last --final-evals evaluations after epoch 0,
@@ -18,8 +18,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import train_sd  # noqa: E402
-from long_runs import run_folder  # noqa: E402
+import sd_runner  # noqa: E402
+import run_folder  # noqa: E402
 from charts import chart, compare_grid, save_png  # noqa: E402
 
 # Flags that change JAGG's run but not exact GRPO's, or only where a run writes: they may differ.
@@ -34,12 +34,12 @@ def load_run(folder, trained=True):
     from safetensors.torch import load_file
 
     summary = json.load(open(os.path.join(folder, "summary.json")))
-    cfg = train_sd.Config(**{k: v for k, v in summary["config"].items() if k in train_sd.Config.__dataclass_fields__})
+    cfg = sd_runner.Config(**{k: v for k, v in summary["config"].items() if k in sd_runner.Config.__dataclass_fields__})
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    pipe, transformer = train_sd.load_pipeline(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    pipe, transformer = sd_runner.load_pipeline(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if trained:
-        train_sd.load_weights(transformer, load_file(train_sd.weights_path(folder, cfg.lora_rank)))
-    return summary, cfg, (pipe, transformer, train_sd.sampling_sigmas(cfg, pipe.scheduler).to(device),
+        sd_runner.load_weights(transformer, load_file(sd_runner.weights_path(folder, cfg.lora_rank)))
+    return summary, cfg, (pipe, transformer, sd_runner.sampling_sigmas(cfg, pipe.scheduler).to(device),
                           device.type == "cuda")
 
 
@@ -75,8 +75,8 @@ def settings_check(ex, jg):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("exact", help="a finished train_sd.py --method exact run")
-    parser.add_argument("jagg", help="a finished train_sd.py --method jagg run with the same settings")
+    parser.add_argument("exact", help="a finished lab/sd_runner.py --method exact run")
+    parser.add_argument("jagg", help="a finished lab/sd_runner.py --method jagg run with the same settings")
     parser.add_argument("--out", required=True, help="where summary.json, samples.png and reward_curves.png go")
     parser.add_argument("--final-evals", type=int, default=1, help="the final reward: the mean of the last N evaluations")
     parser.add_argument("--no-samples", action="store_true", help="skip samples.png (it redraws three evaluations)")
@@ -114,18 +114,18 @@ def draw_samples(args, ex, jg):
     columns = {}
     for name, folder, trained in (("base", args.exact, False), ("exact", args.exact, True), ("jagg", args.jagg, True)):
         summary, cfg, (pipe, transformer, sigmas, use_bf16) = load_run(folder, trained)
-        cfg = train_sd.dataclasses.replace(cfg, resolution=cfg.resolution or min(
+        cfg = sd_runner.dataclasses.replace(cfg, resolution=cfg.resolution or min(
             512, transformer.config.sample_size * pipe.vae_scale_factor))
-        prompts = train_sd.evaluation_prompts(cfg, train_sd.read_prompts(cfg))
-        images, rewards = train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas,
-                                                   train_sd.load_reward(cfg.reward), use_bf16,
-                                                   train_sd.evaluation_seed(cfg))
+        prompts = sd_runner.evaluation_prompts(cfg, sd_runner.read_prompts(cfg))
+        images, rewards = sd_runner.draw_evaluation(pipe, transformer, prompts, cfg, sigmas,
+                                                   sd_runner.load_reward(cfg.reward), use_bf16,
+                                                   sd_runner.evaluation_seed(cfg))
         epoch, recorded = summary["eval_curve"][-1 if trained else 0]
         if abs(rewards.mean().item() - recorded) > 1e-4:
             print(f"note: {name}'s redrawn evaluation scores {rewards.mean().item():.4f}, the run recorded "
                   f"{recorded:.4f} (another machine or thread count?); samples.png shows the redrawn one")
         columns[name if not trained else f"{name} (epoch {epoch})"] = (images, rewards.tolist())
-    n = min(len(prompts), len(train_sd.read_prompts(cfg)))  # 12 samples spread over the prompt list
+    n = min(len(prompts), len(sd_runner.read_prompts(cfg)))  # 12 samples spread over the prompt list
     shown = sorted({i * n // min(12, n) for i in range(min(12, n))})
     grid = compare_grid([prompts[i] for i in shown], {name: ([ims[i] for i in shown], [r[i] for i in shown])
                                                       for name, (ims, r) in columns.items()})

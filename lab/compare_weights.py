@@ -5,7 +5,7 @@ default) or by step index (the authors' early code)? The fidelity probe on the s
     python lab/compare_weights.py mini           # the mini SD3 of lab/mini_sd3_pipeline.py (cached)
 
 For each model: rollouts from the base model (T and the schedule its script trains with, W = 4),
-then jagg_probe.gradient_cosines, the cosine of JAGG's gradient to the exact one per window, with
+then probe.gradient_cosines, the cosine of JAGG's gradient to the exact one per window, with
 weights="time" and weights="index" on identical batches, averaged over --batches batches.
 Prints a markdown table and writes it as JSON to --out.
 """
@@ -19,10 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
-import jagg_probe  # noqa: E402
+from beyond_paper import options, probe  # noqa: E402
 from base_batches import mini_batches, toy_batches  # noqa: E402
-from long_runs.run_folder import write_json  # noqa: E402
+from run_folder import write_json  # noqa: E402
 
 
 def main(argv=None):
@@ -38,12 +37,12 @@ def main(argv=None):
     if args.batch % 4 or args.batch < 4:
         parser.error(f"--batch must be a positive multiple of 4 (groups of 4 samples), got {args.batch}")
     loss_cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    sums = {(a, w): None for a in ("window", "shared") for w in jagg_options.WEIGHTS}
+    sums = {(a, w): None for a in ("window", "shared") for w in options.WEIGHTS}
     batches = toy_batches(args) if args.model_kind == "toy" else mini_batches(args)
     for fn, params, traj, adv, T in batches:
         for anchors, weights in sums:
-            cos = jagg_probe.gradient_cosines(fn, params, traj, adv, loss_cfg,
-                                        jagg_options.JaggOptions(args.window, anchors=anchors, weights=weights))
+            cos = probe.gradient_cosines(fn, params, traj, adv, loss_cfg,
+                                        options.JaggOptions(args.window, anchors=anchors, weights=weights))
             sums[anchors, weights] = cos if sums[anchors, weights] is None else [s + c for s, c in zip(sums[anchors, weights], cos)]
     result = {f"{a}/{w}": [s / args.batches for s in v] for (a, w), v in sums.items()}
     print(f"{args.model_kind}: probe cosine to the exact gradient per segment (T = {T}, W = {args.window}, "

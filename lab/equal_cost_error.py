@@ -31,11 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
-import jagg_probe  # noqa: E402
+from beyond_paper import options, probe  # noqa: E402
 import bench  # noqa: E402
 from offpolicy_error import MiniTask, ToyTask, train_exact  # noqa: E402
-from long_runs.run_folder import write_json  # noqa: E402
+from run_folder import write_json  # noqa: E402
 from stats import mean_interval  # noqa: E402
 from toy_baselines import first_steps_gradients, subset_gradients  # noqa: E402
 
@@ -52,8 +51,8 @@ def methods(T, params=None, W=4):
     def jagg_w(window):
         def gradient(batch, cfg, g):
             fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
-            opts = jagg_options.JaggOptions(window, 1.0)
-            return jagg_options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn)
+            opts = options.JaggOptions(window, 1.0)
+            return options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn)
         return gradient
 
     def random(k):
@@ -73,15 +72,15 @@ def methods(T, params=None, W=4):
         return gradient
 
     def routed(frac, how):  # jagg_frac < 1 at W: which windows JAGG takes, by how
-        opts = jagg_options.JaggOptions(W, frac, route="probe" if how == "cosine" else how)
+        opts = options.JaggOptions(W, frac, route="probe" if how == "cosine" else how)
 
         def gradient(batch, cfg, g):
             fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
-            ranks = None  # velocity: jagg.linearity_score, free; early / late: fixed schedules
+            cosines = None  # velocity: jagg.linearity_score, free; early / late: fixed schedules
             if how == "cosine":  # an oracle: this batch's own per-window cosines to exact
-                exact_opts = jagg_options.JaggOptions(W)
-                ranks = jagg_probe.gradient_cosines(fn, params, batch.traj, batch.adv, cfg, exact_opts, ref_fn)
-            return jagg_options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn, ranks)
+                exact_opts = options.JaggOptions(W)
+                cosines = probe.gradient_cosines(fn, params, batch.traj, batch.adv, cfg, exact_opts, ref_fn)
+            return options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn, cosines)
         return gradient
 
     out = {"jagg_w4": jagg_w(4), f"random{k4}": random(k4), f"first{k4}": first(k4)}
@@ -98,7 +97,7 @@ def flat_gradient(task, gradient, batch, g):
     for p in task.params:
         p.grad = None
     gradient(batch, task.loss_cfg, g)
-    out = jagg_probe.flat_grad(task.params)
+    out = probe.flat_grad(task.params)
     for p in task.params:
         p.grad = None
     return out
@@ -106,7 +105,7 @@ def flat_gradient(task, gradient, batch, g):
 
 def exact_gradient(batch, cfg, g):
     fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
-    return jagg_options.window_gradients(fn, batch.traj, batch.adv, cfg, jagg_options.JaggOptions(2, 0.0), ref_fn)
+    return options.window_gradients(fn, batch.traj, batch.adv, cfg, options.JaggOptions(2, 0.0), ref_fn)
 
 
 def measure(task, sizes, batches, generator):
@@ -144,7 +143,7 @@ def timing(task, size, repeats, generator):
             batch = task.draw(size, generator, where)
             if W is not None:  # the window's steps by JAGG at W, or exactly (W = None)
                 fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
-                jagg_options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, jagg_options.JaggOptions(W),
+                options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, options.JaggOptions(W),
                                               ref_fn)
             else:
                 flat_gradient(task, gradient, batch, generator)

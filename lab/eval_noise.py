@@ -5,7 +5,7 @@
     python lab/eval_noise.py OUT/paper_seed0/exact OUT/paper_seed0/jagg OUT/shared_seed0/jagg --out seed0.json
         # then lab/summarize.py paired seed*.json: how much of JAGG - exact's spread is the evaluation's
 
-A train_sd.py run evaluates with one fixed noise draw per sample (--seed's), the same at every
+A lab/sd_runner.py run evaluates with one fixed noise draw per sample (--seed's), the same at every
 epoch, so the spread of its last evaluations is the model's drift between epochs, not the error
 of the evaluation. This tool loads each finished run's final weights (and the base model, from the
 first run's settings) and draws the run's evaluation --draws more times, each with its own noise
@@ -30,14 +30,14 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from long_runs.run_folder import write_json  # noqa: E402
+from run_folder import write_json  # noqa: E402
 
-NOISE_SEED = 7_000_000  # draw k uses NOISE_SEED + k: far from train_sd.py's seed + 12345 for any usual --seed
+NOISE_SEED = 7_000_000  # draw k uses NOISE_SEED + k: far from lab/sd_runner.py's seed + 12345 for any usual --seed
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("runs", nargs="+", help="finished single train_sd.py runs (a folder with summary.json and the "
+    parser.add_argument("runs", nargs="+", help="finished single lab/sd_runner.py runs (a folder with summary.json and the "
                                                 "saved weights: a compare's DIR/exact or DIR/jagg)")
     parser.add_argument("--draws", type=int, default=4, help="independent noise draws per model (>= 2)")
     parser.add_argument("--no-base", action="store_true", help="skip the base model (the first run's settings, untrained)")
@@ -48,14 +48,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.draws < 2:
         parser.error(f"--draws must be at least 2 for a standard deviation, got {args.draws}")
-    import train_sd
+    import sd_runner
     from compare_runs import load_run
 
     for run in args.runs:
         if not os.path.isfile(os.path.join(run, "summary.json")):
             parser.error(f"{run!r} holds no finished run (no summary.json); give a compare's DIR/exact or DIR/jagg")
         with open(os.path.join(run, "summary.json")) as f:
-            weights = train_sd.weights_path(run, json.load(f)["config"]["lora_rank"])
+            weights = sd_runner.weights_path(run, json.load(f)["config"]["lora_rank"])
         if not os.path.isfile(weights):
             parser.error(f"{run!r} has no saved weights ({weights})")
 
@@ -66,8 +66,8 @@ def main(argv=None):
                desc="evaluations", dynamic_ncols=True)
     for name, folder, trained in models:
         summary, cfg, (pipe, transformer, sigmas, use_bf16) = load_run(folder, trained=trained)
-        prompts = train_sd.evaluation_prompts(cfg, train_sd.read_prompts(cfg))
-        reward_fn = train_sd.load_reward(cfg.reward, sigmas.device)
+        prompts = sd_runner.evaluation_prompts(cfg, sd_runner.read_prompts(cfg))
+        reward_fn = sd_runner.load_reward(cfg.reward, sigmas.device)
         fixed = summary["eval_curve"][0 if not trained else -1][1]
         old = kept.get(name, {})
         if old and (old.get("eval_samples"), old.get("fixed_noise_eval")) != (cfg.eval_samples, fixed):
@@ -78,7 +78,7 @@ def main(argv=None):
             old = {}
         means, strict = list(old.get("draws", [])), list(old.get("strict_draws", []))
         for k in range(len(means), args.draws):
-            images, rewards = train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
+            images, rewards = sd_runner.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, reward_fn, use_bf16,
                                                        args.noise_seed + k)
             means.append(rewards.mean().item())
             if hasattr(reward_fn, "eval_metrics"):  # the GenEval-like reward's strict accuracy

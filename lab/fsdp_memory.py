@@ -6,7 +6,7 @@ mode's activations saved for backward, for one training step of the reduced SD3 
 
     torchrun --standalone --nproc_per_node=8 lab/fsdp_memory.py --size sd35-medium --out runs/fsdp_gpu   # GPUs
 
-Every weight is trained (full fine-tuning, AdamW), sharded with train_sd.py's shard_transformer.
+Every weight is trained (full fine-tuning, AdamW), sharded with lab/sd_runner.py's shard_transformer.
 On GPUs each rank takes its own (LOCAL_RANK) and the peak memory per mode is recorded too.
 The state figures are the bytes this rank holds (its shards); the activations are
 bench.saved_bytes_peak's (bytes saved for backward at the step's peak, weights left out),
@@ -25,11 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
-from long_runs import grpo_step  # noqa: E402
+from beyond_paper import options  # noqa: E402
+import grpo_step  # noqa: E402
 from bench import TRAINING_MODES, mode_settings, saved_bytes_peak  # noqa: E402
-from long_runs.grpo_step import init_distributed  # noqa: E402
-from long_runs.run_folder import write_json  # noqa: E402
+from grpo_step import init_distributed  # noqa: E402
+from run_folder import write_json  # noqa: E402
 from sd_benchmark import SD3_CONFIGS  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def local_bytes(tensors):
 
 
 def measure(args):
-    import train_sd
+    import sd_runner
     from diffusers import SD3Transformer2DModel
 
     rank, world = init_distributed(always=True)
@@ -49,12 +49,12 @@ def measure(args):
     torch.set_default_device(device)
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(**SD3_CONFIGS[args.size])
-    train_sd.shard_transformer(transformer)
+    sd_runner.shard_transformer(transformer)
     params = list(transformer.parameters())
     tc, B, T, W = transformer.config, 2, 10, 4
     cond = (torch.randn(B, 77, tc.joint_attention_dim), torch.randn(B, tc.pooled_projection_dim))
     uncond = (torch.zeros_like(cond[0]), torch.zeros_like(cond[1]))
-    velocity_fn = train_sd.make_velocity_fn(transformer, cond, uncond, 4.5, use_bf16=False)
+    velocity_fn = sd_runner.make_velocity_fn(transformer, cond, uncond, 4.5, use_bf16=False)
     g = torch.Generator(device=device).manual_seed(rank)
     traj = jagg.rollout(velocity_fn, torch.randn(B, tc.in_channels, tc.sample_size, tc.sample_size, generator=g),
                         jagg.sigma_schedule(T), 0.7, generator=g).first_steps(9)
@@ -63,12 +63,12 @@ def measure(args):
     saved, peak = {}, {}
     for name in TRAINING_MODES:
         anchors, interior, rows = mode_settings(name)
-        opts = jagg_options.JaggOptions(W, 0.0 if name == "exact" else 1.0, anchors=anchors, interior=interior,
+        opts = options.JaggOptions(W, 0.0 if name == "exact" else 1.0, anchors=anchors, interior=interior,
                                         max_graph_rows=rows)
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        saved[name] = saved_bytes_peak(lambda: jagg_options.window_gradients(velocity_fn, traj, adv, cfg, opts))
+        saved[name] = saved_bytes_peak(lambda: options.window_gradients(velocity_fn, traj, adv, cfg, opts))
         if device.type == "cuda":  # what the GPU held at the peak, weights and all
             peak[name] = torch.cuda.max_memory_allocated(device)
     grads = local_bytes([p.grad for p in params if p.grad is not None])

@@ -5,7 +5,7 @@
 # rows in a graph (--max-graph-rows 2), in three configurations:
 #   full   every weight trained, no gradient checkpointing, B = 4, at W = 4 and W = 8 (the README's earlier table)
 #   lora   Flow-GRPO's setting: LoRA rank 32 (alpha 64) on the attention, no checkpointing, its train batch of 9, W = 4
-#   lora_ckpt  the same with gradient checkpointing (train_sd.py's training default), W = 4
+#   lora_ckpt  the same with gradient checkpointing (lab/sd_runner.py's training default), W = 4
 # and on a machine with more than one GPU, FSDP over all of them (lab/fsdp_memory.py).
 #
 #   lab/gpu_benchmark.sh [OUT] [more lab/sd_benchmark.py flags]    # writes OUT/<config>_w<W> (default runs/gpu_bench)

@@ -4,10 +4,10 @@
 # 0.04) and, for geneval, the LoRA and global std that let exact GRPO raise it on the CPU
 # (lab/reports/mini_sd3.md; full fine-tuning lowers it), with more samples and epochs than a CPU
 # affords: 16 prompts x 8 samples per epoch in optimizer steps of 32, the seeds side by side (the
-# mini transformer leaves a large GPU mostly idle), in bf16 autocast (train_sd.py's on a GPU; before the
+# mini transformer leaves a large GPU mostly idle), in bf16 autocast (lab/sd_runner.py's on a GPU; before the
 # layout change this script ran fp32). Not yet run on a GPU.
 #
-#   lab/gpu_mini_quality.sh [OUT] [EPOCHS] [more train_sd.py flags]   # default runs/gpu_mini, 40
+#   lab/gpu_mini_quality.sh [OUT] [EPOCHS] [more lab/sd_runner.py flags]   # default runs/gpu_mini, 40
 #   REWARD=darkness lab/gpu_mini_quality.sh ...                        # the reward (default geneval)
 #   SEEDS="0 1 2 3 4" JOBS=10 lab/gpu_mini_quality.sh ...              # the seeds (default 0-19: the
 #                                                                        # CPU tables' spread asks for 15-90; geneval's
@@ -49,9 +49,9 @@ preset_flags=$(python3 lab/presets.py "$preset")  # pretrains the mini SD3 once,
 every=$(( epochs >= 10 ? epochs / 10 : 1 ))
 reward=${REWARD:-geneval}
 [ "$reward" = geneval ] || preset_flags="$preset_flags --reward $reward"
-run() {  # DIR FLAGS...: one train_sd.py compare or exact run
+run() {  # DIR FLAGS...: one lab/sd_runner.py compare or exact run
   local dir=$1; shift
-  python3 train_sd.py $preset_flags --train-batch 32 --prompts-per-epoch 16 --group-size 8 --epochs "$epochs" \
+  python3 lab/sd_runner.py $preset_flags --train-batch 32 --prompts-per-epoch 16 --group-size 8 --epochs "$epochs" \
     --eval-every "$every" --eval-samples 192 --probe-every "$every" --window 4 --out "$dir" "$@" > "$dir.log" 2>&1
   tail -n 2 "$dir.log"
 }

@@ -1,10 +1,10 @@
 """How much of a batch's policy gradient is signal, and how much of that signal JAGG keeps.
 
     python lab/gradient_signal.py toy                       # the toy DiT of train_toy.py
-    python lab/gradient_signal.py mini --batch 32 --group 8 # the mini SD3, train_sd.py's LoRA
+    python lab/gradient_signal.py mini --batch 32 --group 8 # the mini SD3, lab/sd_runner.py's LoRA
     python lab/gradient_signal.py mini --anchors shared --interior rollout
 
-The fidelity probe (jagg_probe.gradient_cosines) compares JAGG's gradient to the exact one on the
+The fidelity probe (probe.gradient_cosines) compares JAGG's gradient to the exact one on the
 same rollouts. That says how close the two are, not whether the difference matters: GRPO's
 gradient is a Monte-Carlo estimate, and on a batch of a few dozen samples it can be mostly
 noise. This tool draws --batches independent batches from the base model (the same sampler,
@@ -42,9 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
-import jagg_probe  # noqa: E402
-from long_runs.run_folder import write_json  # noqa: E402
+from beyond_paper import options, probe  # noqa: E402
+from run_folder import write_json  # noqa: E402
 from base_batches import mini_batches, toy_batches  # noqa: E402
 
 
@@ -53,8 +52,8 @@ def batch_gradients(fn, params, traj, adv, loss_cfg, window, jagg_frac, **mode):
     JAGG on every window (jagg_frac 1)."""
     for p in params:
         p.grad = None
-    jagg_options.window_gradients(fn, traj, adv, loss_cfg, jagg_options.JaggOptions(window, jagg_frac, **mode))
-    g = jagg_probe.flat_grad(params)
+    options.window_gradients(fn, traj, adv, loss_cfg, options.JaggOptions(window, jagg_frac, **mode))
+    g = probe.flat_grad(params)
     for p in params:
         p.grad = None
     return g
@@ -105,13 +104,13 @@ def main(argv=None):
     parser.add_argument("--model", default="mini", help="for mini: a saved mini pipeline folder, or mini (the cached one)")
     parser.add_argument("--window", type=int, default=4, help="W")
     parser.add_argument("--anchors", choices=["window", "shared"], default="window", help="JAGG's anchors")
-    parser.add_argument("--interior", choices=list(jagg_options.INTERIOR_MODES), default="forward", help="JAGG's interiors")
+    parser.add_argument("--interior", choices=list(options.INTERIOR_MODES), default="forward", help="JAGG's interiors")
     parser.add_argument("--batches", type=int, default=6, help="independent batches (>= 3 for a spread)")
     parser.add_argument("--batch", type=int, default=32, help="samples per batch")
     parser.add_argument("--group", type=int, default=8, help="mini: samples per prompt in a batch (a divisor of --batch)")
-    parser.add_argument("--reward", default="shapes", help="mini: train_sd.py's --reward (shapes, cover, ...)")
+    parser.add_argument("--reward", default="shapes", help="mini: lab/sd_runner.py's --reward (shapes, cover, ...)")
     parser.add_argument("--full-finetune", action="store_true", help="mini: every transformer weight instead of the LoRA")
-    parser.add_argument("--cfg-grad", choices=["cond", "both"], default="cond", help="mini: the CFG gradient through the conditional branch (train_sd.py's) or both")
+    parser.add_argument("--cfg-grad", choices=["cond", "both"], default="cond", help="mini: the CFG gradient through the conditional branch (lab/sd_runner.py's) or both")
     parser.add_argument("--global-std", action="store_true", help="mini: advantages by the std of all rewards")
     parser.add_argument("--seed", type=int, default=0, help="seed of the rollouts")
     parser.add_argument("--out", default="", help="JSON file (default runs/gradient_signal_<model>.json)")

@@ -1,17 +1,17 @@
-"""Check the GRPO loop of train_sd.py on a model, part by part, before trusting any reward curve.
+"""Check the GRPO loop of lab/sd_runner.py on a model, part by part, before trusting any reward curve.
 
     python lab/loop_check.py                         # the mini SD3 (cached), the darkness reward
     python lab/loop_check.py --reward shapes --prompts-per-batch 8
 
 A loop that cannot raise an easy reward fails in one of a few places. This tool measures each
-on fresh rollouts from the model, with train_sd.py's own functions:
+on fresh rollouts from the model, with lab/sd_runner.py's own functions:
 
 - on-policy: the log-probability of each sampled transition recomputed in training mode (dropout
   and the like switched as training switches them) against the sampler's; the first ratio of a
   batch must be 1 (max |log ratio| ~ 1e-6 in fp32).
 - exploration: how much a group's rewards differ (the mean within-group standard deviation) for
   guidance scales and SDE noise levels; GRPO learns only from these differences.
-- the step: one optimizer step of train_sd.py's training (exact GRPO, the flags below) and how
+- the step: one optimizer step of lab/sd_runner.py's training (exact GRPO, the flags below) and how
   far it moves the policy: the relative change of the velocity on the batch, the log-ratio of the
   sampled transitions after the step, and how much it moved toward the samples with positive
   advantage (the advantage-weighted change of their log-probabilities).
@@ -37,11 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
-import train_sd  # noqa: E402
-from long_runs import grpo_step  # noqa: E402
+from beyond_paper import options  # noqa: E402
+import sd_runner  # noqa: E402
+import grpo_step  # noqa: E402
 from base_batches import draw_groups  # noqa: E402
-from long_runs.run_folder import write_json  # noqa: E402
+from run_folder import write_json  # noqa: E402
 
 
 def rollouts(pipe, transformer, cfg, prompts_all, args, g):
@@ -72,8 +72,8 @@ def policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args):
     transformer.eval()
     ids, prompts, traj, cond, uncond, images = rollouts(pipe, transformer, cfg, prompts_all, args, g)
     adv = jagg.group_advantages(reward_fn(images, prompts), ids)
-    fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False)
-    ref_fn = train_sd.make_ref_velocity_fn(transformer, ref, cond, uncond, cfg.guidance_scale, False) if cfg.beta else None
+    fn = sd_runner.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, False)
+    ref_fn = sd_runner.make_ref_velocity_fn(transformer, ref, cond, uncond, cfg.guidance_scale, False) if cfg.beta else None
     loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
     transformer.train()
 
@@ -86,9 +86,9 @@ def policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args):
 
     before, v0 = log_ratio_and_v()
     params = [p for p in transformer.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=train_sd.FIXED["weight_decay"])
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=sd_runner.FIXED["weight_decay"])
     stats, _ = grpo_step.train_step(fn, opt, traj, adv, loss_cfg, cfg.jagg_options("exact"), ref_velocity_fn=ref_fn, params=params,
-                               max_grad_norm=train_sd.FIXED["max_grad_norm"])
+                               max_grad_norm=sd_runner.FIXED["max_grad_norm"])
     after, v1 = log_ratio_and_v()
     # the direction GRPO wants: samples with positive advantage more likely, negative less
     want = (after * adv).mean().item() - (before * adv).mean().item()
@@ -102,7 +102,7 @@ def policy_step(pipe, transformer, ref, cfg, prompts_all, reward_fn, args):
 
 
 def both_branches_velocity_fn(transformer, cond, uncond, scale):
-    """train_sd.make_velocity_fn (fp32) with graph through both guidance branches, as Flow-GRPO's
+    """sd_runner.make_velocity_fn (fp32) with graph through both guidance branches, as Flow-GRPO's
     first release: the exact derivative s J_c - (s - 1) J_u of the guided velocity."""
     def velocity_fn(z, t):
         S, x = t.shape[0], z.flatten(0, 1)  # [S*B, C, H, W]
@@ -120,9 +120,9 @@ def pathwise_darkness_gradient(pipe, transformer, params, cfg, prompts, g):
     """The gradient of the batch's mean darkness by differentiating through the sampler and the VAE
     decoder (the reparameterised SDE: fixed noise, the states a function of the parameters). An
     estimate of the same gradient GRPO's score-function estimate targets, with far less noise."""
-    cond, uncond = train_sd.encode(pipe, prompts, "cpu")
+    cond, uncond = sd_runner.encode(pipe, prompts, "cpu")
     fn = both_branches_velocity_fn(transformer, cond, uncond, cfg.guidance_scale)
-    sigmas = train_sd.sampling_sigmas(cfg, pipe.scheduler)
+    sigmas = sd_runner.sampling_sigmas(cfg, pipe.scheduler)
     C, h = pipe.transformer.config.in_channels, cfg.resolution // pipe.vae_scale_factor
     z = torch.randn(len(prompts), C, h, h, generator=g)  # [B, C, h, w]
     for k in range(cfg.num_steps):
@@ -131,7 +131,7 @@ def pathwise_darkness_gradient(pipe, transformer, params, cfg, prompts, g):
     vae = pipe.vae
     x = vae.decode(z / vae.config.scaling_factor + (vae.config.shift_factor or 0.0), return_dict=False)[0]
     rgb = (x.clamp(-1, 1) + 1) / 2  # [B, 3, H, W] in [0, 1]
-    darkness = 1 - (0.299 * rgb[:, 0] + 0.587 * rgb[:, 1] + 0.114 * rgb[:, 2]).mean()  # train_sd.darkness, smooth
+    darkness = 1 - (0.299 * rgb[:, 0] + 0.587 * rgb[:, 1] + 0.114 * rgb[:, 2]).mean()  # sd_runner.darkness, smooth
     return torch.cat([gr.flatten() for gr in torch.autograd.grad(darkness, params)])
 
 
@@ -150,7 +150,7 @@ def direction(pipe, transformer, cfg, prompts_all, reward_fn, args):
         fn = both_branches_velocity_fn(transformer, cond, uncond, cfg.guidance_scale)
         for p in params:
             p.grad = None
-        jagg_options.window_gradients(fn, traj, adv, loss_cfg, cfg.jagg_options("exact"))
+        options.window_gradients(fn, traj, adv, loss_cfg, cfg.jagg_options("exact"))
         grpo.append(-torch.cat([p.grad.flatten() for p in params]))
         for p in params:
             p.grad = None
@@ -175,8 +175,8 @@ def vae_reach(pipe, factors=(1.0, 0.75, 0.5, 0.25)):
         arr = np.stack([np.asarray(im, dtype=np.float32) * f for im in images]).round()  # [N, H, W, 3]
         x = torch.tensor(arr).permute(0, 3, 1, 2) / 127.5 - 1
         lat = (vae.encode(x).latent_dist.mean - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
-        dark_in = np.mean([train_sd.darkness(Image.fromarray(a.astype(np.uint8))) for a in arr])
-        dark_out = np.mean([train_sd.darkness(im) for im in train_sd.decode(pipe, lat)])
+        dark_in = np.mean([sd_runner.darkness(Image.fromarray(a.astype(np.uint8))) for a in arr])
+        dark_out = np.mean([sd_runner.darkness(im) for im in sd_runner.decode(pipe, lat)])
         rows.append({"brightness": f, "darkness_in": float(dark_in), "darkness_after_vae": float(dark_out)})
     return rows
 
@@ -184,14 +184,14 @@ def vae_reach(pipe, factors=(1.0, 0.75, 0.5, 0.25)):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mini", help="a saved SD3 pipeline folder, or mini (the cached mini SD3)")
-    parser.add_argument("--reward", default="darkness", help="train_sd.py's --reward, or the mini task's shapes, "
+    parser.add_argument("--reward", default="darkness", help="lab/sd_runner.py's --reward, or the mini task's shapes, "
                                                                "geneval, cover, shapes_cover")
     parser.add_argument("--prompts-per-batch", type=int, default=4, help="prompts per rollout batch")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--guidance-scales", type=float, nargs="+", default=[4.5, 1.0], help="CFG scales to explore with")
     parser.add_argument("--noise-levels", type=float, nargs="+", default=[0.7, 1.0], help="SDE noise levels to explore with")
     parser.add_argument("--train", nargs="+", default=["lora:1e-3", "full:3e-4"],
-                        help="what one optimizer step trains, as KIND:LR with KIND lora (train_sd.py's) or full")
+                        help="what one optimizer step trains, as KIND:LR with KIND lora (lab/sd_runner.py's) or full")
     parser.add_argument("--direction-batches", type=int, default=3,
                         help="independent batches for the direction check (darkness only; 0: skip it)")
     parser.add_argument("--beta", type=float, default=0.04, help="KL weight of the step")
@@ -206,19 +206,19 @@ def main(argv=None):
     import presets
 
     folder = presets.mini_pipeline() if args.model == "mini" else args.model
-    base = train_sd.parse(["--model", folder, "--prompts", presets.prompts_file(folder), "--reward",
+    base = sd_runner.parse(["--model", folder, "--prompts", presets.prompts_file(folder), "--reward",
                            presets.REWARDS.get(args.reward, args.reward), "--no-gradient-checkpointing", "--seed",
                            str(args.seed), "--train-batch", str(args.prompts_per_batch * args.group), "--beta",
                            str(args.beta), "--clip-range", "0.2", "--guidance-scale", str(args.guidance_scale)])
-    reward = train_sd.load_reward(base.reward)
-    reward_fn = lambda images, prompts: train_sd.rewards_of(reward, images, prompts)  # noqa: E731
+    reward = sd_runner.load_reward(base.reward)
+    reward_fn = lambda images, prompts: sd_runner.rewards_of(reward, images, prompts)  # noqa: E731
     result = {}
 
     for spec in args.train:
         kind, _, lr = spec.partition(":")
         cfg = dataclasses.replace(base, lora_rank=0 if kind == "full" else base.lora_rank, lr=float(lr))
         pipe, transformer, cfg = presets.load(cfg, seed=args.seed)
-        prompts_all = train_sd.read_prompts(cfg)
+        prompts_all = sd_runner.read_prompts(cfg)
         if "exploration" not in result:
             result["exploration"] = exploration(pipe, transformer, cfg, prompts_all, reward_fn, args)
             result["vae_reach"] = vae_reach(pipe) if args.model == "mini" else []

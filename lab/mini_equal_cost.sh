@@ -20,7 +20,7 @@ parallel=${P:-1}
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 preset=$(python3 lab/presets.py mini)  # pretrains the mini SD3 once (about 10 minutes)
 mkdir -p "$out"
-sd="train_sd.py $preset"
+sd="lab/sd_runner.py $preset"
 random="lab/sd_baselines.py"
 modes=(  # name|command before its flags; the folders are OUT/<name>/seed<S>
   "exact|$sd --method exact"

@@ -63,7 +63,7 @@ lr_control=${LR_CONTROL:-}
 seeds=${SEEDS:-0 1 2 3 4}  # SEEDS="0 1 ... 19" lab/mini_quality.sh ...: more seeds, a narrower interval
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 preset_flags=$(python3 lab/presets.py "$preset")  # pretrains the mini SD3 once, before the runs share it
-run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished before, continued where it stopped short
+run() {  # DIR FLAGS...: one lab/sd_runner.py run, skipped where it has finished before, continued where it stopped short
   local dir=$1; shift
   local done resume=()
   done=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["config"]["epochs"])' "$dir/summary.json" \
@@ -71,7 +71,7 @@ run() {  # DIR FLAGS...: one train_sd.py run, skipped where it has finished befo
   [ "$done" -ge "$epochs" ] && { [ "$done" -gt "$epochs" ] && echo "note: $dir has $done epochs, kept"; return 0; }
   [ -f "$dir/checkpoint.pt" ] && resume=(--resume "$dir")  # a shorter finished run continues
   mkdir -p "$(dirname "$dir")"
-  python3 train_sd.py $preset_flags --epochs "$epochs" $evals --out "$dir" "${resume[@]}" "$@" >> "$dir.log" 2>&1
+  python3 lab/sd_runner.py $preset_flags --epochs "$epochs" $evals --out "$dir" "${resume[@]}" "$@" >> "$dir.log" 2>&1
   tail -n 1 "$dir.log"
 }
 compared() {  # EXACT JAGG OUT: OUT/summary.json (what summarize.py compare reads) and pictures

@@ -1,19 +1,19 @@
 """The mini SD3's task, GenEval in miniature: a prompt grammar, its scenes, rewards that check them.
 
     python lab/mini_sd3_pipeline.py --out DIR  # the model for it; DIR/prompts.txt: 48 task prompts
-    python train_sd.py --model DIR --prompts DIR/prompts.txt --reward lab.mini_sd3:geneval_reward
-    python train_sd.py $(python lab/presets.py mini) --method compare   # the docs' setting
+    python lab/sd_runner.py --model DIR --prompts DIR/prompts.txt --reward lab.mini_sd3:geneval_reward
+    python lab/sd_runner.py $(python lab/presets.py mini) --method compare   # the docs' setting
 
 You do not need to read this file to learn JAGG: it is the task, not the algorithm. Real SD3.5
 weights cannot be downloaded on the machines this project is built on, so lab/mini_sd3_pipeline.py
-makes a small SD3.5 pipeline that `train_sd.py --model DIR` trains like any other, and this file
+makes a small SD3.5 pipeline that `lab/sd_runner.py --model DIR` trains like any other, and this file
 gives it images that mean something:
 
 - A prompt grammar over 4 colours, 3 shapes, one or two objects, "left of" / "right of" and
   the count "two" (Flow-GRPO's GenEval task in miniature: objects, colours, counts, positions),
   and a renderer that draws a prompt with pillow at 32x32 with jitter in position and size.
 - Checkers that score a decoded image against its prompt from its pixels alone, GenEval-style, as
-  train_sd.py rewards (--reward lab.mini_sd3:NAME, run from the repository's root): geneval_reward
+  lab/sd_runner.py rewards (--reward lab.mini_sd3:NAME, run from the repository's root): geneval_reward
   (GenEval's graded reward, logging the strict accuracy per kind at evaluations), shapes_reward,
   cover_reward, shapes_cover_reward.
 """
@@ -118,7 +118,7 @@ def render(prompt, rng, size=32):
 
 
 # =====================================================================================
-# 2. The checker: a GenEval-like score from pixels alone (train_sd.py --reward shapes)
+# 2. The checker: a GenEval-like score from pixels alone (lab/sd_runner.py --reward shapes)
 # =====================================================================================
 
 # Fraction of its bounding box a shape fills: a disc pi/4, a square 1, a triangle 1/2 (measured
@@ -221,7 +221,7 @@ def coverage(image, prompt):
 
 
 def score_cover(image, prompt):
-    """train_sd.py --reward shapes_cover: the mean of score (GenEval-like: colours, shapes,
+    """lab/sd_runner.py --reward shapes_cover: the mean of score (GenEval-like: colours, shapes,
     counts, order) and coverage (the asked colours drawn boldly). Both in [0, 1].
 
     Why a mix: fine structure is the hard part at this size. GRPO moves what the first, noisy
@@ -431,7 +431,7 @@ def geneval_strict(image, prompt):
     return geneval_details(image, prompt)["strict"]
 
 
-# --- the checkers as train_sd.py rewards: reward_fn(images, prompts) -> B numbers (--reward lab.mini_sd3:NAME)
+# --- the checkers as lab/sd_runner.py rewards: reward_fn(images, prompts) -> B numbers (--reward lab.mini_sd3:NAME)
 
 
 def geneval_reward(images, prompts):
@@ -441,7 +441,7 @@ def geneval_reward(images, prompts):
 
 def strict_accuracy(images, prompts):
     """{"strict": ..., "strict_<kind>": ...}: the share of images geneval_strict counts all correct,
-    overall and per kind of prompt (single, count, relation); train_sd.py logs them as eval/<name>."""
+    overall and per kind of prompt (single, count, relation); lab/sd_runner.py logs them as eval/<name>."""
     details = [geneval_details(im, p) for im, p in zip(images, prompts)]
     out = {"strict": sum(d["strict"] for d in details) / len(details)}
     for kind in ("single", "count", "relation"):

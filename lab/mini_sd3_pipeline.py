@@ -3,12 +3,12 @@
     python lab/mini_sd3_pipeline.py            # builds and pretrains it once (about 10 min on 2
                                                # cores), prints its folder (runs/cache/mini_sd3_...)
     python lab/mini_sd3_pipeline.py --out DIR  # ... into DIR; DIR/prompts.txt: its 48 task prompts
-    python train_sd.py --model DIR --prompts DIR/prompts.txt --reward lab.mini_sd3:geneval_reward
-    python train_sd.py $(python lab/presets.py mini) --method compare   # the docs' setting
+    python lab/sd_runner.py --model DIR --prompts DIR/prompts.txt --reward lab.mini_sd3:geneval_reward
+    python lab/sd_runner.py $(python lab/presets.py mini) --method compare   # the docs' setting
 
 You do not need to read this file to learn JAGG: it is the model, not the algorithm. Real SD3.5
 weights cannot be downloaded on the machines this project is built on, so this file makes a
-pipeline that `train_sd.py --model DIR` trains like any other, on the task of lab/mini_sd3.py
+pipeline that `lab/sd_runner.py --model DIR` trains like any other, on the task of lab/mini_sd3.py
 (its prompt grammar, the scenes it renders, the rewards that check them):
 
 - build_pipeline: a diffusers StableDiffusion3Pipeline with SD3.5's parts at a small size: two
@@ -332,7 +332,7 @@ def cached_pipeline(cfg=None, cache="runs/cache", log=print, out=None):
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
-    # train_sd.py --prompts: the task's 48 prompts
+    # lab/sd_runner.py --prompts: the task's 48 prompts
     with open(os.path.join(tmp, "prompts.txt"), "w") as f:
         f.write("\n".join(training_prompts()) + "\n")
     with open(os.path.join(tmp, "pretrain.json"), "w") as f:

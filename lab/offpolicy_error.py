@@ -1,6 +1,6 @@
 """How far each JAGG mode's gradient is from exact's as training moves, in units of GRPO's own noise.
 
-    python lab/offpolicy_error.py mini                      # the mini SD3 at train_sd.py --preset mini
+    python lab/offpolicy_error.py mini                      # the mini SD3 at lab/sd_runner.py --preset mini
     python lab/offpolicy_error.py toy --checkpoints 0 10 30 # the toy DiT of train_toy.py
     python lab/offpolicy_error.py report runs/offpolicy_mini.json   # the docs' markdown table of a run
 
@@ -40,11 +40,10 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
-import jagg_probe  # noqa: E402
-import train_sd  # noqa: E402
-from long_runs import grpo_step  # noqa: E402
-from long_runs.run_folder import write_json  # noqa: E402
+from beyond_paper import options, probe  # noqa: E402
+import sd_runner  # noqa: E402
+import grpo_step  # noqa: E402
+from run_folder import write_json  # noqa: E402
 
 # name -> JaggOptions fields; "guarded" is rollout interiors with the drift guard (the default),
 # "unguarded" the rollout rule at any drift (max_drift None: the code before the guard).
@@ -78,16 +77,16 @@ class MiniTask:
 
     def __init__(self, args):
         import presets
-        import train_sd
+        import sd_runner
         from base_batches import draw_groups
 
-        self.train_sd, self.draw_groups = train_sd, draw_groups
+        self.sd_runner, self.draw_groups = sd_runner, draw_groups
         preset = getattr(args, "preset", "mini")
         cfg = presets.config(preset, "--seed", args.seed, "--resolution", args.resolution, model=args.model)
         self.pipe, self.model, self.cfg = presets.load(cfg, seed=args.seed)
         self.ref = copy.deepcopy(self.model).requires_grad_(False)
-        self.prompts = train_sd.read_prompts(self.cfg)
-        self.reward_fn = lambda images, prompts: train_sd.rewards_of(train_sd.load_reward(cfg.reward), images, prompts)
+        self.prompts = sd_runner.read_prompts(self.cfg)
+        self.reward_fn = lambda images, prompts: sd_runner.rewards_of(sd_runner.load_reward(cfg.reward), images, prompts)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_cfg = jagg.LossConfig(noise_level=cfg.noise_level, clip_range=cfg.clip_range, beta=cfg.beta)
         self.lr, self.window, self.minibatch, self.group = cfg.lr, cfg.window, cfg.train_batch, cfg.group_size
@@ -106,8 +105,8 @@ class MiniTask:
         ids, prompts, traj, cond, uncond, images = self.draw_groups(self.pipe, self.model, self.cfg, self.prompts,
                                                                     n // self.group, self.group, generator, window_start)
         adv = jagg.group_advantages(self.reward_fn(images, prompts), ids, global_std=self.cfg.global_std,
-                                    clip=self.train_sd.FIXED["adv_clip"])
-        sd, cfg = self.train_sd, self.cfg
+                                    clip=self.sd_runner.FIXED["adv_clip"])
+        sd, cfg = self.sd_runner, self.cfg
 
         def fns(idx):
             c, u = tuple(x[idx] for x in cond), tuple(x[idx] for x in uncond)
@@ -141,7 +140,7 @@ class ToyTask:
             traj = jagg.rollout(fn, noise, self.sigmas, self.noise_level, generator=generator)
             sample = traj.sample
         else:
-            traj, sample = train_sd.window_rollout(fn, noise, self.sigmas, self.noise_level, window_start,
+            traj, sample = sd_runner.window_rollout(fn, noise, self.sigmas, self.noise_level, window_start,
                                                        self.sde_window, generator=generator)
         adv = jagg.group_advantages(tt.reward_fn(sample, labels), labels)
         return Batch(traj, adv, lambda idx: (tt.make_velocity_fn(self.model, labels[idx]), None))
@@ -154,9 +153,9 @@ def gradient(task, batch, opts):
         p.grad = None
     idx = torch.arange(len(batch.adv))
     fn, ref_fn = batch.fns(idx)
-    stats, _ = jagg_options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, opts,
+    stats, _ = options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, opts,
                                      ref_fn if task.loss_cfg.beta > 0 else None)
-    g = jagg_probe.flat_grad(task.params)
+    g = probe.flat_grad(task.params)
     for p in task.params:
         p.grad = None
     return g, stats
@@ -167,14 +166,14 @@ def ratio_error(task, batch, opts):
     """Rollout interiors: mean |log r(rule) - log r(fresh)| / clip over interior steps and samples."""
     fn, _ = batch.fns(torch.arange(len(batch.adv)))
     traj, cfg, errors = batch.traj, task.loss_cfg, []
-    for a, b in jagg_options.segment_bounds(traj.z.shape[0], opts.window, opts.anchors):
+    for a, b in options.segment_bounds(traj.z.shape[0], opts.window, opts.anchors):
         if b - a < 3:
             continue
         z, t = traj.z[a:b], traj.t[a:b]
         fresh = fn(z, t)  # [S, B, *D]
         anchors = [0, b - a - 1]
-        H = jagg_options.hat_weights(t.to(torch.promote_types(t.dtype, torch.float32)), anchors)
-        rule = jagg_options.interpolate_from_anchors(fresh[anchors], traj.v[a:b], H, anchors)
+        H = options.hat_weights(t.to(torch.promote_types(t.dtype, torch.float32)), anchors)
+        rule = options.interpolate_from_anchors(fresh[anchors], traj.v[a:b], H, anchors)
         for k in range(1, b - a - 1):
             i = a + k
             lp = [jagg.sde_step(v[k], traj.z[i], traj.t[i], traj.t_next[i], cfg.noise_level,
@@ -191,7 +190,7 @@ def train_exact(task, optimizer, epochs, batch_size, inner_steps, generator):
         for idx in perm.chunk(inner_steps):
             fn, ref_fn = batch.fns(idx)
             grpo_step.train_step(fn, optimizer, batch.traj.subset(idx), batch.adv[idx], task.loss_cfg,
-                            jagg_options.JaggOptions(task.window, 0.0), ref_velocity_fn=ref_fn if task.loss_cfg.beta > 0 else None,
+                            options.JaggOptions(task.window, 0.0), ref_velocity_fn=ref_fn if task.loss_cfg.beta > 0 else None,
                             params=task.params)
 
 
@@ -204,13 +203,13 @@ def measure(task, args, generator, optimizer):
         opt = torch.optim.AdamW(task.params, lr=task.lr)
         opt.load_state_dict(optimizer.state_dict())  # the training's moments: its next steps, on this batch
         for i in range(args.inner_steps):
-            g, st = gradient(task, batch, jagg_options.JaggOptions(task.window, 0.0))
+            g, st = gradient(task, batch, options.JaggOptions(task.window, 0.0))
             if i == 0:
                 on_policy.append(g)
             js = {}  # this step's gradient per mode, for the rollout modes' difference to their forward twins
             for name in args.modes:
                 fields = MODES[name]
-                opts = jagg_options.JaggOptions(task.window, 1.0, **fields)
+                opts = options.JaggOptions(task.window, 1.0, **fields)
                 j, stats = gradient(task, batch, opts)
                 js[name] = j
                 rec = {"batch": b, "step": i + 1, "mode": name, "clipfrac": st["clipfrac"],
@@ -299,7 +298,7 @@ def main(argv=None):
     parser.add_argument("--model", default="mini", help="mini: a saved mini pipeline folder, or mini (the cached one)")
     parser.add_argument("--resolution", type=int, default=0, help="mini: image size (0: the model's own)")
     parser.add_argument("--preset", choices=MINI_PRESETS, default="mini",
-                        help="mini: train_sd.py's preset (mini: darkness; mini-geneval: the GenEval-like reward, LoRA)")
+                        help="mini: lab/sd_runner.py's preset (mini: darkness; mini-geneval: the GenEval-like reward, LoRA)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         help="the JAGG modes to measure against exact (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's training and the rollouts")

@@ -1,6 +1,6 @@
-"""The mini SD3's documented settings as train_sd.py flags (lab/reports/mini_sd3.md), the ones its tables use.
+"""The mini SD3's documented settings as lab/sd_runner.py flags (lab/reports/mini_sd3.md), the ones its tables use.
 
-    python train_sd.py $(python lab/presets.py mini) --method exact --out runs/mini/exact   # any flag after wins
+    python lab/sd_runner.py $(python lab/presets.py mini) --method exact --out runs/mini/exact   # any flag after wins
     python lab/presets.py mini-geneval                                                   # prints the flags
 
 mini: the setting that learns darkness on a CPU: full fine-tuning, lr 3e-4, CFG 2.5, clip 0.2, all 10
@@ -28,7 +28,7 @@ PRESETS = {"mini": MINI,
                                    "--eval-samples", "96"]}
 
 
-# The lab tools' --reward short names for the mini task's rewards, and train_sd.py's module:function for each.
+# The lab tools' --reward short names for the mini task's rewards, and lab/sd_runner.py's module:function for each.
 REWARDS = {"shapes": "lab.mini_sd3:shapes_reward", "geneval": "lab.mini_sd3:geneval_reward",
            "cover": "lab.mini_sd3:cover_reward", "shapes_cover": "lab.mini_sd3:shapes_cover_reward"}
 
@@ -43,7 +43,7 @@ def mini_pipeline():
 
 
 def flags(name, model="mini"):
-    """The preset's train_sd.py flags, --model and --prompts included (argparse: a later flag wins)."""
+    """The preset's lab/sd_runner.py flags, --model and --prompts included (argparse: a later flag wins)."""
     if name not in PRESETS:
         raise SystemExit(f"error: the preset must be one of {', '.join(PRESETS)}, got {name!r}")
     folder = mini_pipeline() if model == "mini" else model
@@ -51,10 +51,10 @@ def flags(name, model="mini"):
 
 
 def config(name, *extra, model="mini"):
-    """train_sd.Config of a preset, extra flags after it; model: a pipeline folder, or mini (the cached one)."""
-    import train_sd
+    """sd_runner.Config of a preset, extra flags after it; model: a pipeline folder, or mini (the cached one)."""
+    import sd_runner
 
-    return train_sd.parse(flags(name, model) + [str(e) for e in extra])
+    return sd_runner.parse(flags(name, model) + [str(e) for e in extra])
 
 
 def prompts_file(folder):
@@ -69,16 +69,16 @@ def prompts_file(folder):
 
 
 def load(cfg, seed=None):
-    """(pipe, transformer, cfg with its resolution resolved) on the CPU in fp32, as train_sd.train loads them;
+    """(pipe, transformer, cfg with its resolution resolved) on the CPU in fp32, as sd_runner.train loads them;
     seed: torch's seed first (a LoRA's initialisation)."""
     import dataclasses
 
     import torch
-    import train_sd
+    import sd_runner
 
     if seed is not None:
         torch.manual_seed(seed)
-    pipe, transformer = train_sd.load_pipeline(cfg, torch.device("cpu"), torch.float32)
+    pipe, transformer = sd_runner.load_pipeline(cfg, torch.device("cpu"), torch.float32)
     size = cfg.resolution or min(512, transformer.config.sample_size * pipe.vae_scale_factor)
     return pipe, transformer, dataclasses.replace(cfg, resolution=size)
 

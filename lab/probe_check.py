@@ -1,11 +1,11 @@
 """Does the probe's error_to_noise read what independent batches measure? lab/reports/probe_check.md.
 
     python lab/probe_check.py toy --batches 8 --batch 16     # train_toy.py's base model and setting
-    python lab/probe_check.py mini --batches 8 --batch 16    # the mini SD3 at train_sd.py --preset mini
+    python lab/probe_check.py mini --batches 8 --batch 16    # the mini SD3 at lab/sd_runner.py --preset mini
     python lab/probe_check.py mini --preset mini-geneval      # ... at --preset mini-geneval (LoRA, GenEval-like)
 
 On the base model, for --batches independent rollout batches of --batch samples, per segment of
-the mode (the paper's windows by default): the probe's own figure, jagg_probe.probe_segments on
+the mode (the paper's windows by default): the probe's own figure, probe.probe_segments on
 each batch alone (its two halves give the noise), and the same quantity from the independent
 batches, |j - g|^2 over the noise of one batch's exact gradient, mean |g_a - g_b|^2 / 2 over pairs
 of batches (lab/offpolicy_error.py's measure, per segment). One probe's figure scatters widely (its
@@ -24,8 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jagg_options  # noqa: E402
-import jagg_probe  # noqa: E402
+from beyond_paper import options  # noqa: E402
 from offpolicy_error import MINI_PRESETS, MODES, MiniTask, ToyTask  # noqa: E402
 
 
@@ -38,7 +37,7 @@ def main(argv=None):
     parser.add_argument("--model", default="mini", help="mini: a saved mini pipeline folder, or mini (the cached one)")
     parser.add_argument("--resolution", type=int, default=0, help="mini: image size (0: the model's own)")
     parser.add_argument("--preset", choices=MINI_PRESETS, default="mini",
-                        help="mini: train_sd.py's preset (mini: darkness; mini-geneval: the GenEval-like reward, LoRA)")
+                        help="mini: lab/sd_runner.py's preset (mini: darkness; mini-geneval: the GenEval-like reward, LoRA)")
     parser.add_argument("--step-batch", type=int, default=0,
                         help="samples of an optimizer step: that many of each batch at random, as training draws its "
                              "steps; the independent figure is measured on them (0: the whole batch)")
@@ -65,7 +64,7 @@ def main(argv=None):
             task.cfg = dataclasses.replace(task.cfg, sde_window=args.sde_window)
         else:
             task.sde_window = args.sde_window
-    opts = jagg_options.JaggOptions(task.window, 1.0, **MODES[args.mode])
+    opts = options.JaggOptions(task.window, 1.0, **MODES[args.mode])
     step = args.step_batch or args.batch
     rows = check(task, opts, args.batches, args.batch, torch.Generator().manual_seed(args.seed), window_start,
                  step, args.probe_batch or step)
@@ -109,19 +108,19 @@ def check(task, opts, batches, batch_size, generator, window_start=None, step_ba
         probed = step if probe_batch == step_batch else some(probe_batch)
 
         def probe(size, probed=probed, fns=fns):  # the probe on the samples probed, for a step of size samples
-            return jagg_probe.probe_segments(lambda i: fns(probed[i]), task.params, batch.traj.subset(probed),
+            return probe.probe_segments(lambda i: fns(probed[i]), task.params, batch.traj.subset(probed),
                                                batch.adv[probed], task.loss_cfg, opts, train_batch=size)
 
         probes.append(probe(step_batch))
         if probe_batch < step_batch:  # |j - g|^2 on the probe's own samples: how the probe read before its fix
             old_way.append(probe(probe_batch))
         fn, ref_fn = fns(step)
-        pairs.append(list(jagg_probe.segment_gradients(fn, task.params, batch.traj.subset(step), batch.adv[step],
+        pairs.append(list(probe.segment_gradients(fn, task.params, batch.traj.subset(step), batch.adv[step],
                                                           task.loss_cfg, opts, ref_fn)))
-    pooled_probes = jagg_probe.pool_probes(probes)
+    pooled_probes = probe.pool_probes(probes)
     pooled, pooled_stderr = pooled_probes["error_to_noise"], pooled_probes["stderr"]
     rows = []
-    for s, (start, stop) in enumerate(jagg_options.segment_bounds(batch.traj.z.shape[0], opts.window, opts.anchors)):
+    for s, (start, stop) in enumerate(options.segment_bounds(batch.traj.z.shape[0], opts.window, opts.anchors)):
         if pairs[0][s] is None:
             continue
         exact = [p[s][0] for p in pairs]

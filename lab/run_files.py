@@ -1,7 +1,7 @@
 """What the lab's tables read from a run's files, in the kept runs' layout or today's.
 
 A run's summary.json (or a benchmark's benchmark.json) and its metrics.jsonl, as train_toy.py,
-train_sd.py and the lab's drivers write them: lab/summarize.py builds its tables on these readers.
+lab/sd_runner.py and the lab's drivers write them: lab/summarize.py builds its tables on these readers.
 """
 
 import json
@@ -21,7 +21,7 @@ def load(path):
 # today's train_toy.py's. Each reader takes either.
 def side(s, key, method):
     """A compare summary's key for one method ("exact" or "jagg"): {key: {exact, jagg}} in the
-    kept runs' files (and train_sd.py's), each method's own summary in train_toy.py's."""
+    kept runs' files (and lab/sd_runner.py's), each method's own summary in train_toy.py's."""
     v = s.get(key)
     return v[method] if isinstance(v, dict) and method in v else s[method][key]
 
@@ -34,7 +34,7 @@ def initial_reward(s):
 
 def probe_cosines(run):
     """A run's probe cosine per segment position: the kept runs' probe_cosine_by_position, or
-    today's probe (jagg_probe.pool_probes' cosine); None without probes."""
+    today's probe (probe.pool_probes' cosine); None without probes."""
     return run.get("probe_cosine_by_position") or (run.get("probe") or {}).get("cosine")
 
 
@@ -81,7 +81,7 @@ def exact_gain(path):
 
 
 def gain_along_run(run):
-    """A train_sd.py run's reward gain along training: the mean of its evaluations after the start
+    """A lab/sd_runner.py run's reward gain along training: the mean of its evaluations after the start
     minus the start (None without an evaluation curve). It averages the whole run's evaluations,
     so one seed's late jitter weighs less than in the final reward's gain; a mode that falls behind
     late still shows, diluted by the epochs before."""
@@ -90,7 +90,7 @@ def gain_along_run(run):
 
 
 def strict_curve(path):
-    """GenEval's strict accuracy at each evaluation of a train_sd.py run ([(epoch, value)], empty
+    """GenEval's strict accuracy at each evaluation of a lab/sd_runner.py run ([(epoch, value)], empty
     for other rewards), from its metrics.jsonl."""
     metrics = os.path.join(path, "metrics.jsonl")
     if not os.path.isfile(metrics):

@@ -1,12 +1,12 @@
-"""train_sd.py with DanceGRPO's random steps in place of its gradient: a baseline for the mini SD3.
+"""lab/sd_runner.py with DanceGRPO's random steps in place of its gradient: a baseline for the mini SD3.
 
     python lab/sd_baselines.py --random-steps 6 -- $(python lab/presets.py mini) --method exact --out DIR
     lab/mini_equal_cost.sh [OUT]          # every baseline and JAGG on the mini SD3: lab/reports/equal_cost.md
 
-train_sd.py already trains Flow-GRPO's first steps (--timestep-fraction) and Flow-GRPO-Fast's SDE
+lab/sd_runner.py already trains Flow-GRPO's first steps (--timestep-fraction) and Flow-GRPO-Fast's SDE
 window (--sde-window); DanceGRPO's shuffle is not a JAGG option and stays here, in the lab. Each
 micro-batch back-propagates its own random --random-steps of the trained steps, exactly, the loss
-their mean: unbiased for exact GRPO's. DanceGRPO draws per sample; train_sd.py's velocity_fn serves
+their mean: unbiased for exact GRPO's. DanceGRPO draws per sample; lab/sd_runner.py's velocity_fn serves
 a whole micro-batch, so here its samples share one draw (the same expectation, a larger variance;
 lab/toy_baselines.py draws per sample on the toy). Run with --method exact: the options' JAGG is
 not used. The draws are seeded by --seed; a resumed run draws anew.
@@ -21,13 +21,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
-import train_sd  # noqa: E402
+import sd_runner  # noqa: E402
 
 PAPER_GRADIENTS = jagg.paper_gradients  # the original, which the baseline calls on its steps
 
 
 def random_steps(count, generator):
-    """A jagg.paper_gradients (train_sd.py's call at --method exact) that trains a random count of
+    """A jagg.paper_gradients (lab/sd_runner.py's call at --method exact) that trains a random count of
     traj's steps, exactly, their mean as the loss."""
     def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_fn=None):
         T = traj.z.shape[0]
@@ -45,18 +45,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--random-steps", type=int, required=True, help="K, the steps each micro-batch trains")
     args = parser.parse_args(ours)
-    cfg = train_sd.validate(train_sd.parse(theirs))  # train_sd.py's own checks, before any work
+    cfg = sd_runner.validate(sd_runner.parse(theirs))  # lab/sd_runner.py's own checks, before any work
     if not 2 <= args.random_steps <= cfg.trained_steps():
         parser.error(f"--random-steps must be in [2, {cfg.trained_steps()}] (the trained steps), "
                      f"got {args.random_steps}")
     if cfg.method != "exact":
-        parser.error("give train_sd.py --method exact: the baseline replaces its gradient")
+        parser.error("give lab/sd_runner.py --method exact: the baseline replaces its gradient")
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 17)
     if not cfg.papers_jagg(int(os.environ.get("WORLD_SIZE", 1))):
-        parser.error("give train_sd.py no JAGG option: the baseline replaces jagg.paper_gradients")
+        parser.error("give lab/sd_runner.py no JAGG option: the baseline replaces jagg.paper_gradients")
     jagg.paper_gradients = random_steps(args.random_steps, generator)
     try:
-        return train_sd.main(theirs)
+        return sd_runner.main(theirs)
     finally:
         jagg.paper_gradients = PAPER_GRADIENTS
 

@@ -7,7 +7,7 @@ lab/reports/sde_window.md, and the command that times JAGG against exact on your
     python lab/sd_benchmark.py --model DIR ...                              # a saved pipeline's transformer
 
 One window's gradient on the conditional branch (the backward JAGG shrinks), then one whole training step
-in every mode as train_sd.py runs it: the trained steps of --num-steps (Flow-GRPO's 9 of 10), CFG with the
+in every mode as lab/sd_runner.py runs it: the trained steps of --num-steps (Flow-GRPO's 9 of 10), CFG with the
 no-graph unconditional branch, the KL reference at --beta, and one rollout of the batch; then each SDE
 window (lab/reports/sde_window.md). Interleaved, medians of repeats; activations saved for backward
 weighed (bench.saved_bytes_peak); benchmark.json and benchmark.png in --out.
@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
-import train_sd  # noqa: E402
-from long_runs import run_folder  # noqa: E402
+import sd_runner  # noqa: E402
+import run_folder  # noqa: E402
 from bench import bench_modes, benchmark_trajectory, benchmark_window, report_benchmark, report_trajectory  # noqa: E402
 from charts import save_png, training_step_bars  # noqa: E402
 
@@ -53,7 +53,7 @@ class BenchConfig:
     batch: int = 0  # B; 0: 4 on a GPU, 2 on a CPU
     train: str = "full"  # full: every weight; lora: a LoRA of --lora-rank on the attention projections
     lora_rank: int = 32
-    checkpointing: bool = False  # gradient checkpointing (train_sd.py's default); the backward recomputes
+    checkpointing: bool = False  # gradient checkpointing (lab/sd_runner.py's default); the backward recomputes
     repeats: int = 5
     json: bool = False  # print one JSON object instead of the tables
     seed: int = 0
@@ -99,7 +99,7 @@ def benchmark(cfg):
         transformer = SD3Transformer2DModel.from_config(config)
     transformer.to(device, torch.bfloat16 if use_bf16 else torch.float32)
     if cfg.train == "lora":
-        train_sd.add_lora(transformer, cfg.lora_rank)
+        sd_runner.add_lora(transformer, cfg.lora_rank)
         transformer.to(device)
     params = [p for p in transformer.parameters() if p.requires_grad]  # every weight, or the LoRA's
     if cfg.checkpointing:
@@ -111,12 +111,12 @@ def benchmark(cfg):
     h = tc.sample_size if size in ("cpu", "tiny") else (cfg.resolution or 512) // 8  # latent side
     cond = (torch.randn(B, L, tc.joint_attention_dim, device=device), torch.randn(B, tc.pooled_projection_dim, device=device))
     uncond = (torch.randn(B, L, tc.joint_attention_dim, device=device), torch.randn(B, tc.pooled_projection_dim, device=device))
-    velocity_fn = train_sd.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)  # CFG, as training runs it
-    cond_only = train_sd.make_velocity_fn(transformer, cond, None, 1.0, use_bf16)  # the window-level rows: what JAGG shrinks
+    velocity_fn = sd_runner.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)  # CFG, as training runs it
+    cond_only = sd_runner.make_velocity_fn(transformer, cond, None, 1.0, use_bf16)  # the window-level rows: what JAGG shrinks
     # The KL reference: the transformer itself (window_gradients calls it without grad), which costs
     # what the adapter-disabled LoRA model or a frozen copy costs.
     ref_fn = velocity_fn if cfg.beta > 0 else None
-    sigmas = train_sd.sampling_sigmas(cfg, FlowMatchEulerDiscreteScheduler(shift=3.0)).to(device)  # [T+1]
+    sigmas = sd_runner.sampling_sigmas(cfg, FlowMatchEulerDiscreteScheduler(shift=3.0)).to(device)  # [T+1]
     noise = torch.randn(B, tc.in_channels, h, h, device=device)  # [B, C, h, w]
     traj = jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level)
     adv = torch.randn(B, device=device)  # [B]

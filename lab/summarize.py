@@ -1,6 +1,6 @@
 """Markdown tables for the README from the runs' own files, so that no number is copied by hand.
 
-    python lab/summarize.py compare runs/toy runs/toy_seed1 ...          # train_toy.py / train_sd.py compare runs
+    python lab/summarize.py compare runs/toy runs/toy_seed1 ...          # train_toy.py / lab/sd_runner.py compare runs
     python lab/summarize.py routing --exact runs/toy,runs/toy_seed1 runs/route_probe_seed0 ...
     python lab/summarize.py bench runs/sd_bench_w4/benchmark.json ...    # lab/sd_benchmark.py's
     python lab/summarize.py toybench runs/toy_bench/benchmark.json       # lab/toy_benchmark.py
@@ -53,7 +53,7 @@ def fmt(x):
 
 
 def noise(run):
-    """train_sd.py runs: the evaluation noise, as the standard deviation of the evaluations the
+    """lab/sd_runner.py runs: the evaluation noise, as the standard deviation of the evaluations the
     final reward averages, and the gain in units of it."""
     n = run.get("final_evals_used", 1)
     last = [v for _, v in run["eval_curve"][-n:]]
@@ -207,7 +207,7 @@ def window_level(files):
 
 
 def curves(paths, last, png=""):
-    """Single train_sd.py runs (exact or jagg): start, highest evaluation, the mean and spread of
+    """Single lab/sd_runner.py runs (exact or jagg): start, highest evaluation, the mean and spread of
     the last `last` evaluations, training time; for runs with different methods but one setting.
     png: also draw the curves, one line per run named by its mode."""
     runs = [load(path) for path in paths]
@@ -236,7 +236,7 @@ def curves(paths, last, png=""):
 
 
 def gains(paths):
-    """Single train_sd.py runs of one setting over seeds (e.g. every seed's exact run): per seed the
+    """Single lab/sd_runner.py runs of one setting over seeds (e.g. every seed's exact run): per seed the
     reward at the start and at the end (the final reward, the mean of its last evaluations), the
     gain along the run, and GenEval's strict accuracy where logged; then the mean gain with its
     95 % interval and how many seeds rose. Each seed evaluates the same base model with its own
@@ -270,7 +270,7 @@ def gains(paths):
 
 
 def setting_name(run, with_lr=False):
-    """A train_sd.py run's setting in words: where it trains (every step, or an SDE window), how,
+    """A lab/sd_runner.py run's setting in words: where it trains (every step, or an SDE window), how,
     and (with_lr) at which learning rate."""
     config = run["config"]
     where = f"window of {config['sde_window']}" if config.get("sde_window") else "all steps"
@@ -290,7 +290,7 @@ BUDGET_POINTS = (0.8, 0.9, 1.0)  # the gain at a time budget averages the curve 
 
 
 def wallclock(paths, png=""):
-    """Reward against training time for several settings over the same seeds (train_sd.py compare
+    """Reward against training time for several settings over the same seeds (lab/sd_runner.py compare
     runs, each giving its exact run and its JAGG run, as lab/mini_quality.sh with TABLE=window
     makes them, and single runs; settings that differ in the learning rate are named with it).
     Per setting: epochs, seconds an epoch, the gain at its own end, and the gain at the same

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
-import train_sd  # noqa: E402
+import sd_runner  # noqa: E402
 from train_toy import arg  # noqa: E402
 
 import toy_options  # noqa: E402  (this file's folder, lab/, is on the path)
@@ -105,8 +105,8 @@ def first_steps_gradients(fns, traj, advantages, cfg, count):
 def window_rollout(args):
     """Flow-GRPO-Fast's SDE window of K steps, from a start drawn each epoch in [0, T - K]."""
     def rollout(velocity_fn, noise, sigmas, generator, epoch):
-        start = train_sd.window_start(epoch, args.trained_steps, 0, args.num_steps, seed=args.seed)
-        return train_sd.window_rollout(velocity_fn, noise, sigmas, args.noise_level, start,
+        start = sd_runner.window_start(epoch, args.trained_steps, 0, args.num_steps, seed=args.seed)
+        return sd_runner.window_rollout(velocity_fn, noise, sigmas, args.noise_level, start,
                                        args.trained_steps, generator)
     return rollout
 

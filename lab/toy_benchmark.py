@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jagg  # noqa: E402
 import train_toy  # noqa: E402
-from long_runs import run_folder  # noqa: E402
+import run_folder  # noqa: E402
 from bench import bench_modes, benchmark_trajectory, benchmark_window, report_benchmark, report_trajectory  # noqa: E402
 from charts import save_png, training_step_bars  # noqa: E402
 

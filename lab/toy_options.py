@@ -6,9 +6,9 @@
     python lab/toy_options.py --method jagg --weights index --probe-every 5
 
 train_toy.py's model, reward, evaluation and flags, and its loop with two changes: the gradient is
-jagg_options.window_gradients with a JaggOptions built from the flags (its defaults are the
+options.window_gradients with a JaggOptions built from the flags (its defaults are the
 paper's, so `--method jagg` alone trains what train_toy.py does, bit for bit), and the probe
-(jagg_probe.probe_segments), every --probe-every epochs, measures each window's JAGG gradient
+(probe.probe_segments), every --probe-every epochs, measures each window's JAGG gradient
 against the exact one before the epoch trains. lab/ runs its toy tables with this file, and its
 baselines (lab/toy_baselines.py) replace the gradient or the rollout through train()'s arguments.
 --out gets what train_toy.py writes, and in each run's metrics.jsonl the probe's figures and the
@@ -27,9 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
-import jagg_probe  # noqa: E402
-from long_runs import run_folder  # noqa: E402
+from beyond_paper import options, probe  # noqa: E402
+import run_folder  # noqa: E402
 import toy_dit  # noqa: E402
 import train_toy  # noqa: E402
 from train_toy import arg  # noqa: E402
@@ -37,7 +36,7 @@ from train_toy import arg  # noqa: E402
 
 @dataclass
 class Args(train_toy.Args):
-    # --- jagg_options.JaggOptions' fields beyond the paper; the defaults are the paper's
+    # --- options.JaggOptions' fields beyond the paper; the defaults are the paper's
     anchors: str = arg("window", "window: the paper's disjoint windows; shared: windows share ends")
     interior: str = arg("forward", "forward: the paper's no-graph forwards; rollout: traj.v moved")
     weights: str = arg("time", "time: the paper's alpha_k by t; index: alpha_k = k / (W - 1)")
@@ -55,7 +54,7 @@ class Args(train_toy.Args):
 
 def jagg_opts(args, method):
     """The JaggOptions of the flags; method "exact" trains every window exactly (jagg_frac 0)."""
-    return jagg_options.JaggOptions(
+    return options.JaggOptions(
         window=args.window, jagg_frac=args.jagg_frac if method != "exact" else 0.0,
         anchors=args.anchors, interior=args.interior, weights=args.weights,
         max_graph_rows=args.max_graph_rows or None,
@@ -86,7 +85,7 @@ def parse_args(argv=None, cls=Args, description=__doc__):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be {must}, got {value!r}")
     opts = jagg_opts(args, "jagg")
     try:  # the options' own checks; each message starts with the field's name
-        jagg_options.check_options(opts, num_steps=args.num_steps)
+        options.check_options(opts, num_steps=args.num_steps)
     except ValueError as e:
         field, rest = str(e).split(" ", 1)
         raise SystemExit(f"error: --{field.replace('_', '-')} {rest}") from None
@@ -129,12 +128,12 @@ def train(args, base, method, gradient=None, rollout=None):
         # The probe (--probe-every): JAGG's gradient against exact per window, before training
         if args.probe_every and (epoch % args.probe_every == 0 or epoch == 1):
             probe_start, idx = time.perf_counter(), perm[: args.probe_batch]
-            probe = jagg_probe.probe_segments(
+            measured = probe.probe_segments(
                 lambda i: velocity_fns(model, idx[i]), model.parameters(), traj.subset(idx),
                 advantages[idx], loss_cfg, jagg_opts(args, "jagg"),
                 train_batch=B // args.minibatches)
-            row.update({f"probe/{key}": value for key, value in probe.items()})
-            probe_avg = jagg_probe.probe_average(probe_avg, probe["cosine"], args.probe_decay)
+            row.update({f"probe/{key}": value for key, value in measured.items()})
+            probe_avg = probe.probe_average(probe_avg, measured["cosine"], args.probe_decay)
             row["time/probe_seconds"] = time.perf_counter() - probe_start
             if not (method == "jagg" and args.route == "probe"):  # training time only if it routes
                 start += row["time/probe_seconds"]
@@ -148,7 +147,7 @@ def train(args, base, method, gradient=None, rollout=None):
             grad_start = time.perf_counter()
             if gradient is None:
                 fn, ref_fn = velocity_fns(model, idx)
-                s, r = jagg_options.window_gradients(fn, traj.subset(idx), advantages[idx],
+                s, r = options.window_gradients(fn, traj.subset(idx), advantages[idx],
                                                      loss_cfg, opts, ref_fn, probe_avg)
             else:
                 s, r = gradient(lambda i, idx=idx: velocity_fns(model, idx[i]), traj.subset(idx),
@@ -184,7 +183,7 @@ def summarize(args, method, rows, initial_reward, final_reward):
     probes = [{k: r[f"probe/{k}"] for k in ("cosine", "error", "noise")}
               for r in rows if "probe/cosine" in r]
     routed = [r["routing/routed"] for r in rows]
-    s.update(mode=jagg_opts(args, method).mode_name(method), probe=jagg_probe.pool_probes(probes),
+    s.update(mode=jagg_opts(args, method).mode_name(method), probe=probe.pool_probes(probes),
              probe_seconds=sum(r.get("time/probe_seconds", 0.0) for r in rows),
              routed_frac_by_position=[sum(f) / len(rows) for f in zip(*routed)])
     return s

@@ -1,7 +1,6 @@
-"""Small flow models and helpers the tests of jagg.py, jagg_options.py, jagg_probe.py and
-long_runs/grpo_step.py share: a linear flow (its Jacobian affine in (z, t)) and a nonlinear one, velocity_fn
-wrappers that record their calls, and trusted references (autograd of a summed loss, Jacobians
-interpolated explicitly with torch.func)."""
+"""Small flow models and helpers the tests of jagg.py and beyond_paper/ share: a linear flow (its Jacobian
+affine in (z, t)) and a nonlinear one, velocity_fn wrappers that record their calls, and trusted references
+(autograd of a summed loss, Jacobians interpolated explicitly with torch.func)."""
 
 import numpy as np
 import torch
@@ -132,3 +131,9 @@ def toy_batch(model, T=8, B=6, seed=0):
     traj = jagg.rollout(as_velocity_fn(model), torch.randn(B, 3, generator=g), sigmas, 0.7, generator=g)
     rewards = -traj.sample.norm(dim=-1)  # [B]
     return traj, jagg.group_advantages(rewards, torch.arange(B) // 3)
+
+
+def cat_trajectories(trajs):
+    """One jagg.Trajectory of several batches, joined on B: what one process sees of all ranks' samples."""
+    tensors = {name: torch.cat([getattr(traj, name) for traj in trajs], dim=1) for name in jagg.Trajectory.TENSORS}
+    return jagg.Trajectory(**tensors, noise_level=trajs[0].noise_level)

@@ -1,4 +1,6 @@
-"""grpo_step.train_step under DistributedDataParallel: two CPU ranks (gloo), every training mode.
+"""JAGG's multi-GPU rule under DistributedDataParallel (docs/many_gpus.md): two CPU ranks (gloo), the
+paper's call and every option's mode, each backward inside DDP's no_sync and one all-reduce per optimizer
+step (beyond_paper/ranks.py's optimizer_step).
 
 Each rank trains on its own rollouts. After two optimizer steps the ranks' parameters must be
 identical to the last bit, and equal (to float64 round-off) to one process trained on both
@@ -16,16 +18,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import jagg
-import jagg_options
-from long_runs import grpo_step
-import train_sd
+from beyond_paper import options, ranks
+from flows import cat_trajectories
 
 T, W, B, D = 10, 4, 3, 3  # steps, window, samples per rank, sample size
 # (anchors, interior, max_graph_rows, jagg_frac, beta, max_drift): every mode, bounded or not, routed
 # or not, KL or not; rollout interiors with the drift guard (GUARD, the default) too: the ranks
 # decide on the largest drift over all their samples, as one process on all of them would.
-GUARD = jagg_options.JaggOptions.max_drift
-MODES = [("window", "forward", None, 0.0, beta, None) for beta in (0.0, 0.1)] + [
+GUARD = options.JaggOptions.max_drift
+# "paper": jagg.paper_gradients itself, at jagg_frac 0 (exact GRPO) and 1 (JAGG on every window)
+PAPER = [("paper", None, None, frac, beta, None) for frac in (0.0, 1.0) for beta in (0.0, 0.1)]
+MODES = PAPER + [("window", "forward", None, 0.0, beta, None) for beta in (0.0, 0.1)] + [
     (anchors, interior, rows, frac, beta, None)
     for anchors, interior, frac, beta in itertools.product(("window", "shared"), ("forward", "rollout"), (1.0, 0.5),
                                                              (0.0, 0.1))
@@ -71,18 +74,28 @@ def rank_data(rank, nan=False):
     return traj, adv
 
 
-def train(model, ref, traj, adv, mode, no_sync=contextlib.nullcontext, steps=2):
-    anchors, interior, rows, frac, beta, max_drift = mode
+def gradient(model, ref, traj, adv, mode, route="probe"):
+    """Add one batch's gradient to .grad as mode computes it: the paper's call, or options.window_gradients."""
+    anchors, interior, rows, frac, beta, max_drift = mode[:6]
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
+    ref_fn = velocity_fn_of(ref) if beta else None
+    if anchors == "paper":
+        return jagg.paper_gradients(velocity_fn_of(model), traj, adv, cfg, W, frac, ref_fn)[0]
+    opts = options.JaggOptions(W, frac, anchors=anchors, interior=interior, route=route, max_graph_rows=rows,
+                               max_drift=max_drift)
+    cosines = PROBE[anchors] if route == "probe" else None
+    return options.window_gradients(velocity_fn_of(model), traj, adv, cfg, opts, ref_fn, cosines)[0]
+
+
+def train(model, ref, traj, adv, mode, no_sync=contextlib.nullcontext, steps=2):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     skipped = []
     for step in range(steps):  # the second step is off-policy: rollout interiors are then approximate
-        opts = jagg_options.JaggOptions(W, frac, anchors=anchors, interior=interior, route="probe", max_graph_rows=rows,
-                                max_drift=max_drift)
-        stats, _ = grpo_step.train_step(velocity_fn_of(model), opt, traj, adv, cfg, opts,
-                                   max_grad_norm=1e9, ref_velocity_fn=velocity_fn_of(ref) if beta else None,
-                                   no_sync=no_sync, probe_cosines=PROBE[anchors], step=step)
-        skipped.append(stats["skipped"])
+        with no_sync():  # the rule: no all-reduce in the backward passes...
+            stats = gradient(model, ref, traj, adv, mode)
+        params = list(model.parameters())  # ...and one in the optimizer step
+        done = ranks.optimizer_step(params, opt, [stats["loss"]], max_grad_norm=1e9, step=step)
+        skipped.append(done["skipped"])
     return skipped
 
 
@@ -101,8 +114,8 @@ def worker(rank, world, init_file, out, nan_rank):
             traj, adv = rank_data(rank, nan=nan and rank == nan_rank)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the skipped step's warning
-                skipped = train(net, ref, traj, adv, mode, no_sync=grpo_step.no_sync_for(net, last=True),
-                                steps=2 if not nan else 1)  # DDP's no_sync: jagg_options all-reduces
+                skipped = train(net, ref, traj, adv, mode, no_sync=ranks.no_sync_for(net, last=True),
+                                steps=2 if not nan else 1)  # DDP's no_sync: optimizer_step all-reduces
             results[f"{i}_{nan}"] = flat(model)
             results[f"{i}_{nan}_skipped"] = torch.tensor(skipped)
     torch.save(results, os.path.join(out, f"rank{rank}.tmp"))
@@ -128,20 +141,20 @@ def spawned(worker, tmp_path_factory, name):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def results(tmp_path_factory):
     """Both ranks' parameters after training in every mode: [rank0, rank1] of {key: tensor}."""
     return spawned(worker, tmp_path_factory, "ddp")
 
 
 @pytest.mark.parametrize("i", range(len(MODES)), ids=["-".join(map(str, m)) for m in MODES])
-def test_ranks_stay_identical_and_equal_one_process_on_both_batches(ranks, i):
+def test_ranks_stay_identical_and_equal_one_process_on_both_batches(results, i):
     mode = MODES[i]
-    p0, p1 = ranks[0][f"{i}_False"], ranks[1][f"{i}_False"]
+    p0, p1 = results[0][f"{i}_False"], results[1][f"{i}_False"]
     assert torch.equal(p0, p1), f"ranks drifted in mode {mode}: max difference {(p0 - p1).abs().max().item():.3g}"
     # One process on both ranks' batches together: its loss is the mean over 2B samples, so its
     # gradient is the mean of the ranks' gradients, what DDP's all-reduce computes.
     (t0, a0), (t1, a1) = rank_data(0), rank_data(1)
-    both = train_sd.cat_trajectories([t0, t1])
+    both = cat_trajectories([t0, t1])
     model, ref = models()
     train(model, ref, both, torch.cat([a0, a1]), mode)
     assert not torch.equal(flat(model), flat(models()[0]))  # it did train
@@ -149,8 +162,8 @@ def test_ranks_stay_identical_and_equal_one_process_on_both_batches(ranks, i):
 
 
 @pytest.mark.parametrize("i", range(len(MODES)), ids=["-".join(map(str, m)) for m in MODES])
-def test_one_ranks_nan_makes_every_rank_skip(ranks, i):
+def test_one_ranks_nan_makes_every_rank_skip(results, i):
     initial = flat(models()[0])
     for r in range(2):
-        assert ranks[r][f"{i}_True_skipped"].tolist() == [True], f"rank {r} did not skip in mode {MODES[i]}"
-        assert torch.equal(ranks[r][f"{i}_True"], initial)
+        assert results[r][f"{i}_True_skipped"].tolist() == [True], f"rank {r} did not skip in mode {MODES[i]}"
+        assert torch.equal(results[r][f"{i}_True"], initial)

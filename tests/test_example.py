@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import jagg
-import jagg_options
-import jagg_probe
+from beyond_paper import options, probe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,23 +22,23 @@ def load_example():
 def test_example_raises_its_reward_with_the_papers_jagg_and_probes_that_mode(monkeypatch):
     example = load_example()
     calls = {"probe": [], "paper_gradients": []}
-    probe, paper_gradients = jagg_probe.probe_segments, jagg.paper_gradients
+    probe_segments, paper_gradients = probe.probe_segments, jagg.paper_gradients
 
     def counting_probe(*args, **kwargs):
         calls["probe"].append(args[5])
-        return probe(*args, **kwargs)
+        return probe_segments(*args, **kwargs)
 
     def recording_paper_gradients(*args, **kwargs):
         calls["paper_gradients"].append((args[4:], kwargs))
         return paper_gradients(*args, **kwargs)
 
-    monkeypatch.setattr(jagg_probe, "probe_segments", counting_probe)
+    monkeypatch.setattr(probe, "probe_segments", counting_probe)
     monkeypatch.setattr(jagg, "paper_gradients", recording_paper_gradients)
     history = example.main(epochs=12)
     first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3
     assert last > first + 0.1, history  # the template trains, not merely runs
     # the probe at epochs 0, 5, 10 measures the mode that trains: the paper's JAGG at the same W
-    assert calls["probe"] == [jagg_options.JaggOptions(window=example.WINDOW)] * 3
+    assert calls["probe"] == [options.JaggOptions(window=example.WINDOW)] * 3
     assert len(calls["paper_gradients"]) == 12 * 2  # 32 samples in minibatches of 16
     # every step the paper's JAGG on every window (jagg_frac 1), with the KL reference
     assert all(args == (example.WINDOW,) and kwargs["ref_fn"] is not None for args, kwargs in calls["paper_gradients"])

@@ -5,12 +5,17 @@ Two small networks make one velocity_fn that picks the network row by row from t
 SD3's schedule (shift 3), W = 4; the switch falls between steps 5 and 6, inside the paper's window
 4-7. With boundaries (6,) the windows are 0-3 | 4-5 | 6-9 and the shared segments 0-3 | 3-5 | 6-9."""
 
+import os
+import sys
+
 import pytest
 import torch
 
 import jagg
-import jagg_options
-import jagg_probe
+from beyond_paper import options, probe
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import diffusers_models  # noqa: E402  (Wan's recipe computes the boundaries)
 
 T, W, B, D = 10, 4, 6, 3
 SWITCH = 0.7  # sigma; steps 0-5 (sigma >= 0.75) run expert 1, steps 6-9 (sigma <= 0.667) expert 2
@@ -63,7 +68,7 @@ def flat(module):  # the module's .grad as one vector [P]
 def gradient(model, traj, adv, cfg=CFG, **fields):
     """(flat gradient [P] of both experts, per expert [P_1], [P_2], stats) of window_gradients."""
     model.zero_grad(set_to_none=True)
-    stats, _ = jagg_options.window_gradients(model.velocity_fn(), traj, adv, cfg, jagg_options.JaggOptions(W, **fields))
+    stats, _ = options.window_gradients(model.velocity_fn(), traj, adv, cfg, options.JaggOptions(W, **fields))
     return flat(model), flat(model.first), flat(model.second), stats
 
 
@@ -105,29 +110,29 @@ def rollout_batch(model, seed, cfg=CFG):
 
 def test_expert_boundaries_follow_the_schedule_as_wans_pipeline_picks_its_transformer():
     sigmas = jagg.sigma_schedule(T)  # 1, .964, .923, .875, .818, .75, .667, ...
-    assert jagg_options.expert_boundaries(sigmas, SWITCH) == (6,)
-    assert jagg_options.expert_boundaries(sigmas, 0.875) == (4,)  # sigma 0.875 itself is the first expert's (>=)
-    assert jagg_options.expert_boundaries(sigmas, 1.5) == () == jagg_options.expert_boundaries(sigmas, 0.1)
+    assert diffusers_models.expert_boundaries(sigmas, SWITCH) == (6,)
+    assert diffusers_models.expert_boundaries(sigmas, 0.875) == (4,)  # sigma 0.875 itself is the first expert's (>=)
+    assert diffusers_models.expert_boundaries(sigmas, 1.5) == () == diffusers_models.expert_boundaries(sigmas, 0.1)
     # Wan's own scheduler: the transformer runs where timestep >= boundary_ratio x 1000 (diffusers' WanPipeline).
     diffusers = pytest.importorskip("diffusers")
     scheduler = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
     scheduler.set_timesteps(20)
     first = [k for k, timestep in enumerate(scheduler.timesteps.tolist()) if timestep >= 0.875 * 1000]
-    assert jagg_options.expert_boundaries(scheduler.sigmas, 0.875) == (len(first),) and first == list(range(len(first)))
+    assert diffusers_models.expert_boundaries(scheduler.sigmas, 0.875) == (len(first),) and first == list(range(len(first)))
     with pytest.raises(ValueError, match="decreasing schedule"):
-        jagg_options.expert_boundaries(sigmas.flip(0), SWITCH)
+        diffusers_models.expert_boundaries(sigmas.flip(0), SWITCH)
 
 
 def test_segments_end_at_every_boundary():
     for anchors in ("window", "shared"):
-        bounds = jagg_options.segment_bounds(T, W, anchors, (6,))
+        bounds = options.segment_bounds(T, W, anchors, (6,))
         assert all(stop <= 6 or start >= 6 for start, stop in bounds), (anchors, bounds)
         steps = sorted({k for start, stop in bounds for k in range(start, stop)})
         assert steps == list(range(T))  # every step still in a segment
-    assert jagg_options.segment_bounds(T, W, "window", (6,)) == [(0, 4), (4, 6), (6, 10)]
-    assert jagg_options.segment_bounds(T, W, "shared", (6,)) == [(0, 4), (3, 6), (6, 10)]
-    assert jagg_options.segment_bounds(T, W, "shared", (3, 4)) == [(0, 3), (3, 4), (4, 8), (7, 10)]  # a 1-step network
-    assert jagg_options.segment_bounds(T, W, "window", ()) == jagg.window_bounds(T, W)  # the paper's tiling
+    assert options.segment_bounds(T, W, "window", (6,)) == [(0, 4), (4, 6), (6, 10)]
+    assert options.segment_bounds(T, W, "shared", (6,)) == [(0, 4), (3, 6), (6, 10)]
+    assert options.segment_bounds(T, W, "shared", (3, 4)) == [(0, 3), (3, 4), (4, 8), (7, 10)]  # a 1-step network
+    assert options.segment_bounds(T, W, "window", ()) == jagg.window_bounds(T, W)  # the paper's tiling
 
 
 @pytest.mark.parametrize("bad", [(0,), (T,), (6, 6), (7, 3), (2.5,), "6", 6])
@@ -136,7 +141,7 @@ def test_a_bad_boundary_is_refused_in_one_line(bad):
     model = TwoExperts(Affine(), Affine())
     traj, adv = straight_batch(model)
     with pytest.raises(ValueError, match=r"boundaries must be increasing step indices inside \(0, T = 10\)") as error:
-        jagg_options.window_gradients(model.velocity_fn(), traj, adv, CFG, jagg_options.JaggOptions(W, boundaries=bad))
+        options.window_gradients(model.velocity_fn(), traj, adv, CFG, options.JaggOptions(W, boundaries=bad))
     assert "\n" not in str(error.value)
     assert all(p.grad is None for p in model.parameters())  # refused before any work
 
@@ -186,7 +191,7 @@ def test_with_boundaries_jagg_is_exact_where_each_expert_meets_the_papers_condit
     torch.manual_seed(3)
     model = TwoExperts(Affine(), Affine())
     traj, adv = straight_batch(model)
-    boundaries = jagg_options.expert_boundaries(jagg.sigma_schedule(T), SWITCH)  # (6,)
+    boundaries = diffusers_models.expert_boundaries(jagg.sigma_schedule(T), SWITCH)  # (6,)
     g, g_1, g_2, _ = gradient(model, traj, adv, jagg_frac=0.0)  # exact
     with_b, with_1, with_2, stats = gradient(model, traj, adv, anchors=anchors, interior=interior, boundaries=boundaries)
     without, without_1, without_2, _ = gradient(model, traj, adv, anchors=anchors, interior=interior)
@@ -207,8 +212,8 @@ def test_each_forward_with_graph_holds_one_expert_with_boundaries():
     traj, adv = straight_batch(model)
     for boundaries, expected in (((6,), [[1], [2]]), ((), [[1, 2]])):
         calls = []
-        jagg_options.window_gradients(model.velocity_fn(calls), traj, adv, CFG,
-                                      jagg_options.JaggOptions(W, anchors="shared", boundaries=boundaries))
+        options.window_gradients(model.velocity_fn(calls), traj, adv, CFG,
+                                      options.JaggOptions(W, anchors="shared", boundaries=boundaries))
         assert calls == expected, (boundaries, calls)
 
 
@@ -219,8 +224,8 @@ def test_the_probe_reads_segments_within_one_expert():
     model = TwoExperts(Affine(), Affine())
     traj, adv = straight_batch(model)
     params = list(model.parameters())
-    with_b = jagg_probe.gradient_cosines(model.velocity_fn(), params, traj, adv, CFG, jagg_options.JaggOptions(W, boundaries=(6,)))
-    without = jagg_probe.gradient_cosines(model.velocity_fn(), params, traj, adv, CFG, jagg_options.JaggOptions(W))
+    with_b = probe.gradient_cosines(model.velocity_fn(), params, traj, adv, CFG, options.JaggOptions(W, boundaries=(6,)))
+    without = probe.gradient_cosines(model.velocity_fn(), params, traj, adv, CFG, options.JaggOptions(W))
     assert len(with_b) == 3 and all(abs(c - 1) < 1e-12 for c in with_b), with_b
     assert abs(without[0] - 1) < 1e-12 and abs(without[2] - 1) < 1e-12 and without[1] < 1 - 1e-3, without
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import jagg
-import jagg_options
-import jagg_probe
+from beyond_paper import options, probe
 from flows import (LinearFlow, MLPFlow, as_velocity_fn, cosine, explicit_anchor_gradient, grads_of, hat_matrix,
                    make_loss, toy_batch, window)
 
@@ -28,12 +27,12 @@ def test_the_papers_function_equals_the_general_one_and_training_uses_it(monkeyp
     z, t = window(W, B, d, straight=straight)
     calls_p, calls_g = [], []
     loss_p, g_paper = grads_of(model, jagg.backward_jagg_window, z, t, make_loss(W, B, d), calls_p)
-    loss_g, g_general = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(W, B, d), calls_g,
+    loss_g, g_general = grads_of(model, options.backward_jagg, z, t, make_loss(W, B, d), calls_g,
                                  anchors=[0, W - 1])
     assert loss_p == pytest.approx(loss_g, rel=1e-12) and calls_p == calls_g
     torch.testing.assert_close(g_paper, g_general, rtol=1e-12, atol=1e-14)
     used = []
-    for module, name in ((jagg, "backward_jagg_window"), (jagg_options, "backward_jagg"), (jagg, "backward_exact")):
+    for module, name in ((jagg, "backward_jagg_window"), (options, "backward_jagg"), (jagg, "backward_exact")):
         fn = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _fn=fn, _name=name, **k: used.append(_name) or _fn(*a, **k))
 
@@ -41,10 +40,10 @@ def test_the_papers_function_equals_the_general_one_and_training_uses_it(monkeyp
         return [name for name in used if name != "backward_exact"]
     traj, adv = toy_batch(model, T=8, B=4)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, 1.0))
+    options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 1.0))
     assert jagg_calls() == ["backward_jagg_window"] * 2
     used.clear()
-    jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, anchors="shared"))
+    options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 1.0, anchors="shared"))
     assert jagg_calls() == ["backward_jagg"]
     # The default options train every window through jagg.py's own two functions, in routing's order
     # (T = 10: windows of 4, 4 and 2 steps; the 2-step one is always exact).
@@ -52,23 +51,23 @@ def test_the_papers_function_equals_the_general_one_and_training_uses_it(monkeyp
     for frac, expected in ((1.0, ["backward_jagg_window", "backward_jagg_window", "backward_exact"]),
                            (0.0, ["backward_exact"] * 3)):
         used.clear()
-        jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(jagg_frac=frac))
+        options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(jagg_frac=frac))
         assert used == expected, (frac, used)
     used.clear()
-    _, routed = jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg,
-                                              jagg_options.JaggOptions(jagg_frac=0.5))
+    _, routed = options.window_gradients(as_velocity_fn(model), traj, adv, cfg,
+                                              options.JaggOptions(jagg_frac=0.5))
     assert used == ["backward_jagg_window" if r else "backward_exact" for r in routed] and sum(routed) == 1
 
 
 def test_hat_weights_match_numpy_interp():
     t = jagg.sigma_schedule(9, shift=3.0).double()[:-1, None].expand(9, 2)  # [S, B]
     for anchors in ((0, 8), (0, 3, 6, 8), (0, 1, 2, 5, 8), tuple(range(9))):
-        H = jagg_options.hat_weights(t, list(anchors))  # [S, M, B]
+        H = options.hat_weights(t, list(anchors))  # [S, M, B]
         torch.testing.assert_close(H[..., 0], hat_matrix(t[:, 0], anchors), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(H.sum(1), torch.ones(9, 2))
     # The paper's window: 1 - alpha and alpha.
     alpha = jagg.interpolation_weights(t)
-    torch.testing.assert_close(jagg_options.hat_weights(t, [0, 8]), torch.stack([1 - alpha, alpha], 1))
+    torch.testing.assert_close(options.hat_weights(t, [0, 8]), torch.stack([1 - alpha, alpha], 1))
 
 
 @pytest.mark.parametrize("anchors", [(0, 6), (0, 2, 6), (0, 1, 4, 6), (0, 3, 4, 5, 6)])
@@ -82,7 +81,7 @@ def test_jagg_with_anchors_equals_explicit_jacobians(anchors, rollout):
     step_loss = make_loss(S, B, d, seed=12)
     with torch.no_grad():
         v_old = as_velocity_fn(old)(z, t) if rollout else None  # [S, B, d]
-    _, g_jagg = grads_of(model, jagg_options.backward_jagg, z, t, step_loss, anchors=list(anchors), v_rollout=v_old)
+    _, g_jagg = grads_of(model, options.backward_jagg, z, t, step_loss, anchors=list(anchors), v_rollout=v_old)
     expected = explicit_anchor_gradient(model, z, t, step_loss, anchors, v_old)
     torch.testing.assert_close(g_jagg, expected, rtol=1e-9, atol=1e-10)
 
@@ -91,11 +90,11 @@ def test_default_anchors_are_the_papers_window():
     torch.manual_seed(11)
     model, (S, B, d) = MLPFlow(), (5, 3, 3)
     z, t = window(S, B, d, straight=False)
-    _, g_default = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d))
-    _, g_paper = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d), anchors=(0, S - 1))
+    _, g_default = grads_of(model, options.backward_jagg, z, t, make_loss(S, B, d))
+    _, g_paper = grads_of(model, options.backward_jagg, z, t, make_loss(S, B, d), anchors=(0, S - 1))
     torch.testing.assert_close(g_paper, g_default, rtol=0, atol=0)
     # Every step an anchor: the exact gradient.
-    _, g_all = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d), anchors=range(S))
+    _, g_all = grads_of(model, options.backward_jagg, z, t, make_loss(S, B, d), anchors=range(S))
     _, g_exact = grads_of(model, jagg.backward_exact, z, t, make_loss(S, B, d))
     torch.testing.assert_close(g_all, g_exact, rtol=1e-10, atol=1e-12)
 
@@ -110,7 +109,7 @@ def test_rollout_interiors_equal_forward_interiors_on_policy_then_follow_the_for
     a, b = 2, 7
 
     def both():
-        return [grads_of(model, jagg_options.backward_jagg, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg),
+        return [grads_of(model, options.backward_jagg, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg),
                          v_rollout=v_rollout)[1] for v_rollout in (None, traj.v[a:b])]
 
     g_forward, g_rollout = both()
@@ -139,8 +138,8 @@ def test_rollout_interiors_are_exact_at_the_rollouts_parameters_but_the_referenc
     def grads(interior, beta, ref):
         model.zero_grad(set_to_none=True)
         cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
-        jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg,
-                                      jagg_options.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
+        options.window_gradients(as_velocity_fn(model), traj, adv, cfg,
+                                      options.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
                                       as_velocity_fn(ref))
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -160,7 +159,7 @@ def _off_policy_run(seed, lr, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
-        stats, _ = jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, 0.0))
+        stats, _ = options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 0.0))
         yield model, traj, adv, cfg, stats["clipfrac"]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -177,9 +176,9 @@ def test_rollout_interiors_stay_within_forward_interiors_error_off_policy():
             exact, _, _ = window_grad(model, traj, adv, cfg, 4, 0.0)
             for anchors in ("window", "shared"):
                 err = {}
-                for name, options in (("forward", {}), ("guarded", {"interior": "rollout"}),
-                                      ("unguarded", {"interior": "rollout", "max_drift": None})):
-                    got, _, _ = window_grad(model, traj, adv, cfg, 4, 1.0, anchors=anchors, **options)
+                for name, mode in (("forward", {}), ("guarded", {"interior": "rollout"}),
+                                   ("unguarded", {"interior": "rollout", "max_drift": None})):
+                    got, _, _ = window_grad(model, traj, adv, cfg, 4, 1.0, anchors=anchors, **mode)
                     err[name] = ((got - exact).norm() / exact.norm()).item()
                 worst_guarded = max(worst_guarded, err["guarded"] / err["forward"])
                 worst_unguarded = max(worst_unguarded, err["unguarded"] / err["forward"])
@@ -195,15 +194,15 @@ def test_the_drift_guard_is_free_on_policy_and_is_forward_interiors_where_it_act
     for i, (model, traj, adv, cfg, _) in enumerate(_off_policy_run(1, lr=1e-2, steps=4)):
         if i == 0:  # on-policy
             calls = []
-            jagg_options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
-                                  jagg_options.JaggOptions(4, 1.0, anchors="shared", interior="rollout"))
+            options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
+                                  options.JaggOptions(4, 1.0, anchors="shared", interior="rollout"))
             assert rows_by_grad(calls)[:2] == (4, 0)
     # four steps off the rollout now (the generator took its last step)
     forward, s_f, _ = window_grad(model, traj, adv, cfg, 4, 1.0, anchors="shared")
     calls.clear()
     model.zero_grad(set_to_none=True)
-    stats, _ = jagg_options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
-                                     jagg_options.JaggOptions(4, 1.0, anchors="shared", interior="rollout", max_drift=0.0))
+    stats, _ = options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
+                                     options.JaggOptions(4, 1.0, anchors="shared", interior="rollout", max_drift=0.0))
     guarded = torch.cat([p.grad.flatten() for p in model.parameters()])
     torch.testing.assert_close(guarded, forward, rtol=1e-10, atol=1e-12)
     assert stats["rollout_refreshed"] == 3 and stats["anchor_drift"] > 0.5
@@ -233,7 +232,7 @@ def test_trained_steps_only_flow_grpos_timestep_fraction():
     expected = torch.cat([p.grad.flatten() for p in model.parameters()])
     got, stats, _ = window_grad(model, sub, adv, cfg, 4, 0.0)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
-    for options, rows in (({}, 5), ({"anchors": "shared"}, 4), ({"anchors": "shared", "interior": "rollout"}, 4)):
+    for fields, rows in (({}, 5), ({"anchors": "shared"}, 4), ({"anchors": "shared", "interior": "rollout"}, 4)):
         seen = []
 
         def recording(z, t):
@@ -241,7 +240,7 @@ def test_trained_steps_only_flow_grpos_timestep_fraction():
             return as_velocity_fn(model)(z, t)
 
         model.zero_grad(set_to_none=True)
-        stats, _ = jagg_options.window_gradients(recording, sub, adv, cfg, jagg_options.JaggOptions(4, 1.0, **options))
+        stats, _ = options.window_gradients(recording, sub, adv, cfg, options.JaggOptions(4, 1.0, **fields))
         assert stats["grad_rows"] == rows
         assert not any((t_seen == traj.t[9, 0]).any() for t_seen in seen)  # sigma_9 -> 0: no network call
     with pytest.raises(ValueError, match="no first 11 steps"):
@@ -288,27 +287,27 @@ def test_index_weights_reproduce_the_authors_two_pass_scheme():
     a, b = 1, 6  # W = 5, as the authors' run_jagg.sh
     expected = authors_window_gradient(model, traj, adv, cfg, a, b)
     z, t = traj.z[a:b], traj.t[a:b]
-    _, g_index = grads_of(model, jagg_options.backward_jagg, z, t, jagg.make_step_loss(traj, adv, a, b, cfg), weights="index")
+    _, g_index = grads_of(model, options.backward_jagg, z, t, jagg.make_step_loss(traj, adv, a, b, cfg), weights="index")
     torch.testing.assert_close(g_index, expected, rtol=1e-10, atol=1e-13)
-    _, g_time = grads_of(model, jagg_options.backward_jagg, z, t, jagg.make_step_loss(traj, adv, a, b, cfg))
+    _, g_time = grads_of(model, options.backward_jagg, z, t, jagg.make_step_loss(traj, adv, a, b, cfg))
     assert (g_time - expected).norm() > 1e-3 * expected.norm()
     # With times linear in the index (no shift) the two weightings are the same.
     t_lin = torch.linspace(0.9, 0.5, 5)[:, None].expand(5, 6)  # [W, B]
-    torch.testing.assert_close(jagg_options.segment_weights(t_lin, "index"), jagg.interpolation_weights(t_lin))
+    torch.testing.assert_close(options.segment_weights(t_lin, "index"), jagg.interpolation_weights(t_lin))
 
     # Through window_gradients (so train_step) and the probe: every window by the authors' scheme.
     T, W = 10, 5
     model.zero_grad(set_to_none=True)
-    stats, routed = jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(W, 1.0, weights="index"))
+    stats, routed = options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(W, 1.0, weights="index"))
     assert all(routed)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     windows = [authors_window_gradient(model, traj, adv, cfg, a, a + W) for a in range(0, T, W)]
     torch.testing.assert_close(got, sum(windows), rtol=1e-10, atol=1e-13)
-    cos = jagg_probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(W, weights="index"))
+    cos = probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, options.JaggOptions(W, weights="index"))
     for (a, b), c, gw in zip(jagg.window_bounds(T, W), cos, windows):
         _, exact = grads_of(model, jagg.backward_exact, traj.z[a:b], traj.t[a:b], jagg.make_step_loss(traj, adv, a, b, cfg))
         assert c == pytest.approx(cosine(gw, exact), abs=1e-10)
-    assert cos != pytest.approx(jagg_probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(W)),
+    assert cos != pytest.approx(probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, options.JaggOptions(W)),
                                 abs=1e-6)
 
 
@@ -316,11 +315,11 @@ def test_index_hat_weights_interpolate_over_step_numbers():
     t = jagg.sigma_schedule(9, shift=3.0).double()[:-1, None].expand(9, 2)  # [S, B]
     steps = torch.arange(9.0).double()
     for anchors in ((0, 8), (0, 3, 6, 8), (0, 1, 2, 5, 8)):
-        H = jagg_options.hat_weights(t, list(anchors), weights="index")  # [S, M, B]
+        H = options.hat_weights(t, list(anchors), weights="index")  # [S, M, B]
         # The same hat functions over -k instead of t (hat_matrix interpolates over -t).
         torch.testing.assert_close(H[..., 0], hat_matrix(-steps, anchors), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="weights must be one of"):
-        jagg_options.hat_weights(t, [0, 8], weights="steps")
+        options.hat_weights(t, [0, 8], weights="steps")
 
 
 def straight_trajectory(model, T=10, B=4, d=3, seed=0):
@@ -340,9 +339,9 @@ def straight_trajectory(model, T=10, B=4, d=3, seed=0):
     return jagg.Trajectory(z=z, z_next=z_next, t=t, t_next=t_next, log_prob=log_prob, v=v)
 
 
-def window_grad(model, traj, adv, cfg, W, frac, ref=None, probe_cosines=None, **options):
+def window_grad(model, traj, adv, cfg, W, frac, ref=None, probe_cosines=None, **fields):
     model.zero_grad(set_to_none=True)
-    stats, routed = jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(W, frac, **options),
+    stats, routed = options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(W, frac, **fields),
                                           None if ref is None else as_velocity_fn(ref), probe_cosines=probe_cosines)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), stats, routed
 
@@ -376,14 +375,14 @@ def test_shared_anchors_route_segments_and_keep_the_others_exact():
     model = MLPFlow()
     traj, adv = toy_batch(model, T=10, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    assert jagg_options.segment_bounds(10, 4, "shared") == [(0, 4), (3, 7), (6, 10)]
-    assert jagg_options.segment_bounds(10, 8, "shared") == [(0, 8), (7, 10)]
-    assert jagg_options.segment_bounds(16, 4, "shared")[-1] == (12, 16)
+    assert options.segment_bounds(10, 4, "shared") == [(0, 4), (3, 7), (6, 10)]
+    assert options.segment_bounds(10, 8, "shared") == [(0, 8), (7, 10)]
+    assert options.segment_bounds(16, 4, "shared")[-1] == (12, 16)
     for interior in ("forward", "rollout"):
         g, stats, routed = window_grad(model, traj, adv, cfg, 4, 2 / 3, anchors="shared", interior=interior,
                                        route="probe", probe_cosines=[0.9, 0.1, 0.8])
         assert routed == [True, False, True] and stats["grad_rows"] == 6
-        _, expected = grads_of(model, jagg_options.backward_jagg, traj.z, traj.t, jagg.make_step_loss(traj, adv, 0, 10, cfg),
+        _, expected = grads_of(model, options.backward_jagg, traj.z, traj.t, jagg.make_step_loss(traj, adv, 0, 10, cfg),
                                anchors=[0, 3, 4, 5, 6, 9], v_rollout=traj.v if interior == "rollout" else None)
         torch.testing.assert_close(g, expected, rtol=1e-10, atol=1e-12)
 
@@ -403,7 +402,7 @@ def test_the_network_sees_only_the_anchor_rows(anchors, interior, policy_calls, 
     traj, adv = toy_batch(model, T=10, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.1)
     calls, calls_ref = [], []
-    jagg_options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
+    options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg, options.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
                           as_velocity_fn(ref, calls_ref))
     assert calls == policy_calls and calls_ref == ref_calls
 
@@ -444,14 +443,14 @@ def test_probe_routing_keeps_the_nonlinear_segment_exact(anchors, T, band):
     """One segment (the band) has a nonlinear Jacobian and linear velocities; the others the reverse.
     The free velocity score prefers the band; the probe measures it and routes around it."""
     torch.manual_seed(18)
-    bounds = jagg_options.segment_bounds(T, 4, anchors)  # three segments of 4 steps
+    bounds = options.segment_bounds(T, 4, anchors)  # three segments of 4 steps
     t = jagg.sigma_schedule(T, shift=2.0).double()
     a, b = bounds[band]
     model = BandFlow(t_hi=t[a].item(), t_lo=t[b - 1].item())
     traj = straight_trajectory(model, T=T, B=4)
     adv = torch.tensor([1.0, -0.5, 0.3, -0.8])
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    cos = jagg_probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, jagg_options.JaggOptions(4, anchors=anchors))
+    cos = probe.gradient_cosines(as_velocity_fn(model), model.parameters(), traj, adv, cfg, options.JaggOptions(4, anchors=anchors))
     assert cos[band] < 0.99 and all(c == pytest.approx(1.0, abs=1e-9) for i, c in enumerate(cos) if i != band)
 
     _, stats, by_velocity = window_grad(model, traj, adv, cfg, 4, 1 / 3, anchors=anchors, route="velocity")
@@ -473,7 +472,7 @@ def test_probe_routing_keeps_the_nonlinear_segment_exact(anchors, T, band):
 
 @pytest.mark.parametrize("beta, frac", [(0.0, 1.0), (0.05, 0.5), (0.0, 0.0), (0.05, 1.0)])
 def test_default_options_train_bit_for_bit_what_the_paper_function_does(beta, frac):
-    """jagg_options.window_gradients with JaggOptions() and jagg.paper_gradients: the same stats and
+    """options.window_gradients with JaggOptions() and jagg.paper_gradients: the same stats and
     the same gradient, to the last bit (train_sd.py calls the second unless an option is set)."""
     torch.manual_seed(9)
     model, ref = MLPFlow(), MLPFlow()
@@ -483,7 +482,7 @@ def test_default_options_train_bit_for_bit_what_the_paper_function_does(beta, fr
     paper, routed_p = jagg.paper_gradients(as_velocity_fn(model), traj, adv, cfg, 4, frac, as_velocity_fn(ref))
     g_paper = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    ours, routed_o = jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, frac),
+    ours, routed_o = options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, frac),
                                                    as_velocity_fn(ref))
     assert routed_p == routed_o and paper == ours
     assert all(torch.equal(a, p.grad) for a, p in zip(g_paper, model.parameters()))
@@ -507,12 +506,12 @@ def test_bounded_graph_rows_give_the_same_gradient_with_the_same_rows(anchors, r
     with torch.no_grad():
         v_old = as_velocity_fn(old)(z, t) if rollout else None  # [S, B, d]
     free_calls = []
-    loss, g_free = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d, seed=22), free_calls,
+    loss, g_free = grads_of(model, options.backward_jagg, z, t, make_loss(S, B, d, seed=22), free_calls,
                             anchors=list(anchors), v_rollout=v_old)
     expected = explicit_anchor_gradient(model, z, t, make_loss(S, B, d, seed=22), anchors, v_old)
     for bound in range(2 if rollout else 1, len(anchors)):
         calls = []
-        loss_b, g_bound = grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d, seed=22), calls,
+        loss_b, g_bound = grads_of(model, options.backward_jagg, z, t, make_loss(S, B, d, seed=22), calls,
                                    anchors=list(anchors), v_rollout=v_old, max_graph_rows=bound)
         torch.testing.assert_close(g_bound, g_free, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(g_bound, expected, rtol=1e-9, atol=1e-10)
@@ -521,7 +520,7 @@ def test_bounded_graph_rows_give_the_same_gradient_with_the_same_rows(anchors, r
         assert rows_by_grad(calls)[2] <= bound < rows_by_grad(free_calls)[2]
     if rollout:
         with pytest.raises(ValueError, match="max_graph_rows must be an integer >= 2 with rollout interiors"):
-            grads_of(model, jagg_options.backward_jagg, z, t, make_loss(S, B, d), anchors=list(anchors), v_rollout=v_old,
+            grads_of(model, options.backward_jagg, z, t, make_loss(S, B, d), anchors=list(anchors), v_rollout=v_old,
                      max_graph_rows=1)
 
 
@@ -538,8 +537,8 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
     for max_rows in (None, bound):
         policy, reference = [], []
         model.zero_grad(set_to_none=True)
-        opts = jagg_options.JaggOptions(4, 1.0, anchors=anchors, interior=interior, max_graph_rows=max_rows)
-        stats, routed = jagg_options.window_gradients(as_velocity_fn(model, policy), traj, adv, cfg, opts,
+        opts = options.JaggOptions(4, 1.0, anchors=anchors, interior=interior, max_graph_rows=max_rows)
+        stats, routed = options.window_gradients(as_velocity_fn(model, policy), traj, adv, cfg, opts,
                                               ref_velocity_fn=as_velocity_fn(ref, reference))
         results.append((torch.cat([p.grad.flatten() for p in model.parameters()]), stats, policy, reference))
     (g0, s0, p0, r0), (g1, s1, p1, r1) = results
@@ -548,12 +547,12 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
     assert rows_by_grad(p1)[:2] == rows_by_grad(p0)[:2] and r1 == r0
     assert rows_by_grad(p1)[2] <= bound
     with pytest.raises(ValueError, match="max_graph_rows must be an integer >= [12].* or None \\(no bound\\), got 0"):
-        jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, anchors=anchors, interior=interior,
+        options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 1.0, anchors=anchors, interior=interior,
                               max_graph_rows=0), ref_velocity_fn=as_velocity_fn(ref))
 
 
 def test_route_segments_never_routes_below_the_floor():
-    assert jagg_options.route_segments([0.9, 0.5, 1.0], [4, 4, 3], 1.0, floor=0.6) == [True, False, True]
+    assert options.route_segments([0.9, 0.5, 1.0], [4, 4, 3], 1.0, floor=0.6) == [True, False, True]
 
 
 def test_bad_options_raise_clear_errors_before_any_work():
@@ -562,24 +561,24 @@ def test_bad_options_raise_clear_errors_before_any_work():
     z, t = window(4, 2, 3, straight=False)
     loss = make_loss(4, 2, 3)
     with pytest.raises(ValueError, match="at least 2 steps"):
-        jagg_options.backward_jagg(fn, z[:1], t[:1], loss)
+        options.backward_jagg(fn, z[:1], t[:1], loss)
     with pytest.raises(ValueError, match=r"z: \[W, B, \*D\] and t: \[W, B\]"):
-        jagg_options.backward_jagg(fn, z, t[:3], loss)
+        options.backward_jagg(fn, z, t[:3], loss)
     with pytest.raises(ValueError, match="different times"):
-        jagg_options.backward_jagg(fn, z, torch.ones(4, 2), loss)
+        options.backward_jagg(fn, z, torch.ones(4, 2), loss)
     for anchors in ((1, 3), (0, 2), (0, 2, 1, 3), (0, 1.5, 3), (0,)):
         with pytest.raises(ValueError, match=r"anchors must be increasing step indices from 0 to S - 1 = 3"):
-            jagg_options.backward_jagg(fn, z, t, loss, anchors=anchors)
+            options.backward_jagg(fn, z, t, loss, anchors=anchors)
     with pytest.raises(ValueError, match=r"v_rollout must be \[S, B, \*D\] like z"):
-        jagg_options.backward_jagg(fn, z, t, loss, v_rollout=z[:3])
+        options.backward_jagg(fn, z, t, loss, v_rollout=z[:3])
     traj, adv = toy_batch(model)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     with pytest.raises(ValueError, match="advantages must be"):
-        jagg_options.window_gradients(fn, traj, adv[:-1], cfg, jagg_options.JaggOptions(4, 1.0))
+        options.window_gradients(fn, traj, adv[:-1], cfg, options.JaggOptions(4, 1.0))
     with pytest.raises(ValueError, match="longer than the trajectory"):
-        jagg_options.window_gradients(fn, traj, adv, cfg, jagg_options.JaggOptions(16, 1.0))
+        options.window_gradients(fn, traj, adv, cfg, options.JaggOptions(16, 1.0))
     with pytest.raises(ValueError, match="beta > 0 needs a ref_velocity_fn"):
-        jagg_options.window_gradients(fn, traj, adv, jagg.LossConfig(0.7, 0.2, beta=0.1), jagg_options.JaggOptions())
+        options.window_gradients(fn, traj, adv, jagg.LossConfig(0.7, 0.2, beta=0.1), options.JaggOptions())
     for kwargs, message in (({"anchors": "overlap"}, "anchors must be one of"),
                             ({"interior": "cache"}, "interior must be one of"),
                             ({"route": "random"}, "route must be one of"),
@@ -590,7 +589,7 @@ def test_bad_options_raise_clear_errors_before_any_work():
                             ({"route": "probe", "probe_cosines": [0.9]}, "one value per segment")):
         probe = {"probe_cosines": kwargs.pop("probe_cosines")} if "probe_cosines" in kwargs else {}
         with pytest.raises(ValueError, match=message):
-            jagg_options.window_gradients(fn, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0, **kwargs), **probe)
+            options.window_gradients(fn, traj, adv, cfg, options.JaggOptions(4, 1.0, **kwargs), **probe)
     assert all(p.grad is None for p in model.parameters())  # nothing was computed
 
 
@@ -610,8 +609,8 @@ def test_fixed_routes_give_jagg_the_windows_of_their_schedule_whatever_the_veloc
         traj, adv = toy_batch(model, T=12, B=4)
         if seed == 1:  # the first window the straightest
             traj.v[1:3] = (traj.v[0] + (traj.v[3] - traj.v[0]) * torch.tensor([1 / 3, 2 / 3])[:, None, None])
-            velocity = jagg_options.JaggOptions(4, 1 / 3)
-            assert jagg_options.window_gradients(fn, traj, adv, cfg, velocity)[1] == [True, False, False]
+            velocity = options.JaggOptions(4, 1 / 3)
+            assert options.window_gradients(fn, traj, adv, cfg, velocity)[1] == [True, False, False]
         expected = 0
         for w, start in enumerate((0, 4, 8)):
             model.zero_grad(set_to_none=True)
@@ -620,8 +619,8 @@ def test_fixed_routes_give_jagg_the_windows_of_their_schedule_whatever_the_veloc
                      jagg.make_step_loss(traj, adv, start, start + 4, cfg))
             expected = expected + torch.cat([p.grad.flatten() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
-        opts = jagg_options.JaggOptions(4, frac, route=route)
-        stats, routed = jagg_options.window_gradients(fn, traj, adv, cfg, opts)
+        opts = options.JaggOptions(4, frac, route=route)
+        stats, routed = options.window_gradients(fn, traj, adv, cfg, opts)
         assert routed == [w in late for w in range(3)]
         scores = [jagg.linearity_score(traj.v[a : a + 4], traj.t[a : a + 4]) for a in (0, 4, 8)]
         assert stats["window_scores"] == pytest.approx(scores)  # the free score is still what is logged

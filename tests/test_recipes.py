@@ -1,5 +1,5 @@
 """The velocity_fn recipes of examples/diffusers_models.py (and train_sd.py's SD3 one) on tiny
-random diffusers transformers of each family: jagg_probe.check_velocity_fn passes them and catches the
+random diffusers transformers of each family: checks.check_velocity_fn passes them and catches the
 two silent mistakes (a velocity not reshaped to z's shape, conditioning repeated in the wrong
 order); exact and JAGG both train; one window's JAGG gradient equals the explicit interpolation
 of Jacobians built row by row with autograd. Then what no check of velocity_fn alone can see:
@@ -18,10 +18,8 @@ from diffusers import LTXVideoTransformer3DModel, SD3Transformer2DModel, UniPCMu
 from diffusers import WanTransformer3DModel  # noqa: E402
 
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
+from beyond_paper import checks, options, ranks  # noqa: E402
 import train_sd  # noqa: E402
-import jagg_probe  # noqa: E402
-from long_runs import grpo_step  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import diffusers_models as recipes  # noqa: E402
@@ -149,28 +147,28 @@ FAMILIES = {"flux": flux, "qwen_image": qwen_image, "sd3": sd3, "wan": wan, "ltx
 def test_check_velocity_fn_passes_the_recipe_and_catches_both_mistakes(family):
     fn, _, z, sigmas = FAMILIES[family]()
     assert 1 - 1e-4 < sigmas[0] <= 1 and sigmas[-1] == 0 and len(sigmas) == 7
-    assert jagg_probe.check_velocity_fn(fn, z, sigmas) < 1e-10
+    assert checks.check_velocity_fn(fn, z, sigmas) < 1e-10
     wrong_order, _, _, _ = FAMILIES[family](interleave=True)
     with pytest.raises(ValueError, match=r"repeat the conditioning as a block, c.repeat\(S\)"):
-        jagg_probe.check_velocity_fn(wrong_order, z, sigmas)
+        checks.check_velocity_fn(wrong_order, z, sigmas)
     flat = lambda z_, t_: fn(z_, t_).flatten(0, 1)  # noqa: E731  [S*B, ...]: forgot .reshape(z.shape)
     with pytest.raises(ValueError, match=r"velocity_fn\(z .* returned .*end it with .reshape\(z.shape\)"):
-        jagg_probe.check_velocity_fn(flat, z, sigmas)
+        checks.check_velocity_fn(flat, z, sigmas)
     with pytest.raises(ValueError, match="velocity_fn gave .*, not z's shape"):  # rollout refuses it too
         jagg.rollout(flat, z, sigmas, 0.7)
 
 
 def test_check_velocity_fn_passes_a_bf16_model_and_catches_dropout():
     fn, _, z, sigmas = flux(dtype=torch.bfloat16)
-    assert jagg_probe.check_velocity_fn(fn, z, sigmas) < 2e-2  # bf16's tolerance: batched and single rows may round apart
+    assert checks.check_velocity_fn(fn, z, sigmas) < 2e-2  # bf16's tolerance: batched and single rows may round apart
     wrong_order, _, _, _ = flux(dtype=torch.bfloat16, interleave=True)
     with pytest.raises(ValueError, match=r"rtol 2e-02\): it is step-major"):
-        jagg_probe.check_velocity_fn(wrong_order, z, sigmas)
+        checks.check_velocity_fn(wrong_order, z, sigmas)
     fn, _, z, sigmas = flux()
     torch.manual_seed(3)
     drop = torch.nn.Dropout(0.1).train()  # a model left in train mode
     with pytest.raises(ValueError, match="eval mode"):
-        jagg_probe.check_velocity_fn(lambda z_, t_: drop(fn(z_, t_)), z, sigmas)
+        checks.check_velocity_fn(lambda z_, t_: drop(fn(z_, t_)), z, sigmas)
 
 
 def explicit_window_gradient(model, fn, z, t, step_loss):
@@ -225,14 +223,15 @@ def test_recipe_trains_exact_and_jagg_and_one_window_matches_explicit_jacobians(
 
     # A few optimizer steps in each mode: finite, and the parameters move.
     start = [p.detach().clone() for p in model.parameters()]
-    for opts in (jagg_options.JaggOptions(3, 0.0), jagg_options.JaggOptions(3, 1.0),
-                 jagg_options.JaggOptions(3, 1.0, anchors="shared", interior="rollout")):
+    for opts in (options.JaggOptions(3, 0.0), options.JaggOptions(3, 1.0),
+                 options.JaggOptions(3, 1.0, anchors="shared", interior="rollout")):
         for p, p0 in zip(model.parameters(), start):
             p.data.copy_(p0)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
         for _ in range(2):
-            stats, routed = grpo_step.train_step(fn, optimizer, traj, adv, cfg, opts)
-            assert not stats["skipped"] and stats["grad_norm"] > 0
+            stats, routed = options.window_gradients(fn, traj, adv, cfg, opts)
+            done = ranks.optimizer_step(model.parameters(), optimizer, [stats["loss"]])
+            assert not done["skipped"] and done["grad_norm"] > 0
         assert any(routed) == (opts.jagg_frac > 0)
         assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), start))
 
@@ -245,7 +244,7 @@ def test_an_expert_chosen_once_per_call_is_caught():
     low = recipes.wan_velocity_fn(model[1], torch.randn(B, L, E, dtype=z.dtype), None, 1.0)
     per_call = lambda z_, t_: (high if t_[0, 0] * 1000 >= 875 else low)(z_, t_)  # noqa: E731  the mistake
     with pytest.raises(ValueError, match=r"differs from 3 one-step calls"):
-        jagg_probe.check_velocity_fn(per_call, z, sigmas)
+        checks.check_velocity_fn(per_call, z, sigmas)
 
 
 # === Every flow scheduler's sigmas give a first SDE step of SD3's size ===
@@ -299,12 +298,12 @@ def rollout_ode(fn, latents, sigmas):
 
 def assert_reproduces(pipeline_latents, fn, wrong_time_fn, latents, sigmas, cause):
     """The recipe ends where the pipeline does; a wrong time convention does not, and
-    jagg_probe.check_against_pipeline passes the one and names the cause of the other."""
+    checks.check_against_pipeline passes the one and names the cause of the other."""
     torch.testing.assert_close(rollout_ode(fn, latents, sigmas), pipeline_latents, rtol=0, atol=ATOL)
     assert (rollout_ode(wrong_time_fn, latents, sigmas) - pipeline_latents).abs().max() > 1000 * ATOL
-    assert jagg_probe.check_against_pipeline(fn, latents, sigmas, pipeline_latents, rtol=1e-5) < 1e-5
+    assert checks.check_against_pipeline(fn, latents, sigmas, pipeline_latents, rtol=1e-5) < 1e-5
     with pytest.raises(ValueError, match=cause):
-        jagg_probe.check_against_pipeline(wrong_time_fn, latents, sigmas, pipeline_latents, rtol=1e-5)
+        checks.check_against_pipeline(wrong_time_fn, latents, sigmas, pipeline_latents, rtol=1e-5)
 
 
 SIGMA_FOR_1000 = r"passes the model sigma where the model takes sigma \* 1000"  # SD3, Wan, LTX
@@ -454,11 +453,11 @@ def test_ltx_recipe_reproduces_ltx_pipeline_and_the_check_names_what_breaks_it()
     fn = recipe()
     sigmas = recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(**LTX), T_PIPE, 2 * 2 * 2)
     assert_reproduces(out, fn, lambda z, t: fn(z, t / 1000), latents, sigmas, SIGMA_FOR_1000)
-    shifted = jagg_probe.shifted(sigmas, 1 / 3)  # a static shift a third of the pipeline's
+    shifted = checks.shifted(sigmas, 1 / 3)  # a static shift a third of the pipeline's
     with pytest.raises(ValueError, match="the sigmas are not the pipeline's, which are these shifted by 3"):
-        jagg_probe.check_against_pipeline(fn, latents, shifted, out, rtol=1e-5)
+        checks.check_against_pipeline(fn, latents, shifted, out, rtol=1e-5)
     with pytest.raises(ValueError, match="no change of the time input or of the shift explains it"):
-        jagg_probe.check_against_pipeline(recipe(frame_rate=24), latents, sigmas, out, rtol=1e-5)
+        checks.check_against_pipeline(recipe(frame_rate=24), latents, sigmas, out, rtol=1e-5)
     with pytest.raises(ValueError, match="pass image_seq_len, an image's packed tokens"):
         recipes.scheduler_sigmas(FlowMatchEulerDiscreteScheduler(**LTX), T_PIPE)
 

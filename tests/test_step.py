@@ -1,6 +1,6 @@
-"""long_runs/grpo_step.py on one process: a step skipped alike when anything is not finite, exact training
-reproduced at jagg_frac 0, a mismatched batch refused before any work. Many ranks: test_ddp.py
-and test_fsdp.py."""
+"""beyond_paper/ranks.py's optimizer step on one process: a step skipped when anything is not finite, exact
+training reproduced at jagg_frac 0, a mismatched batch refused before any work, a forgotten zero_grad
+leaking nothing. Many ranks: test_ddp.py and test_fsdp.py."""
 
 import copy
 import math
@@ -8,12 +8,19 @@ import math
 import pytest
 import torch
 
-from long_runs import grpo_step
 import jagg
-import jagg_options
+from beyond_paper import options, ranks
 from flows import MLPFlow, as_velocity_fn, toy_batch
 
 pytestmark = pytest.mark.usefixtures("float64")  # conftest's: exactness shows as ~1e-16, not fp32's ~1e-7
+
+
+def train_step(velocity_fn, optimizer, traj, adv, cfg, opts, ref_velocity_fn=None, step=None):
+    """One optimizer step as a trainer runs it: the batch's gradient, then ranks.optimizer_step."""
+    stats, routed = options.window_gradients(velocity_fn, traj, adv, cfg, opts, ref_velocity_fn)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stats.update(ranks.optimizer_step(params, optimizer, [stats["loss"]], step=step))
+    return stats, routed
 
 
 def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
@@ -22,7 +29,7 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     traj, adv = toy_batch(model, T=8, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats, _ = grpo_step.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=6)
+    stats, _ = train_step(as_velocity_fn(model), opt, traj, adv, cfg, options.JaggOptions(4, 1.0), step=6)
     assert stats["skipped"] is False  # a normal step first, so the optimizer has state to keep
 
     def nan_at_one_step(z, t):  # a velocity that is NaN at one sampling time, as a bf16 overflow would be
@@ -32,7 +39,7 @@ def test_non_finite_step_is_skipped_and_leaves_everything_untouched():
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
     with pytest.warns(RuntimeWarning, match="optimizer step 7 skipped: non-finite"):
-        stats, _ = grpo_step.train_step(nan_at_one_step, opt, traj, adv, cfg, jagg_options.JaggOptions(4, 1.0), step=7)
+        stats, _ = train_step(nan_at_one_step, opt, traj, adv, cfg, options.JaggOptions(4, 1.0), step=7)
     assert stats["skipped"] is True and not math.isfinite(stats["loss"])
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     for p, saved in zip(model.parameters(), state):
@@ -54,7 +61,7 @@ def test_jagg_frac_zero_reproduces_exact_training(beta):
         model.load_state_dict(base.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         # W changes nothing for exact training: windows only group the steps.
-        stats, routed = grpo_step.train_step(as_velocity_fn(model), opt, traj, adv, cfg, jagg_options.JaggOptions(W, frac),
+        stats, routed = train_step(as_velocity_fn(model), opt, traj, adv, cfg, options.JaggOptions(W, frac),
                                         ref_velocity_fn=as_velocity_fn(ref))
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), stats, routed))
     (p0, s0, r0), (p1, _, _), (p2, s2, r2) = results
@@ -74,8 +81,8 @@ def test_a_loss_at_another_noise_level_than_the_rollouts_is_refused():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="drawn at noise_level 0.7 but the loss scores them at 1.0"):
-        grpo_step.train_step(as_velocity_fn(model), opt, traj, adv,
-                        jagg.LossConfig(noise_level=1.0, clip_range=0.2), jagg_options.JaggOptions(2, 1.0))
+        train_step(as_velocity_fn(model), opt, traj, adv,
+                        jagg.LossConfig(noise_level=1.0, clip_range=0.2), options.JaggOptions(2, 1.0))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
@@ -89,7 +96,7 @@ def test_a_forgotten_zero_grad_leaks_nothing_into_the_next_step(calls_zero_grad)
     model = MLPFlow()
     reference = copy.deepcopy(model)
     batches = [toy_batch(model, T=4, B=4, seed=s) for s in range(4)]
-    cfg, opts = jagg.LossConfig(0.7, 0.2), jagg_options.JaggOptions(2, 1.0)
+    cfg, opts = jagg.LossConfig(0.7, 0.2), options.JaggOptions(2, 1.0)
 
     def run(net, step_api):
         opt = torch.optim.SGD(net.parameters(), lr=0.5)
@@ -101,12 +108,12 @@ def test_a_forgotten_zero_grad_leaks_nothing_into_the_next_step(calls_zero_grad)
             losses = []
             for traj, adv in batches[2 * step : 2 * step + 2]:
                 if step_api:
-                    stats, _ = grpo_step.accumulate_gradients(as_velocity_fn(net), traj, adv, cfg, opts)
+                    stats, _ = options.window_gradients(as_velocity_fn(net), traj, adv, cfg, opts)
                     losses.append(stats["loss"])
                 else:
-                    jagg_options.window_gradients(as_velocity_fn(net), traj, adv, cfg, opts)
+                    options.window_gradients(as_velocity_fn(net), traj, adv, cfg, opts)
             if step_api:
-                grpo_step.optimizer_step(net.parameters(), opt, losses, micro_batches=2, max_grad_norm=1e9)
+                ranks.optimizer_step(net.parameters(), opt, losses, micro_batches=2, max_grad_norm=1e9)
                 assert all(p.grad is None for p in net.parameters())
             else:
                 for p in net.parameters():

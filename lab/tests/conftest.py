@@ -9,6 +9,7 @@ import pytest
 LAB = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, LAB)  # the lab's modules by their own names (summarize, bench, mini_sd3, ...)
 sys.path.insert(0, os.path.dirname(LAB))  # the top level, and lab.mini_sd3 for --reward lab.mini_sd3:...
+sys.path.insert(0, os.path.join(os.path.dirname(LAB), "tests"))  # the top level's test helpers (flows, ...)
 
 
 def pytest_collection_modifyitems(items):

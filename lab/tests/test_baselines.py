@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
 
 import jagg  # noqa: E402
-import jagg_options  # noqa: E402
+from beyond_paper import options  # noqa: E402
 import toy_baselines  # noqa: E402
 from flows import MLPFlow, as_velocity_fn, toy_batch  # noqa: E402
 
@@ -82,7 +82,7 @@ def test_random_steps_are_the_loss_danceGRPO_states_and_unbiased():
     toy_baselines.subset_gradients(fns_of(model), traj, adv, cfg, steps, 6, g)
     every = flat(model)
     model.zero_grad(set_to_none=True)
-    jagg_options.window_gradients(as_velocity_fn(model), traj, adv, cfg, jagg_options.JaggOptions(3, 0.0))
+    options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(3, 0.0))
     torch.testing.assert_close(every, flat(model), rtol=1e-10, atol=1e-12)
     # Unbiased: the mean over all C(6, 2) pairs, drawn by every sample alike, is exact's gradient.
     import itertools
@@ -173,8 +173,8 @@ def test_the_mini_sd3s_random_steps_are_one_draw_per_micro_batch():
 
 
 def test_the_mini_sd3s_random_steps_train_train_sds_run(tmp_path):
-    """sd_baselines.main drives train_sd.py's own loop: each micro-batch back-propagates --random-steps
-    of its steps (the rows with grad say so), and train_sd's call is restored after."""
+    """sd_baselines.main drives lab/sd_runner.py's own loop: each micro-batch back-propagates --random-steps
+    of its steps (the rows with grad say so), and sd_runner's call is restored after."""
     import sd_baselines
     import tiny_sd3
 

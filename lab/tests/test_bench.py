@@ -15,7 +15,7 @@ import torch
 import bench
 import charts
 import jagg
-import jagg_options
+from beyond_paper import options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -62,7 +62,7 @@ def test_saved_bytes_fall_with_the_bound():
     def saved(anchors="window", interior="forward", rows=None, frac=1.0):
         def step():
             model.zero_grad(set_to_none=True)
-            jagg_options.window_gradients(model, traj, adv, cfg, jagg_options.JaggOptions(
+            options.window_gradients(model, traj, adv, cfg, options.JaggOptions(
                 4, frac, anchors=anchors, interior=interior, max_graph_rows=rows))
         return bench.saved_bytes_peak(step)
 
@@ -220,12 +220,12 @@ def test_time_gradients_times_exact_against_the_options_and_leaves_their_gradien
     model = flows.MLPFlow()
     traj, adv = flows.toy_batch(model, T=8, B=4)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.0)
-    opts, params = jagg_options.JaggOptions(4), list(model.parameters())
+    opts, params = options.JaggOptions(4), list(model.parameters())
     times = bench.time_gradients(flows.as_velocity_fn(model), params, traj, adv, cfg, opts, repeats=2)
     assert {m: t["grad_rows"] for m, t in times.items()} == {"exact": 8, "jagg": 2 * 2}
     assert all(0 < t["backward_s"] <= t["step_s"] for t in times.values())
     last = [p.grad.clone() for p in params]  # repeats = 2: the last round runs exact last (the order alternates)
     for p in params:
         p.grad = None
-    jagg_options.window_gradients(flows.as_velocity_fn(model), traj, adv, cfg, dataclasses.replace(opts, jagg_frac=0.0))
+    options.window_gradients(flows.as_velocity_fn(model), traj, adv, cfg, dataclasses.replace(opts, jagg_frac=0.0))
     assert all(torch.equal(a, p.grad) for a, p in zip(last, params))

@@ -1,5 +1,5 @@
 """lab/compare_runs.py on two runs of tests/tiny_sd3.py's pipeline: train exact, train JAGG with the
-same settings, compare (what train_sd.py --method compare did in one process)."""
+same settings, compare (what lab/sd_runner.py --method compare did in one process)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 
 import compare_runs  # noqa: E402
 import tiny_sd3  # noqa: E402
-import train_sd  # noqa: E402
+import sd_runner  # noqa: E402
 
 
 def test_compare_two_runs_of_one_model_and_seed(tmp_path, capsys):
@@ -24,7 +24,7 @@ def test_compare_two_runs_of_one_model_and_seed(tmp_path, capsys):
               "--interior", "rollout", "--weights", "index", "--window", "2"]
     out = tmp_path / "cmp"
     for method in ("exact", "jagg"):
-        train_sd.main(common + ["--method", method, "--out", str(out / method)])
+        sd_runner.main(common + ["--method", method, "--out", str(out / method)])
     comparison = compare_runs.main([str(out / "exact"), str(out / "jagg"), "--out", str(out), "--no-samples"])
     for key in ("mode", "initial_reward", "final_reward", "reward_gain", "reward_gain_ratio", "train_speedup",
                 "grad_speedup", "grad_rows_ratio"):

@@ -1,5 +1,5 @@
 """The mini SD3 as the lab uses it: its checker against rendered ground truth, the pipeline
-lab/mini_sd3_pipeline.py builds and pretrains, its rewards through train_sd.py --reward
+lab/mini_sd3_pipeline.py builds and pretrains, its rewards through lab/sd_runner.py --reward
 lab.mini_sd3:NAME, the presets, and the comparison of separately trained runs
 (lab/compare_runs.py) with their redrawn evaluations (lab/eval_noise.py)."""
 
@@ -19,7 +19,7 @@ import eval_noise  # noqa: E402
 import mini_sd3  # noqa: E402
 import mini_sd3_pipeline
 import presets  # noqa: E402
-import train_sd  # noqa: E402
+import sd_runner  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_mini_pipeline_loads_with_three_encoders_and_pretraining_lowers_the_loss
     assert type(pipe.text_encoder_3).__name__ == "T5EncoderModel" and pipe.scheduler.config.shift == 3.0
     prompt = "a yellow triangle left of a green square"  # every word one token for CLIP and T5
     assert len(pipe.tokenizer(prompt).input_ids) == 8 + 2 and len(pipe.tokenizer_3(prompt).input_ids) == 8 + 1
-    cond, _ = train_sd.encode(pipe, ["a red circle", "two blue squares"], "cpu")
+    cond, _ = sd_runner.encode(pipe, ["a red circle", "two blue squares"], "cpu")
     t5_part = cond[0][:, mini_sd3_pipeline.MAX_TOKENS:]  # [B, 16, E]: CLIP's 16 tokens come first
     assert t5_part.abs().sum() > 0 and not torch.allclose(t5_part[0], t5_part[1])
 
@@ -96,11 +96,11 @@ def test_the_presets_are_train_sd_flags_and_a_later_flag_wins(tiny_build):
     assert (geneval.reward, geneval.lora_rank, geneval.global_std, geneval.prompts_per_epoch, geneval.train_batch,
             geneval.epochs, geneval.eval_samples, geneval.lr) == ("lab.mini_sd3:geneval_reward", 32, True, 8, 16, 12,
                                                                  96, 1e-4)
-    assert train_sd.read_prompts(mini) == mini_sd3.training_prompts()
+    assert sd_runner.read_prompts(mini) == mini_sd3.training_prompts()
 
 
 def test_geneval_reward_trains_and_logs_strict_accuracy_per_kind(tiny_build, tmp_path):
-    rows = train_sd.main(run_args(tiny_build[0], tmp_path / "g", "--epochs", "1", "--method", "exact", "--reward",
+    rows = sd_runner.main(run_args(tiny_build[0], tmp_path / "g", "--epochs", "1", "--method", "exact", "--reward",
                                   "lab.mini_sd3:geneval_reward", "--eval-samples", "48"))
     for row in rows:  # the 48 prompts in order: 12 single, 12 count, 24 relation
         assert 0 <= row["eval/strict"] <= 1 and {"eval/strict_single", "eval/strict_count", "eval/strict_relation"} <= set(row)
@@ -110,14 +110,14 @@ def test_geneval_reward_trains_and_logs_strict_accuracy_per_kind(tiny_build, tmp
 
 def test_compare_runs_and_redrawn_evaluations(tiny_build, tmp_path, capsys, monkeypatch):
     """Exact once, JAGG separately, compared by lab/compare_runs.py (the quality tables' way, once
-    train_sd.py --exact-from): the summary a --method compare writes, the final reward the mean of the
+    lab/sd_runner.py --exact-from): the summary a --method compare writes, the final reward the mean of the
     last evaluations, settings checked; then lab/eval_noise.py's independent draws of the same runs."""
     folder, out = tiny_build[0], tmp_path / "seed0"
     common = ["--epochs", "2", "--eval-samples", "6", "--reward", "lab.mini_sd3:shapes_reward"]
-    train_sd.main(run_args(folder, out / "exact", "--method", "exact", *common))
-    train_sd.main(run_args(folder, out / "jagg", "--method", "jagg", "--anchors", "shared", "--interior", "rollout",
+    sd_runner.main(run_args(folder, out / "exact", "--method", "exact", *common))
+    sd_runner.main(run_args(folder, out / "jagg", "--method", "jagg", "--anchors", "shared", "--interior", "rollout",
                            "--probe-every", "1", *common))
-    train_sd.main(run_args(folder, tmp_path / "other", "--method", "jagg", *common, "--lr", "2e-2"))
+    sd_runner.main(run_args(folder, tmp_path / "other", "--method", "jagg", *common, "--lr", "2e-2"))
     with pytest.raises(SystemExit, match=r"--lr 0.01 \(exact\), 0.02 \(jagg\)"):  # other settings: refused
         compare_runs.main([str(out / "exact"), str(tmp_path / "other"), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="give an exact run, then a jagg run"):
@@ -139,17 +139,17 @@ def test_compare_runs_and_redrawn_evaluations(tiny_build, tmp_path, capsys, monk
     assert exact["fixed_noise_eval"] == ex["eval_curve"][-1][1]
     assert len(exact["draws"]) == 2 and json.load(open(tmp_path / "noise.json"))["models"][1]["draws"] == exact["draws"]
     # 3 draws asked of a file holding 2: only the third is drawn, equal to a fresh 3-draw run's
-    calls, real_draw = [], train_sd.draw_evaluation
-    monkeypatch.setattr(train_sd, "draw_evaluation", lambda *a, **k: calls.append(a[7]) or real_draw(*a, **k))
+    calls, real_draw = [], sd_runner.draw_evaluation
+    monkeypatch.setattr(sd_runner, "draw_evaluation", lambda *a, **k: calls.append(a[7]) or real_draw(*a, **k))
     _, grown = eval_noise.main([str(out / "exact"), "--draws", "3", "--out", str(tmp_path / "noise.json")])
     monkeypatch.undo()
     assert calls == [eval_noise.NOISE_SEED + 2] * 2 and grown["draws"][:2] == exact["draws"]
     [fresh] = eval_noise.main([str(out / "exact"), "--draws", "3", "--no-base"])
     assert fresh["draws"] == pytest.approx(grown["draws"], abs=1e-6)
     _, cfg, (pipe, transformer, sigmas, bf16) = compare_runs.load_run(str(out / "exact"))
-    prompts = train_sd.evaluation_prompts(cfg, train_sd.read_prompts(cfg))
-    draws = [train_sd.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, lambda ims, ps: [0.0] * len(ims), bf16,
-                                      seed)[0] for seed in (train_sd.evaluation_seed(cfg), eval_noise.NOISE_SEED, eval_noise.NOISE_SEED + 1)]
+    prompts = sd_runner.evaluation_prompts(cfg, sd_runner.read_prompts(cfg))
+    draws = [sd_runner.draw_evaluation(pipe, transformer, prompts, cfg, sigmas, lambda ims, ps: [0.0] * len(ims), bf16,
+                                      seed)[0] for seed in (sd_runner.evaluation_seed(cfg), eval_noise.NOISE_SEED, eval_noise.NOISE_SEED + 1)]
     pixels = [torch.tensor(np.stack([np.asarray(im) for im in images]), dtype=torch.float32) for images in draws]
     assert not torch.equal(pixels[1], pixels[2]) and not torch.equal(pixels[0], pixels[1])  # independent noise
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import jagg
-import jagg_options
-import jagg_probe
-import train_sd
+from beyond_paper import options, probe
+import sd_runner
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import offpolicy_error  # noqa: E402
@@ -37,7 +36,7 @@ class TinyTask:
             traj = jagg.rollout(self.velocity_fn, noise, sigmas, 0.7, generator=generator)
             sample = traj.sample
         else:  # an SDE window of self.window steps
-            traj, sample = train_sd.window_rollout(self.velocity_fn, noise, sigmas, 0.7, window_start, self.window,
+            traj, sample = sd_runner.window_rollout(self.velocity_fn, noise, sigmas, 0.7, window_start, self.window,
                                                        generator=generator)
         adv = jagg.group_advantages(-sample.norm(dim=-1), torch.arange(n) // 4)
         return offpolicy_error.Batch(traj, adv, lambda idx: (self.velocity_fn, None))
@@ -69,7 +68,7 @@ def test_probe_check_pools_probes_and_measures_independent_batches():
     """lab/probe_check.py's figures on a tiny task: the independent-batch figure is |j - g|^2 over
     the noise of pairs of batches, computed here again; an SDE window gives one segment."""
     task = TinyTask()
-    opts = jagg_options.JaggOptions(task.window, 1.0)
+    opts = options.JaggOptions(task.window, 1.0)
     rows = probe_check.check(task, opts, 3, 8, torch.Generator().manual_seed(2))
     assert [r["steps"] for r in rows] == [(0, 4), (4, 8), (8, 10)]
     for r in rows[:2]:
@@ -77,7 +76,7 @@ def test_probe_check_pools_probes_and_measures_independent_batches():
     assert abs(rows[2]["pooled"]) < 1e-12 and rows[2]["independent"] < 1e-20  # a 2-step window: exact, to round-off
     g = torch.Generator().manual_seed(2)
     batches = [task.draw(8, g) for _ in range(3)]
-    pairs = [list(jagg_probe.segment_gradients(task.velocity_fn, task.params, b.traj, b.adv, task.loss_cfg, opts))[0]
+    pairs = [list(probe.segment_gradients(task.velocity_fn, task.params, b.traj, b.adv, task.loss_cfg, opts))[0]
              for b in batches]
     noise = sum((pairs[i][0] - pairs[j][0]).square().sum() for i, j in ((0, 1), (0, 2), (1, 2))) / 2 / 3
     error = sum((j - e).square().sum() for e, j in pairs) / 3
@@ -91,18 +90,18 @@ def test_probe_check_takes_steps_and_probes_at_random_as_training_does():
     independent figure's) and a probe of 4 others, asked for the error of an 8-sample step;
     recomputed here from the same draws."""
     task = TinyTask()
-    opts = jagg_options.JaggOptions(task.window, 1.0)
+    opts = options.JaggOptions(task.window, 1.0)
     rows = probe_check.check(task, opts, 3, 16, torch.Generator().manual_seed(4), step_batch=8, probe_batch=4)
     g = torch.Generator().manual_seed(4)
     pairs, probes, own = [], [], []
     for _ in range(3):
         b = task.draw(16, g)
         step, probed = torch.randperm(16, generator=g)[:8], torch.randperm(16, generator=g)[:4]
-        pairs.append(list(jagg_probe.segment_gradients(task.velocity_fn, task.params, b.traj.subset(step),
+        pairs.append(list(probe.segment_gradients(task.velocity_fn, task.params, b.traj.subset(step),
                                                           b.adv[step], task.loss_cfg, opts))[0])
-        probes.append(jagg_probe.probe_segments(lambda idx: (task.velocity_fn, None), task.params,
+        probes.append(probe.probe_segments(lambda idx: (task.velocity_fn, None), task.params,
                                                   b.traj.subset(probed), b.adv[probed], task.loss_cfg, opts, train_batch=8))
-        own.append(jagg_probe.probe_segments(lambda idx: (task.velocity_fn, None), task.params,
+        own.append(probe.probe_segments(lambda idx: (task.velocity_fn, None), task.params,
                                                b.traj.subset(probed), b.adv[probed], task.loss_cfg, opts, train_batch=4))
     noise = sum((pairs[i][0] - pairs[j][0]).square().sum() for i, j in ((0, 1), (0, 2), (1, 2))) / 2 / 3
     error = sum((j - e).square().sum() for e, j in pairs) / 3

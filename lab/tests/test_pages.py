@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-import toy_options  # lab/ is on the path (lab/tests/conftest.py)
+import sd_runner  # lab/ is on the path (lab/tests/conftest.py)
+import toy_options
 from tests.test_docs import ROOT, check_commands, missing_links, parses, unknown_flags
 
 LAB_PAGES = [os.path.join(ROOT, "lab", "README.md"), *sorted(glob.glob(os.path.join(ROOT, "lab", "reports", "*.md")))]
@@ -24,12 +25,27 @@ def test_relative_links_resolve(page):
     assert not missing, f"{os.path.relpath(page, ROOT)} links to missing {missing}"
 
 
-@pytest.mark.parametrize("script", ["train_toy.py", "toy_options.py", "train_sd.py"])
+def runner_parses(args):
+    """SystemExit unless args are lab/sd_runner.py's flags with values in their declared ranges."""
+    cfg = sd_runner.parse(args)
+    bad = [flag for ok, flag, _ in cfg.ranges() if not ok]
+    if bad:
+        raise SystemExit(f"error: --{bad[0]} out of range")
+    try:
+        sd_runner.options.check_options(cfg.jagg_options())
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+
+
+PARSERS = {"train_toy.py": None, "toy_options.py": toy_options.parse_args, "lab/sd_runner.py": runner_parses}
+
+
+@pytest.mark.parametrize("script", PARSERS)
 def test_script_commands_in_the_pages_parse(script):
-    """Every train_toy.py, lab/toy_options.py and train_sd.py command of lab/'s pages and lab/*.sh
+    """Every train_toy.py, lab/toy_options.py and lab/sd_runner.py command of lab/'s pages and lab/*.sh
     (and lab/toy_quality.sh's modes) parses with values in range."""
     pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[sd]'")
-    found = check_commands(LAB_PAGES + SCRIPTS, script, toy_options.parse_args)
+    found = check_commands(LAB_PAGES + SCRIPTS, script, PARSERS[script])
     assert found >= 3, f"only {found} {script} commands found: the pattern sees nothing"
 
 

@@ -223,7 +223,7 @@ def test_retention_pairs_each_mode_with_exact_and_the_papers_mode_seed_by_seed(t
 
 
 def _compare_run(folder, seed, window, epochs, seconds, slope, gain_kept=1.0):
-    """A train_sd.py compare summary whose exact and JAGG runs rise linearly in training time
+    """A lab/sd_runner.py compare summary whose exact and JAGG runs rise linearly in training time
     (reward 0.1 + slope x seconds), an epoch taking `seconds`, evaluated every 2 epochs."""
     def run(mode, slope):
         config = {"seed": seed, "sde_window": window, "reward": "darkness"}
@@ -309,7 +309,7 @@ def test_the_kept_toy_retention_table_remakes_from_the_kept_files(capsys):
 
 
 def test_the_kept_mini_sd3_compare_table_remakes_from_the_kept_files(capsys):
-    """The kept train_sd.py compare summaries ({key: {exact, jagg}}, probe_cosine_by_position)."""
+    """The kept lab/sd_runner.py compare summaries ({key: {exact, jagg}}, probe_cosine_by_position)."""
     tables = RESULTS / "mini_sd3" / "tables" / "darkness"
     summarize.compare([str(tables / f"{mode}_seed{s}") for mode in ("paper", "shared") for s in range(5)])
     out = capsys.readouterr().out

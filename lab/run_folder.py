@@ -1,6 +1,6 @@
 """A training run's folder: one run per folder, files written whole, a clean stop on a signal.
 
-Not JAGG's: what a long run (train_sd.py) needs around its training loop. Each error is a
+Not JAGG's: what a long run (lab/sd_runner.py) needs around its training loop. Each error is a
 ValueError whose message is one line naming the file or flag and the fix; the trainer prints it
 and exits before any work.
 - claim_folder: one process holds the folder (a lock, which processes it forks do not keep); a

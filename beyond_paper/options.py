@@ -56,13 +56,14 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
                          score ranks segments by noise level this way (jagg.py, section 7) and
                          keeps the same reward: this schedule says what the free score does.
     route="probe"        Route by the probe's measured cosine of each segment's JAGG gradient to
-                         its exact one (jagg_probe.py), averaged over probes. min_cosine [None;
+                         its exact one (probe.py), averaged over probes. min_cosine [None;
                          route="probe" only] trains any segment whose average is below it EXACT.
                          Routing chooses which segments are approximated, not how.
     boundaries=(b, ...)  [(): one network] For models with two experts (Wan 2.2 A14B switches
                          transformers at a timestep): the steps where another network takes over,
-                         each the first step it runs (expert_boundaries computes them). The steps
-                         from one boundary to the next are tiled as a trajectory of their own, so
+                         each the first step it runs (expert_boundaries, in Wan's recipe in
+                         examples/diffusers_models.py, computes them). The steps from one
+                         boundary to the next are tiled as a trajectory of their own, so
                          no segment holds steps of two networks (T = 10, W = 4, boundaries (5,):
                          windows 0-3 | 4 | 5-8 | 9). A segment across the switch would interpolate
                          between two networks' Jacobians: EXACT under no condition. With
@@ -85,6 +86,8 @@ import torch
 
 import jagg
 from jagg import _check
+from beyond_paper.checks import checked
+from beyond_paper.ranks import over_ranks
 
 ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
 INTERIOR_MODES = ("forward", "rollout")  # the paper's no-graph forwards; OURS: rollout velocities
@@ -125,16 +128,6 @@ class JaggOptions:
                 and (self.max_graph_rows is None or self.max_graph_rows >= 2))
 
 
-def checked(velocity_fn):
-    """velocity_fn that refuses a v not of z's shape: it would broadcast and train wrongly."""
-    def velocity(z, t):
-        v = velocity_fn(z, t)
-        _check(v.shape == z.shape,
-               f"velocity_fn(z {z.shape}) returned {v.shape}: end it with .reshape(z.shape)")
-        return v
-    return velocity
-
-
 def check_batch(traj, advantages, cfg):
     """A batch's trajectories, advantages and loss agree (before any work)."""
     _check(traj.noise_level is None or traj.noise_level == cfg.noise_level,
@@ -143,22 +136,6 @@ def check_batch(traj, advantages, cfg):
     _check(advantages.shape == traj.log_prob.shape[1:],
            f"advantages must be [B] = {tuple(traj.log_prob.shape[1:])}, "
            f"got {tuple(advantages.shape)}")
-
-
-# Many ranks: every decision is taken on all ranks' samples, as one process on all of them would
-# take it, so that every rank takes it alike: routing by the velocities' linearity (the mean of
-# the ranks' scores) and the drift guard (the largest drift on any rank). Under FSDP the ranks
-# must also run the same forwards, since each gathers the sharded weights from all the others.
-def over_ranks(values, op, device=None):
-    """values (a list of floats) combined over torch.distributed's ranks: op "mean", "max" or
-    "min"; the values themselves on one process."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    reduce_op = {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    dist.all_reduce(t, op=reduce_op[op])
-    return (t / dist.get_world_size() if op == "mean" else t).tolist()
 
 
 # === 1. Anchors: windows that share their end steps ===
@@ -206,23 +183,6 @@ def anchor_steps(anchors, S):
 # Two experts (boundaries). Wan 2.2 A14B runs one transformer at high noise and another below a
 # switch. A segment across the switch would interpolate between two networks' Jacobians, so each
 # network's steps are tiled on their own: segments end at every boundary.
-def expert_boundaries(sigmas, switch_sigma):
-    """JaggOptions.boundaries for a model with two experts: the first network runs the steps whose
-    sigma is >= switch_sigma, the second the others, as diffusers' WanPipeline does (its
-    transformer at timesteps >= boundary_ratio x 1000, so switch_sigma = boundary_ratio: Wan 2.2
-    A14B's 0.875 text-to-video, 0.9 image-to-video; a switch at timestep t_b of a model whose time
-    is sigma x 1000 is switch_sigma = t_b / 1000). sigmas: [T + 1], decreasing, the schedule
-    given to jagg.rollout (step k runs at sigmas[k]; the last entry runs no step). Returns (k,),
-    the second network's first step, or () when all T steps run one network. Training only a
-    trajectory's first n steps (first_steps), keep the boundaries below n."""
-    s = torch.as_tensor(sigmas, dtype=torch.float64).flatten()[:-1]  # the steps' sigmas [T]
-    _check(len(s) >= 1 and bool((s[1:] <= s[:-1]).all()),
-           "sigmas must be a decreasing schedule [T + 1] as given to rollout, "
-           f"got {torch.as_tensor(sigmas).tolist()}")
-    k = int((s >= switch_sigma).sum())  # the steps of the first network: they come first
-    return (k,) if 0 < k < len(s) else ()
-
-
 def check_boundaries(boundaries, num_steps=None):
     """boundaries: increasing step indices inside (0, T) (T = num_steps, if known)."""
     steps = list(boundaries) if isinstance(boundaries, (tuple, list)) else None
@@ -231,8 +191,8 @@ def check_boundaries(boundaries, num_steps=None):
     T = "T" if num_steps is None else f"T = {num_steps}"
     _check(inside and all(a < b for a, b in zip(steps, steps[1:])),
            f"boundaries must be increasing step indices inside (0, {T}), each the first step of "
-           "another network (expert_boundaries computes them; drop those >= T when training "
-           f"fewer steps), got {boundaries!r}")
+           "another network (examples/diffusers_models.expert_boundaries computes them; drop "
+           f"those >= T when training fewer steps), got {boundaries!r}")
 
 
 def segment_bounds(num_steps, window, anchors="window", boundaries=()):
@@ -534,7 +494,7 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
                      probe_cosines=None):
     """jagg.paper_gradients with JaggOptions' every field: add the batch's gradient to .grad,
     segment by segment (segment_bounds), routed between exact and JAGG. Returns (stats, routed).
-    route="probe" ranks the segments by probe_cosines (jagg_probe.probe_average's) once there are
+    route="probe" ranks the segments by probe_cosines (probe.probe_average's) once there are
     any, never routing one below opts.min_cosine; before the first probe, by velocity."""
     T = traj.z.shape[0]
     bounds = segment_bounds(T, opts.window, opts.anchors, opts.boundaries)

@@ -1,17 +1,10 @@
-"""Measure JAGG on your own model: is velocity_fn right, and is JAGG's gradient close?
+"""The probe: JAGG's gradient against the exact one on your model, per window, in units of its noise.
 
-jagg.py assumes a contract of velocity_fn and an interpolation of Jacobians that holds better on
-some models than on others. Nothing here trains; each function measures one thing a user adapting
-JAGG to a new model should know before a long run, in the order to run them:
-    1. check_velocity_fn   once: the contract jagg.py states in its section 10 (shapes, step-major
-                            rows, no dropout)
-       check_against_pipeline  once: velocity_fn rolled out without noise ends where your own
-                            pipeline does from the same noise, or the likely cause is named (time
-                            scaled by 1000 or not, time reversed, another shift of the sigmas)
-    2. the probe            gradient_cosines, probe_segments: JAGG's gradient against exact's,
-                            per window, in units of an optimizer step's own noise; route="probe"
-                            (jagg_options.JaggOptions) trains by its running average
-Is it faster on your model? lab/bench.py's time_gradients times one batch's gradient both ways.
+JAGG's error depends on how linear the network's Jacobian is along a trajectory, which differs
+between models. Nothing here trains: the probe computes both gradients of the same segments and
+reports their cosine and JAGG's error over an optimizer step's own gradient noise, so a user
+adapting JAGG sees at once whether it holds. route="probe" (options.JaggOptions) trains by its
+running average (probe_average). Read jagg.py first: the notation is its own.
 """
 
 import math
@@ -20,126 +13,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import jagg
-import jagg_options
 from jagg import _check
+from beyond_paper import options
+from beyond_paper.checks import checked
 
 
-# === 1. The velocity_fn contract ===
-@torch.no_grad()
-def check_velocity_fn(velocity_fn, z, sigmas, rtol=None):
-    """Check velocity_fn once before training, on noise z: [B, *D] of samples with different
-    conditioning and the schedule sigmas: [T + 1]: v of z's shape and finite, two equal calls
-    equal, one call on S steps equal to S one-step calls (jagg.py section 10: step-major). A
-    ValueError names the mistake and its fix. rtol, relative to |v|; None: 1e-4 in fp32, 2e-2 in
-    bf16 / fp16 or under autocast (pass 2e-2 if velocity_fn autocasts inside). Returns the largest
-    relative difference."""
-    S = min(3, len(sigmas) - 1)  # steps spread over the schedule: its first, middle and last
-    steps = torch.linspace(0, len(sigmas) - 2, S).round().long()  # [S]
-    t = sigmas[steps].to(z.device)[:, None].expand(S, z.shape[0])  # [S, B]
-    zs = torch.stack([z * (1 - 0.1 * s) for s in range(S)])  # [S, B, *D]: a state per step
-    velocity_fn = jagg_options.checked(velocity_fn)
-    v = velocity_fn(zs, t)  # [S, B, *D]
-    _check(v.dtype.is_floating_point and bool(torch.isfinite(v).all()),
-           "velocity_fn returned non-finite values")
-    low = v.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(z.device.type)
-    if rtol is None:
-        rtol = 2e-2 if low else 1e-4
-    size = v.float().norm().item()
-    again = (velocity_fn(zs, t).float() - v.float()).norm().item() / size
-    _check(again <= rtol,
-           f"two equal calls of velocity_fn differ by {again:.1e} of |v|: put the model in eval "
-           "mode (no dropout) for rollouts and training alike, or the first ratio is not 1")
-    one = torch.stack([velocity_fn(zs[s : s + 1], t[s : s + 1])[0] for s in range(S)])  # [S, B, *D]
-    error = (v.float() - one.float()).norm().item() / size
-    _check(error <= rtol,
-           f"velocity_fn on {S} steps at once differs from {S} one-step calls by {error:.1e} of "
-           f"|v| (rtol {rtol:.0e}): it is step-major (entry s * B + i is sample i at step s), so "
-           "repeat the conditioning as a block, c.repeat(S) or .repeat(S, 1, 1), never "
-           "repeat_interleave; choose a network (an expert, e.g. Wan 2.2's two) per row from t, "
-           "not once per call from t[0]; and make no row depend on the others (batch statistics)")
-    return max(error, again)
-
-
-# The time convention. check_velocity_fn cannot see a velocity_fn that is self-consistent but
-# wrong: one that passes sigma where the model takes sigma * 1000 trains, and its cosines look
-# normal, but every step runs the model at the wrong time. Only the model's own pipeline knows
-# the convention: roll velocity_fn out by the ODE (noise level 0: z += v dsigma, the pipelines'
-# FlowMatchEuler step) from the noise the pipeline started from, and compare the final latents.
-TIME_FIXES = [  # (the t velocity_fn would have to be called with to match, as code; the cause)
-    (lambda t: t * 1000, "t * 1000",
-     "it passes the model sigma where the model takes sigma * 1000 (SD3, Wan, LTX-Video)"),
-    (lambda t: t / 1000, "t / 1000",
-     ("it passes the model sigma * 1000 where the model takes sigma (Flux, Qwen-Image scale "
-      "inside)")),
-    (lambda t: 1 - t, "1 - t", "its time runs backwards (1 - sigma where the model takes sigma)"),
-    (lambda t: 1 - t * 1000, "1 - t * 1000",
-     "its time runs backwards and is not scaled by 1000 where the model needs it"),
-    (lambda t: 1 - t / 1000, "1 - t / 1000",
-     "its time runs backwards and is scaled by 1000 where the model scales it inside"),
-]
-
-
-def shifted(sigmas, factor):
-    """sigmas re-shifted by factor: s' = f s / (1 + (f - 1) s), SD3's shift; shifting by a and then
-    by b is shifting by a b, so a schedule of the wrong static shift is this of the right one."""
-    return factor * sigmas / (1 + (factor - 1) * sigmas)
-
-
-@torch.no_grad()
-def ode_rollout(velocity_fn, noise, sigmas):
-    """The final latents of the deterministic sampler, z += v (sigma_next - sigma), step by step
-    from noise [B, *D] over sigmas [T + 1]: the pipelines' FlowMatchEuler step, jagg.rollout at
-    noise 0."""
-    z = noise
-    for k in range(len(sigmas) - 1):
-        t = sigmas[k].expand(1, z.shape[0]).to(z.device)  # [1, B]
-        v = velocity_fn(z[None], t)[0]  # [B, *D]
-        dtype = torch.promote_types(torch.promote_types(v.dtype, z.dtype), torch.float32)
-        z = z.to(dtype) + v.to(dtype) * (sigmas[k + 1] - sigmas[k]).to(z.device, dtype)
-    return z
-
-
-def check_against_pipeline(velocity_fn, noise, sigmas, pipeline_latents, rtol=1e-3):
-    """Check once, before training, that velocity_fn is your pipeline's model at the right time:
-    velocity_fn rolled out without noise (ode_rollout) over sigmas [T + 1] from noise [B, *D] must
-    end at pipeline_latents [B, *D], what your pipeline returns for the same noise, conditioning
-    and guidance at T steps (output_type="latent"). A ValueError names the likely cause when they
-    differ by more than rtol of the latents' norm: the time scaled by 1000 where it must not be or
-    not where it must, the time reversed, or sigmas of another shift than the pipeline's (each
-    found by trying its fix), or none of these. Returns the relative difference."""
-    _check(bool((sigmas[1:] < sigmas[:-1]).all()),
-           f"sigmas must fall from noise to data (jagg.py's t = sigma, 1 = noise), got "
-           f"{[round(s, 4) for s in sigmas.tolist()]}: pass the scheduler's own (scheduler_sigmas)")
-    target = pipeline_latents.float()
-
-    def distance(fn, s):
-        return ((ode_rollout(fn, noise, s).float() - target).norm() / target.norm()).item()
-    error = distance(velocity_fn, sigmas)
-    if error <= rtol:
-        return error
-    where = (f"velocity_fn rolled out without noise ends {error:.2g} (relative) from the "
-             "pipeline's latents")
-    for fix, code, cause in TIME_FIXES:
-        def fixed(z, t, fix=fix):
-            return velocity_fn(z, fix(t))
-        if distance(fixed, sigmas) <= rtol:
-            raise ValueError(f"{where}: {cause}; called with {code} in place of t, it matches")
-    for factor in (1 / 6, 1 / 5, 1 / 3, 1 / 2, 3 / 5, 2 / 3, 3 / 2, 5 / 3, 2, 3, 5, 6):
-        if distance(velocity_fn, shifted(sigmas, factor)) <= rtol:
-            raise ValueError(f"{where}: the sigmas are not the pipeline's, which are these "
-                             f"shifted by {factor:.3g}; take its scheduler's own "
-                             "(scheduler_sigmas, with the token count for a dynamic shift)")
-    raise ValueError(f"{where}, and no change of the time input or of the shift explains it: check "
-                     "that both ran on the same noise, conditioning, masks and guidance scale, the "
-                     "model's extra inputs (frame rate, image ids, guidance), the latents' "
-                     "packing, and the scheduler's sigmas (scheduler_sigmas)")
-
-
-# === 2. The probe: JAGG's gradient against the exact one, per window ===
-# JAGG's error depends on how linear the network's Jacobian is along a trajectory, which differs
-# between models. The probe computes both gradients of the same segments and reports their
-# cosine, so a user adapting JAGG sees at once whether it holds; route="probe" keeps an
-# exponential average of the cosines per segment position (probe_average) and routes by it.
+# === 1. Both gradients of each segment ===
 def flat_grad(params, dtype=torch.float64):
     """Every parameter's .grad in one vector [P] of dtype (a missing .grad counts as zeros; FSDP's
     sharded gradients gathered whole)."""
@@ -150,31 +29,31 @@ def flat_grad(params, dtype=torch.float64):
 
 def segment_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None,
                       dtype=torch.float64):
-    """For each segment of traj (jagg_options.segment_bounds), (exact, JAGG as opts trains it)
+    """For each segment of traj (options.segment_bounds), (exact, JAGG as opts trains it)
     flat gradients [P] of dtype, or None for a segment of one step (always exact), one segment
     at a time (a generator); leaves the parameters' .grad None."""
-    jagg_options.check_options(opts)
-    velocity_fn = jagg_options.checked(velocity_fn)
+    options.check_options(opts)
+    velocity_fn = checked(velocity_fn)
     T = traj.z.shape[0]
-    for start, stop in jagg_options.segment_bounds(T, opts.window, opts.anchors, opts.boundaries):
+    for start, stop in options.segment_bounds(T, opts.window, opts.anchors, opts.boundaries):
         if stop - start < 2:
             yield None
             continue
         z, t = traj.z[start:stop], traj.t[start:stop]  # [S, B, *D], [S, B]
         v_rollout = traj.v[start:stop] if opts.interior == "rollout" else None
-        options = {"v_rollout": v_rollout, "weights": opts.weights}
+        interiors = {"v_rollout": v_rollout, "weights": opts.weights}
 
         def drift_fn(k, v_k, start=start):
-            return jagg_options.ratio_drift(traj, cfg, start + k, v_k)
-        jagg_kwargs = dict(options, drift_fn=drift_fn, max_drift=opts.max_drift)
+            return options.ratio_drift(traj, cfg, start + k, v_k)
+        jagg_kwargs = dict(interiors, drift_fn=drift_fn, max_drift=opts.max_drift)
         grads = []
         for backward, kwargs, ref_options in ((jagg.backward_exact, {}, {}),
-                                              (jagg_options.backward_jagg, jagg_kwargs, options)):
+                                              (options.backward_jagg, jagg_kwargs, interiors)):
             for p in params:
                 p.grad = None
             v_ref = None
             if cfg.beta > 0:
-                v_ref = jagg_options.reference_velocities(ref_velocity_fn, z, t, **ref_options)
+                v_ref = options.reference_velocities(ref_velocity_fn, z, t, **ref_options)
             step_loss = jagg.make_step_loss(traj, advantages, start, stop, cfg, v_ref)
             backward(velocity_fn, z, t, step_loss, **kwargs)
             grads.append(flat_grad(params, dtype))  # [P]
@@ -193,6 +72,7 @@ def gradient_cosines(velocity_fn, params, traj, advantages, cfg, opts, ref_veloc
     return [1.0 if pair is None else cosine(pair[0], pair[1], dim=0).item() for pair in pairs]
 
 
+# === 2. The probe in units of the batch's own noise ===
 # The probe in units of the batch's own noise. A cosine of 0.94 matters or not depending on how
 # noisy the batch's exact gradient already is. The probe batch's two halves give two independent
 # exact gradients g_1, g_2 of n_1 and n_2 samples; their difference estimates the per-sample

@@ -1,6 +1,6 @@
 """A run's checkpoint: the trained state saved whole, read back safely, resumed only as its own run.
 
-Not JAGG's: what train_sd.py needs to stop and go on. Under FSDP2 a parameter is a shard on each
+Not JAGG's: what lab/sd_runner.py needs to stop and go on. Under FSDP2 a parameter is a shard on each
 rank (a DTensor): gather_state makes every tensor whole on the CPU, load_weights lays whole tensors
 out as the parameters' shards again, so one checkpoint serves any sharding. A checkpoint holds
 tensors and plain data only, so that torch.load reads it with weights_only. A resumed run must be
