@@ -55,6 +55,10 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
     route="late"         The opposite schedule: the latest (lowest-noise) segments first. The free
                          score ranks segments by noise level this way (jagg.py, section 7) and
                          keeps the same reward: this schedule says what the free score does.
+    route="step_error"   JAGG takes the segments where it would add the least error to the step,
+                         estimated from what the rollout kept, with no network call:
+                         (1 - cos) |G_a + G_b|, the free score's bend times the segment's loss
+                         signal (step_error_score; lab/reports/routing.md measures it).
     route="probe"        Route by the probe's measured cosine of each segment's JAGG gradient to
                          its exact one (probe.py), averaged over probes. min_cosine [None;
                          route="probe" only] trains any segment whose average is below it EXACT.
@@ -80,7 +84,7 @@ Notation beyond jagg.py's
                one past the last (the paper's windows are segments too)
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -92,7 +96,7 @@ from beyond_paper.ranks import over_ranks
 ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
 INTERIOR_MODES = ("forward", "rollout")  # the paper's no-graph forwards; OURS: rollout velocities
 WEIGHTS = ("time", "index")  # the paper's alpha_k by t; the authors' early code's by step index
-ROUTES = ("velocity", "early", "late", "probe")  # linearity_score; fixed schedules; probe (OURS)
+ROUTES = ("velocity", "early", "late", "step_error", "probe")  # linearity_score; schedules; OURS
 
 
 @dataclass
@@ -109,7 +113,7 @@ class JaggOptions:
     max_graph_rows: int = None  # at most this many anchor rows in a graph at once; None: no bound
     max_drift: float = 0.5  # rollout interiors while the anchors' ratios drift less than this
     route: str = "velocity"  # "velocity": jagg.linearity_score; "early" / "late": the earliest /
-    # latest segments first (early kept more reward at jagg_frac < 1); "probe": the probe's cosines
+    # latest segments first; "step_error": the smallest (1 - cos) |G_a + G_b|; "probe": its cosines
     min_cosine: float = None  # route="probe": a window whose cosine is below this stays exact
     boundaries: tuple = ()  # two experts: each network's first step; no segment spans two
 
@@ -484,6 +488,27 @@ def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None, we
         return interpolate_from_anchors(v_anc, v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
 
 
+# Routing by the error JAGG would add to the step (route="step_error"). The free score,
+# jagg.linearity_score, measures how straight the velocities run across a segment relative to the
+# segment itself; but a segment's share of the step's error is its relative error times the size
+# of its gradient, and the low-noise segments carry the largest gradients (g_k grows as the SDE's
+# noise shrinks). The score multiplies the two, from the rollout's own velocities alone:
+#     score = (1 - cos) |G_a + G_b|,    G_a + G_b = sum_k g_k,
+# cos the free score, g_k = dL_k/dv_k at the rollout's v_k (the clipped surrogate only, no KL:
+# exact on the first optimizer step after the rollout, a proxy after). The smallest scores take JAGG.
+def step_error_score(traj, advantages, cfg, start, stop):
+    """(1 - linearity_score) x |sum_k g_k| of the segment start..stop - 1 of traj (norm over the
+    batch): an estimate of the error JAGG would add to the step there, in the loss's units."""
+    cos = jagg.linearity_score(traj.v[start:stop], traj.t[start:stop])
+    policy_loss = jagg.make_step_loss(traj, advantages, start, stop, replace(cfg, beta=0.0))
+    signal = 0.0
+    for i in range(stop - start):
+        v_k = traj.v[start + i].detach().float().requires_grad_(True)  # [B, *D], the rollout's
+        (g_k,) = torch.autograd.grad(policy_loss(i, v_k), v_k)  # [B, *D]
+        signal = signal + g_k
+    return (1 - cos) * float(torch.linalg.vector_norm(signal))
+
+
 def route_segments(scores, lengths, jagg_frac, floor=None):
     """jagg.route_windows, then none whose score is below floor (None: no floor)."""
     routed = jagg.route_windows(scores, lengths, jagg_frac)
@@ -508,6 +533,9 @@ def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=N
     ranks = scores  # what routing ranks by; scores stay in the stats (the free score, logged)
     if opts.route in ("early", "late"):  # fixed: the later the segment, the lower its noise
         ranks = [float(i if opts.route == "late" else -i) for i in range(len(bounds))]
+    if opts.route == "step_error":  # the smallest estimated error first, agreed over the ranks
+        ranks = [-step_error_score(traj, advantages, cfg, a, b) for a, b in bounds]
+        ranks = over_ranks(ranks, "mean", traj.z.device)
     by_probe = opts.route == "probe" and probe_cosines is not None
     lengths = [stop - start for start, stop in bounds]
     floor = opts.min_cosine if by_probe else None

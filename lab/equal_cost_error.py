@@ -14,8 +14,10 @@ windows (eff_grpo). Reported per method: the relative error |j - g| / |g| and co
 the batches with a 95 % interval. A random subset's error is variance and falls with the batch;
 JAGG's is mostly a bias and falls far less; where the two cross, the cheap alternative wins.
 Routing at jagg_frac 0.5 and 0.75 (W = 4) too: the free velocity score, a fixed late-first
-schedule (route="late"), its opposite (route="early"), and an oracle that routes by the batch's
-own per-window cosines (cosine).
+schedule (route="late"), its opposite (route="early"), the estimated error JAGG adds to the step
+(route="step_error"), and two oracles that route by the batch's own per-window cosines (cosine)
+and errors |j - g| (error_oracle). And the fast modes beyond the paper: shared anchors with
+rollout interiors at W = 4 and 8 (train_sd.py --fast).
 The SDE window is left out: it samples other trajectories, so it has no estimate of the same g.
 """
 
@@ -72,15 +74,27 @@ def methods(T, params=None, W=4):
         return gradient
 
     def routed(frac, how):  # jagg_frac < 1 at W: which windows JAGG takes, by how
-        opts = options.JaggOptions(W, frac, route="probe" if how == "cosine" else how)
+        oracle = how in ("cosine", "error_oracle")
+        opts = options.JaggOptions(W, frac, route="probe" if oracle else how)
 
         def gradient(batch, cfg, g):
             fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
-            cosines = None  # velocity: jagg.linearity_score, free; early / late: fixed schedules
+            ranks = None  # velocity, step_error: scores of the rollout, free; early / late: fixed schedules
             if how == "cosine":  # an oracle: this batch's own per-window cosines to exact
                 exact_opts = options.JaggOptions(W)
-                cosines = probe.gradient_cosines(fn, params, batch.traj, batch.adv, cfg, exact_opts, ref_fn)
-            return options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn, cosines)
+                ranks = probe.gradient_cosines(fn, params, batch.traj, batch.adv, cfg, exact_opts, ref_fn)
+            if how == "error_oracle":  # an oracle: this batch's own per-window |JAGG - exact|, smallest first
+                pairs = probe.segment_gradients(fn, params, batch.traj, batch.adv, cfg, options.JaggOptions(W), ref_fn)
+                ranks = [0.0 if pair is None else -(pair[1] - pair[0]).norm().item() for pair in pairs]
+            return options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn, ranks)
+        return gradient
+
+    def fast(window, max_graph_rows=None):  # OURS: shared anchors, rollout interiors (train_sd.py --fast)
+        def gradient(batch, cfg, g):
+            fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
+            opts = options.JaggOptions(window, 1.0, anchors="shared", interior="rollout",
+                                       max_graph_rows=max_graph_rows)
+            return options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn)
         return gradient
 
     out = {"jagg_w4": jagg_w(4), f"random{k4}": random(k4), f"first{k4}": first(k4)}
@@ -90,6 +104,14 @@ def methods(T, params=None, W=4):
         out[f"jagg_random{k4}_w4"] = jagg_random(k4)
     if T >= 8:
         out.update({"jagg_w8": jagg_w(8), f"random{k8}": random(k8), f"first{k8}": first(k8)})
+    # Added after the methods above, and drawing nothing from the generator, so that those repeat
+    # their kept figures: the fast modes (the same gradient with a bound on the rows in a graph, so
+    # timed only), routing by the estimated error and by the error itself (an oracle)
+    out.update({"shared_rollout_w4": fast(4), "shared_rollout_w8": fast(8)})
+    if params is None:  # timing: the bound costs time, not accuracy
+        out.update({"shared_rollout_w4_rows2": fast(4, 2), "shared_rollout_w8_rows2": fast(8, 2)})
+    for frac in (0.5, 0.75) if params is not None else ():
+        out.update({f"{how}{frac:g}": routed(frac, how) for how in ("step_error", "error_oracle")})
     return out
 
 
@@ -129,31 +151,37 @@ def measure(task, sizes, batches, generator):
 def timing(task, size, repeats, generator):
     """{method: seconds}: one training step's work on size samples, its rollout and its gradient,
     medians of interleaved repeats in this one process: exact GRPO, every method of methods but the
-    oracles, and the SDE windows of as many steps as JAGG's rows at W = 4 and 8, exact and with
-    JAGG at W = 4, placed where Flow-GRPO-Fast places them: anywhere in the trajectory."""
+    oracles, the fast modes with a bound of 2 rows in a graph, and SDE windows placed where
+    Flow-GRPO-Fast places them, anywhere in the trajectory: of as many steps as JAGG's rows at W = 4
+    and 8, and of 8 and 4 steps, exact, with the paper's JAGG at W = 4, and with the fast modes."""
     T = task.draw(getattr(task, "group", 4), generator).traj.z.shape[0]  # one group
-    steps = {"exact": exact_gradient, **methods(T, task.params)}
-    steps = {name: gradient for name, gradient in steps.items() if not name.startswith("cosine")}  # oracles
+    steps = {"exact": exact_gradient, **methods(T, task.params), **methods(T)}
+    steps = {name: gradient for name, gradient in steps.items()
+             if not name.startswith(("cosine", "error_oracle"))}  # the oracles: not a training step
 
-    def timed(gradient, window=0, W=None):
+    def timed(gradient, window=0, opts=None):
         def run():
             start = bench.clock(torch.device("cpu"))
             task.sde_window = window
             where = int(torch.randint(0, T - window + 1, (), generator=generator)) if window else None
             batch = task.draw(size, generator, where)
-            if W is not None:  # the window's steps by JAGG at W, or exactly (W = None)
+            if opts is not None:  # the window's steps by JAGG, or exactly (opts None)
                 fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
-                options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, options.JaggOptions(W),
-                                              ref_fn)
+                options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, opts, ref_fn)
             else:
                 flat_gradient(task, gradient, batch, generator)
             return {"seconds": bench.clock(torch.device("cpu")) - start}
         return run
     fns = {name: timed(gradient) for name, gradient in steps.items()}
-    for k in sorted({int(name[5:]) for name in steps if name.startswith("first")}):  # JAGG's rows, W = 8, 4
+    rows = {int(name[5:]) for name in steps if name.startswith("first")}  # JAGG's rows at W = 8, 4
+    for k in sorted(rows | {k for k in (8, 4) if k <= T}):
         fns[f"window{k}"] = timed(exact_gradient, k)
         if k % 4 == 0 and k > 4:
-            fns[f"window{k}_jagg_w4"] = timed(None, k, W=4)
+            fns[f"window{k}_jagg_w4"] = timed(None, k, options.JaggOptions(4))
+        if k in (8, 4):
+            for bound, suffix in ((None, ""), (2, "_rows2")):
+                fast = options.JaggOptions(4, anchors="shared", interior="rollout", max_graph_rows=bound)
+                fns[f"window{k}_shared_rollout_w4{suffix}"] = timed(None, k, fast)
     medians = bench.interleaved_medians(fns, repeats)
     return {name: m["seconds"] for name, m in medians.items()}
 
