@@ -11,7 +11,10 @@
 # 4-7, 8-9: 2 + 2 + 2) and the alternatives at K = 6, 6; JAGG at W = 8 (0-7, 8-9) and K = 4, 4;
 # routing at jagg_frac 0.5 by the free score (velocity) and by the early-first schedule (early).
 # random: lab/sd_baselines.py (DanceGRPO's steps, one draw per micro-batch); first: Flow-GRPO's
-# --timestep-fraction; window: Flow-GRPO-Fast's --sde-window, anywhere in the 10 steps.
+# --timestep-fraction; window: Flow-GRPO-Fast's --sde-window, anywhere in the 10 steps. Routing by the
+# estimated error (step_error). Beyond the paper (shared anchors, rollout interiors: train_sd.py --fast):
+# 4 rows at W = 4 (anchors 0, 3, 6, 9), 3 at W = 8 (0, 7, 9); inside an SDE window of 8 (0, 3, 6, 7: 4)
+# and 4 (0, 3: 2); --max-graph-rows 2 trains the same gradient in less memory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/mini_equal_cost}
@@ -34,6 +37,17 @@ modes=(  # name|command before its flags; the folders are OUT/<name>/seed<S>
   "window4|$sd --method exact --sde-window 4 --sde-range-end 10"
   "velocity0.5|$sd --method jagg --window 4 --jagg-frac 0.5 --route velocity"
   "early0.5|$sd --method jagg --window 4 --jagg-frac 0.5 --route early"
+  "step_error0.5|$sd --method jagg --window 4 --jagg-frac 0.5 --route step_error"
+  "window8|$sd --method exact --sde-window 8 --sde-range-end 10"
+  "window8_jagg_w4|$sd --method jagg --window 4 --sde-window 8 --sde-range-end 10"
+  "shared_rollout_w4|$sd --method jagg --window 4 --anchors shared --interior rollout"
+  "shared_rollout_w8|$sd --method jagg --window 8 --anchors shared --interior rollout"
+  "window8_shared_rollout_w4|$sd --method jagg --window 4 --anchors shared --interior rollout --sde-window 8 --sde-range-end 10"
+  "window4_shared_rollout_w4|$sd --method jagg --window 4 --anchors shared --interior rollout --sde-window 4 --sde-range-end 10"
+  "shared_rollout_w4_rows2|$sd --method jagg --window 4 --anchors shared --interior rollout --max-graph-rows 2"
+  "shared_rollout_w8_rows2|$sd --method jagg --window 8 --anchors shared --interior rollout --max-graph-rows 2"
+  "window8_shared_rollout_w4_rows2|$sd --method jagg --window 4 --anchors shared --interior rollout --sde-window 8 --sde-range-end 10 --max-graph-rows 2"
+  "window4_shared_rollout_w4_rows2|$sd --method jagg --window 4 --anchors shared --interior rollout --sde-window 4 --sde-range-end 10 --max-graph-rows 2"
 )
 jobs_file=$(mktemp)
 trap 'rm -f "$jobs_file"' EXIT

@@ -11,7 +11,10 @@
 # The setting is train_toy.py's defaults: T = 16, all 16 steps trained by exact GRPO, 80 epochs of
 # 4 optimizer steps. Rows with grad per sample: exact 16; the paper's JAGG at W = 4 and the
 # alternatives at K = 8 steps, 8; JAGG at W = 8 and the alternatives at K = 4, 4; routing at
-# jagg_frac 0.5 and 0.75, 12 and 10.
+# jagg_frac 0.5 and 0.75, 12 and 10. Beyond the paper (shared anchors, rollout interiors: train_sd.py
+# --fast): 6 at W = 4 (anchors 0, 3, ..., 15), 4 at W = 8; inside an SDE window of 8 and 4 steps, 4
+# and 2; --max-graph-rows 2 trains the same gradient in less memory; shared_w4 (forward interiors)
+# and shared_rollout_w4_noguard (no drift guard) tell the rollout interiors and the guard apart.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/toy_equal_cost}
@@ -43,6 +46,18 @@ modes=(  # name|script and flags; the folders are OUT/<name>/seed<S>
   "late0.75|$toy --jagg-frac 0.75 --route late"
   "early0.75|$toy --jagg-frac 0.75 --route early"
   "probe0.75|$toy --jagg-frac 0.75 --route probe --probe-every 5"
+  "step_error0.5|$toy --jagg-frac 0.5 --route step_error"
+  "step_error0.75|$toy --jagg-frac 0.75 --route step_error"
+  "shared_rollout_w4|$toy --anchors shared --interior rollout"
+  "shared_rollout_w8|$toy --anchors shared --interior rollout --window 8"
+  "window8_shared_rollout_w4|$baseline window --trained-steps 8 --window-jagg --anchors shared --interior rollout"
+  "window4_shared_rollout_w4|$baseline window --trained-steps 4 --window-jagg --anchors shared --interior rollout"
+  "shared_rollout_w4_rows2|$toy --anchors shared --interior rollout --max-graph-rows 2"
+  "shared_rollout_w8_rows2|$toy --anchors shared --interior rollout --window 8 --max-graph-rows 2"
+  "window8_shared_rollout_w4_rows2|$baseline window --trained-steps 8 --window-jagg --anchors shared --interior rollout --max-graph-rows 2"
+  "window4_shared_rollout_w4_rows2|$baseline window --trained-steps 4 --window-jagg --anchors shared --interior rollout --max-graph-rows 2"
+  "shared_w4|$toy --anchors shared"
+  "shared_rollout_w4_noguard|$toy --anchors shared --interior rollout --max-drift -1"
 )
 jobs_file=$(mktemp)
 trap 'rm -f "$jobs_file"' EXIT
