@@ -259,7 +259,7 @@ def route_windows(scores, lengths, jagg_frac):
     return [w in chosen for w in range(len(scores))]
 
 # === 8. One optimizer step's gradient over a batch of trajectories ===
-def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_fn=None):
+def backward_batch(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_fn=None):
     """Add to .grad the gradient of the batch's GRPO loss (the mean over its steps and samples),
     window by window; return (stats, routed). advantages: [B]; ref_fn: the reference's velocity_fn,
     needed when cfg.beta > 0; routed: for each window, whether JAGG took it."""
@@ -312,7 +312,7 @@ def toy_grpo(jagg_frac, epochs=10, T=10, W=4, seed=1):
             fn = _velocity_fn(policy, c=targets[idx])
             minibatch = batch.first_steps(9).subset(idx)  # Flow-GRPO trains 9 of the 10 steps
             optimizer.zero_grad(set_to_none=True)
-            paper_gradients(fn, minibatch, advantages[idx], cfg, W, jagg_frac)  # adds to .grad
+            backward_batch(fn, minibatch, advantages[idx], cfg, W, jagg_frac)  # adds to .grad
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)  # Flow-GRPO's max_grad_norm
             optimizer.step()
     return rewards
@@ -391,7 +391,7 @@ def _check_cost(net, cfg, traj, adv, W=4):
     for steps, frac in [(10, 1.0), (10, 0.5), (9, 0.0), (9, 1.0)]:
         calls = []  # (steps, builds a graph) of each call
         fn, sub = _velocity_fn(net, calls=calls), traj.first_steps(steps)
-        stats, routed = paper_gradients(fn, sub, adv, cfg, W, frac)
+        stats, routed = backward_batch(fn, sub, adv, cfg, W, frac)
         grad_rows = sum(n for n, grad in calls if grad)  # the rows back-propagated
         passes = sum(grad for _, grad in calls)  # each call with a graph gets one backward pass
         no_graph = sum(n for n, grad in calls if not grad)  # the interiors' rows

@@ -9,7 +9,7 @@
 The file reads in the order a run goes: 1. the flags; 2. the SD3 block, the only code that knows
 SD3 (another family replaces it: examples/diffusers_models.py has the velocity_fns of Flux,
 Qwen-Image, Wan and LTX-Video); 3. the rewards; 4. the run's files; 5. the loop, from rollout to
-optimizer step, with jagg.paper_gradients in it. An epoch is one rollout of --prompts-per-epoch x
+optimizer step, with jagg.backward_batch in it. An epoch is one rollout of --prompts-per-epoch x
 --group-size samples per rank, then --steps-per-epoch optimizer steps. docs/flow_grpo.md lists
 every difference from Flow-GRPO's train_sd3.py; long multi-node runs belong in a trainer built for
 them, with JAGG plugged in (docs/your_trainer.md).
@@ -465,11 +465,11 @@ def train(args):
                 grad_start = time.perf_counter()
                 with no_sync():  # no all-reduce in the backward passes: one in the step below
                     if not args.fast:  # THE JAGG CALL: the micro-batch's gradient added to .grad
-                        s = jagg.paper_gradients(policy, minibatch, adv[idx], loss_cfg, args.window,
+                        s = jagg.backward_batch(policy, minibatch, adv[idx], loss_cfg, args.window,
                                                  args.jagg_frac, ref_fn)[0]
                     else:  # OURS: windows share end steps, interiors from the rollout (beyond_paper/options.py)
                         opts = options.JaggOptions(args.window, args.jagg_frac, anchors="shared", interior="rollout")
-                        s = options.window_gradients(policy, minibatch, adv[idx], loss_cfg, opts, ref_fn)[0]
+                        s = options.backward_batch(policy, minibatch, adv[idx], loss_cfg, opts, ref_fn)[0]
                 grad_seconds += time.perf_counter() - grad_start
                 stats.append(s)
             # The mean over micro-batches and ranks in ONE all-reduce, Flow-GRPO's clip, and the step,

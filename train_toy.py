@@ -7,7 +7,7 @@
 A toy DiT (toy_dit.py; you need not read it) is pretrained on 4 "prompts", each a mixture of
 Gaussians in 2-D. GRPO then tunes it to put each prompt's samples on ONE of its modes. An epoch is
 one rollout of the batch (4 prompts x --group-size samples), then --minibatches optimizer steps,
-each calling jagg.paper_gradients: jagg_frac 0 is exact GRPO (Flow-GRPO's per-step backward),
+each calling jagg.backward_batch: jagg_frac 0 is exact GRPO (Flow-GRPO's per-step backward),
 jagg_frac 1 the paper's JAGG on every window. --out gets config.json, samples.png and reward.png;
 each method's folder metrics.jsonl and summary.json (it overwrites what was there).
 """
@@ -186,7 +186,7 @@ def train(args, base, method):
                 group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
             optimizer.zero_grad(set_to_none=True)
             grad_start = time.perf_counter()
-            s, routed = jagg.paper_gradients(make_velocity_fn(model, labels[idx]), traj.subset(idx),
+            s, routed = jagg.backward_batch(make_velocity_fn(model, labels[idx]), traj.subset(idx),
                                              advantages[idx], loss_cfg, args.window, jagg_frac,
                                              make_velocity_fn(ref, labels[idx]))
             grad_seconds += time.perf_counter() - grad_start

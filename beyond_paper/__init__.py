@@ -2,7 +2,7 @@
 
 Each module does one job, imports jagg.py, and is imported by nothing in jagg.py:
 - options.py: our options beyond the paper (shared anchors, rollout interiors, a memory bound,
-  index weights, routing schedules, two experts), each off by default, and window_gradients, the
+  index weights, routing schedules, two experts), each off by default, and backward_batch, the
   loop that runs them: `from beyond_paper import options`.
 - checks.py: the adopter's checks, once before training: your velocity_fn against jagg.py's
   contract and against your own pipeline's time convention.

@@ -1,7 +1,7 @@
-"""JAGG beyond the paper: window_gradients is jagg.paper_gradients with our options, off by default.
+"""JAGG beyond the paper: backward_batch is jagg.backward_batch with our options, off by default.
 
 jagg.py is the paper alone; this module builds on it (it imports jagg, never the reverse). The
-defaults are the paper's JAGG, so JaggOptions() trains what jagg.py's paper_gradients does, bit
+defaults are the paper's JAGG, so JaggOptions() trains what jagg.backward_batch does, bit
 for bit (max_drift's default acts only with rollout interiors, which the paper does not have).
 Read jagg.py first: the notation is its own. Every option has a test against an independent
 computation in tests/test_options.py.
@@ -346,7 +346,7 @@ def backward_jagg(velocity_fn, z, t, step_loss, record=None, anchors=None, v_rol
     the paper's no-graph forward of the interior steps. weights: "time" or "index" (hat_weights).
     max_graph_rows: at most this many anchor rows in a graph at once (None: all M in one), the
     same gradient up to the order of floating-point sums. drift_fn(k, v_k) -> float, max_drift:
-    with v_rollout, a segment with an anchor whose drift (ratio_drift, as window_gradients
+    with v_rollout, a segment with an anchor whose drift (ratio_drift, as backward_batch
     passes it) is above max_drift takes the policy's interiors from a no-graph forward
     (stale_segments, whose counts record receives); None: the rollout rule at any drift.
     EXACT under the paper's condition between each pair of anchors; with v_rollout, PAPER (the
@@ -448,10 +448,10 @@ def backward_jagg(velocity_fn, z, t, step_loss, record=None, anchors=None, v_rol
 
 
 # === 4. The batch's gradient with every option ===
-# jagg.paper_gradients, generalised: segments between anchors instead of windows, routing by the
+# jagg.backward_batch, generalised: segments between anchors instead of windows, routing by the
 # probe's cosines, the reference model's velocities at the anchors only with rollout interiors.
 # A segment that asks for nothing beyond the paper runs jagg.py's own backward_jagg_window, so
-# JaggOptions() trains bit for bit what paper_gradients does.
+# JaggOptions() trains bit for bit what jagg.backward_batch does.
 def check_options(opts, num_segments=None, probe_cosines=None, num_steps=None):
     """Every JaggOptions field in range, before any work: a ValueError whose first word is the
     field (so that a script can report it under its flag's name)."""
@@ -515,9 +515,9 @@ def route_segments(scores, lengths, jagg_frac, floor=None):
     return [r and (floor is None or s >= floor) for r, s in zip(routed, scores)]
 
 
-def window_gradients(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=None,
+def backward_batch(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=None,
                      probe_cosines=None):
-    """jagg.paper_gradients with JaggOptions' every field: add the batch's gradient to .grad,
+    """jagg.backward_batch with JaggOptions' every field: add the batch's gradient to .grad,
     segment by segment (segment_bounds), routed between exact and JAGG. Returns (stats, routed).
     route="probe" ranks the segments by probe_cosines (probe.probe_average's) once there are
     any, never routing one below opts.min_cosine; before the first probe, by velocity."""

@@ -76,7 +76,7 @@ def timed_velocity_fn(velocity_fn, seconds, key_graph="fwd_graph", key_no_graph=
 
 def time_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocity_fn=None,
                    repeats=5):
-    """Is JAGG faster on YOUR model? The batch's gradient (options.window_gradients)
+    """Is JAGG faster on YOUR model? The batch's gradient (options.backward_batch)
     computed exactly (opts with jagg_frac 0) and with opts, each repeats times after a warm-up
     round, interleaved so that a shared machine's drift hits both alike. Returns {"exact": ...,
     "jagg": ...}, each {"backward_s": the seconds outside the network's forwards (the backward
@@ -94,7 +94,7 @@ def time_gradients(velocity_fn, params, traj, advantages, cfg, opts, ref_velocit
             if ref_velocity_fn is not None:
                 ref_fn = timed_velocity_fn(ref_velocity_fn, seconds, "fwd_ref", "fwd_ref")
             start = clock(device)
-            stats = options.window_gradients(fn, traj, advantages, cfg, method_opts, ref_fn)[0]
+            stats = options.backward_batch(fn, traj, advantages, cfg, method_opts, ref_fn)[0]
             step = clock(device) - start
             grad_rows[method] = stats["grad_rows"]
             return {"backward_s": step - sum(seconds.values()), "step_s": step}
@@ -210,7 +210,7 @@ def mode_settings(name):
 
 def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref_velocity_fn=None,
                          rollout_fn=None, modes=tuple(TRAINING_MODES), repeats=3, warmup=1):
-    """Time the gradient of one whole trajectory (options.window_gradients, as training runs it: the KL
+    """Time the gradient of one whole trajectory (options.backward_batch, as training runs it: the KL
     reference included when cfg.beta > 0) in each mode, and rollout_fn() if given, interleaved;
     medians. modes: names of TRAINING_MODES, or "<name>_rows<k>" with a bound on the rows in a
     graph (mode_settings). Returns {mode: {"train_s", "fwd_graph", "fwd_nograd", "fwd_ref",
@@ -237,7 +237,7 @@ def benchmark_trajectory(velocity_fn, params, traj, advantages, cfg, window, ref
             ref_fn = None
             if ref_velocity_fn is not None:
                 ref_fn = timed_velocity_fn(ref_velocity_fn, timings, "fwd_ref", "fwd_ref")
-            stats, _ = options.window_gradients(fn, traj, advantages, cfg, opts, ref_fn)
+            stats, _ = options.backward_batch(fn, traj, advantages, cfg, opts, ref_fn)
             if cuda:
                 torch.cuda.synchronize(device)
                 timings["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30

@@ -54,7 +54,7 @@ def methods(T, params=None, W=4):
         def gradient(batch, cfg, g):
             fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
             opts = options.JaggOptions(window, 1.0)
-            return options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn)
+            return options.backward_batch(fn, batch.traj, batch.adv, cfg, opts, ref_fn)
         return gradient
 
     def random(k):
@@ -86,7 +86,7 @@ def methods(T, params=None, W=4):
             if how == "error_oracle":  # an oracle: this batch's own per-window |JAGG - exact|, smallest first
                 pairs = probe.segment_gradients(fn, params, batch.traj, batch.adv, cfg, options.JaggOptions(W), ref_fn)
                 ranks = [0.0 if pair is None else -(pair[1] - pair[0]).norm().item() for pair in pairs]
-            return options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn, ranks)
+            return options.backward_batch(fn, batch.traj, batch.adv, cfg, opts, ref_fn, ranks)
         return gradient
 
     def fast(window, max_graph_rows=None):  # OURS: shared anchors, rollout interiors (train_sd.py --fast)
@@ -94,7 +94,7 @@ def methods(T, params=None, W=4):
             fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
             opts = options.JaggOptions(window, 1.0, anchors="shared", interior="rollout",
                                        max_graph_rows=max_graph_rows)
-            return options.window_gradients(fn, batch.traj, batch.adv, cfg, opts, ref_fn)
+            return options.backward_batch(fn, batch.traj, batch.adv, cfg, opts, ref_fn)
         return gradient
 
     out = {"jagg_w4": jagg_w(4), f"random{k4}": random(k4), f"first{k4}": first(k4)}
@@ -127,7 +127,7 @@ def flat_gradient(task, gradient, batch, g):
 
 def exact_gradient(batch, cfg, g):
     fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
-    return options.window_gradients(fn, batch.traj, batch.adv, cfg, options.JaggOptions(2, 0.0), ref_fn)
+    return options.backward_batch(fn, batch.traj, batch.adv, cfg, options.JaggOptions(2, 0.0), ref_fn)
 
 
 def measure(task, sizes, batches, generator):
@@ -167,7 +167,7 @@ def timing(task, size, repeats, generator):
             batch = task.draw(size, generator, where)
             if opts is not None:  # the window's steps by JAGG, or exactly (opts None)
                 fn, ref_fn = batch.fns(torch.arange(len(batch.adv)))
-                options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, opts, ref_fn)
+                options.backward_batch(fn, batch.traj, batch.adv, task.loss_cfg, opts, ref_fn)
             else:
                 flat_gradient(task, gradient, batch, generator)
             return {"seconds": bench.clock(torch.device("cpu")) - start}

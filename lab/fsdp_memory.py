@@ -68,7 +68,7 @@ def measure(args):
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        saved[name] = saved_bytes_peak(lambda: options.window_gradients(velocity_fn, traj, adv, cfg, opts))
+        saved[name] = saved_bytes_peak(lambda: options.backward_batch(velocity_fn, traj, adv, cfg, opts))
         if device.type == "cuda":  # what the GPU held at the peak, weights and all
             peak[name] = torch.cuda.max_memory_allocated(device)
     grads = local_bytes([p.grad for p in params if p.grad is not None])

@@ -52,7 +52,7 @@ def batch_gradients(fn, params, traj, adv, loss_cfg, window, jagg_frac, **mode):
     JAGG on every window (jagg_frac 1)."""
     for p in params:
         p.grad = None
-    options.window_gradients(fn, traj, adv, loss_cfg, options.JaggOptions(window, jagg_frac, **mode))
+    options.backward_batch(fn, traj, adv, loss_cfg, options.JaggOptions(window, jagg_frac, **mode))
     g = probe.flat_grad(params)
     for p in params:
         p.grad = None

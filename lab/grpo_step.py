@@ -1,4 +1,4 @@
-"""The lab runner's GRPO step (lab/sd_runner.py): torchrun's ranks, and one optimizer step of window_gradients.
+"""The lab runner's GRPO step (lab/sd_runner.py): torchrun's ranks, and one optimizer step of options.backward_batch.
 
 JAGG's own multi-GPU rule is beyond_paper/ranks.py; this module is the runner's frozen glue
 around it: starting and ending torch.distributed under torchrun, a micro-batch's gradient inside
@@ -47,11 +47,11 @@ def exit_distributed():
 # === The step ===
 def accumulate_gradients(velocity_fn, traj, advantages, cfg, opts, *, ref_velocity_fn=None,
                          no_sync=contextlib.nullcontext, probe_cosines=None):
-    """Add one micro-batch's gradient (options.window_gradients') to the parameters' .grad,
+    """Add one micro-batch's gradient (options.backward_batch') to the parameters' .grad,
     inside no_sync. Returns (stats, routed); stats["grad_seconds"]: the seconds it took."""
     start = time.perf_counter()
     with no_sync():
-        stats, routed = options.window_gradients(velocity_fn, traj, advantages, cfg, opts,
+        stats, routed = options.backward_batch(velocity_fn, traj, advantages, cfg, opts,
                                                  ref_velocity_fn, probe_cosines)
     stats["grad_seconds"] = time.perf_counter() - start
     return stats, routed

@@ -150,7 +150,7 @@ def direction(pipe, transformer, cfg, prompts_all, reward_fn, args):
         fn = both_branches_velocity_fn(transformer, cond, uncond, cfg.guidance_scale)
         for p in params:
             p.grad = None
-        options.window_gradients(fn, traj, adv, loss_cfg, cfg.jagg_options("exact"))
+        options.backward_batch(fn, traj, adv, loss_cfg, cfg.jagg_options("exact"))
         grpo.append(-torch.cat([p.grad.flatten() for p in params]))
         for p in params:
             p.grad = None

@@ -153,7 +153,7 @@ def gradient(task, batch, opts):
         p.grad = None
     idx = torch.arange(len(batch.adv))
     fn, ref_fn = batch.fns(idx)
-    stats, _ = options.window_gradients(fn, batch.traj, batch.adv, task.loss_cfg, opts,
+    stats, _ = options.backward_batch(fn, batch.traj, batch.adv, task.loss_cfg, opts,
                                      ref_fn if task.loss_cfg.beta > 0 else None)
     g = probe.flat_grad(task.params)
     for p in task.params:

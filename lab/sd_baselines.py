@@ -23,20 +23,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 import sd_runner  # noqa: E402
 
-PAPER_GRADIENTS = jagg.paper_gradients  # the original, which the baseline calls on its steps
+PAPER_GRADIENTS = jagg.backward_batch  # the original, which the baseline calls on its steps
 
 
 def random_steps(count, generator):
-    """A jagg.paper_gradients (lab/sd_runner.py's call at --method exact) that trains a random count of
+    """A jagg.backward_batch (lab/sd_runner.py's call at --method exact) that trains a random count of
     traj's steps, exactly, their mean as the loss."""
-    def paper_gradients(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_fn=None):
+    def backward_batch(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_fn=None):
         T = traj.z.shape[0]
         steps = sorted(torch.randperm(T, generator=generator)[:count].tolist())
         sub = jagg.Trajectory(**{name: getattr(traj, name)[steps] for name in jagg.Trajectory.TENSORS},
                               noise_level=traj.noise_level)  # their order kept; exact needs no neighbours
         # every step exact (jagg_frac 0): the window only groups them
         return PAPER_GRADIENTS(velocity_fn, sub, advantages, cfg, window=2, jagg_frac=0.0, ref_fn=ref_fn)
-    return paper_gradients
+    return backward_batch
 
 
 def main(argv=None):
@@ -53,12 +53,12 @@ def main(argv=None):
         parser.error("give lab/sd_runner.py --method exact: the baseline replaces its gradient")
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 17)
     if not cfg.papers_jagg(int(os.environ.get("WORLD_SIZE", 1))):
-        parser.error("give lab/sd_runner.py no JAGG option: the baseline replaces jagg.paper_gradients")
-    jagg.paper_gradients = random_steps(args.random_steps, generator)
+        parser.error("give lab/sd_runner.py no JAGG option: the baseline replaces jagg.backward_batch")
+    jagg.backward_batch = random_steps(args.random_steps, generator)
     try:
         return sd_runner.main(theirs)
     finally:
-        jagg.paper_gradients = PAPER_GRADIENTS
+        jagg.backward_batch = PAPER_GRADIENTS
 
 
 if __name__ == "__main__":

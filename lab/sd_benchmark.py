@@ -113,7 +113,7 @@ def benchmark(cfg):
     uncond = (torch.randn(B, L, tc.joint_attention_dim, device=device), torch.randn(B, tc.pooled_projection_dim, device=device))
     velocity_fn = sd_runner.make_velocity_fn(transformer, cond, uncond, cfg.guidance_scale, use_bf16)  # CFG, as training runs it
     cond_only = sd_runner.make_velocity_fn(transformer, cond, None, 1.0, use_bf16)  # the window-level rows: what JAGG shrinks
-    # The KL reference: the transformer itself (window_gradients calls it without grad), which costs
+    # The KL reference: the transformer itself (backward_batch calls it without grad), which costs
     # what the adapter-disabled LoRA model or a frozen copy costs.
     ref_fn = velocity_fn if cfg.beta > 0 else None
     sigmas = sd_runner.sampling_sigmas(cfg, FlowMatchEulerDiscreteScheduler(shift=3.0)).to(device)  # [T+1]

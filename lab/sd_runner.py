@@ -146,9 +146,9 @@ class Config:
         return jagg.LossConfig(self.noise_level, self.clip_range, self.beta)
 
     def papers_jagg(self, world=1):
-        """Whether jagg.paper_gradients computes the gradient: every JAGG flag at the paper's value
+        """Whether jagg.backward_batch computes the gradient: every JAGG flag at the paper's value
         (--method exact is its jagg_frac 0), and on many ranks no routing for them to agree on
-        (--jagg-frac 0 or 1). Else options.window_gradients, the same where both apply."""
+        (--jagg-frac 0 or 1). Else options.backward_batch, the same where both apply."""
         opts = self.jagg_options()
         return (opts == options.JaggOptions(window=opts.window, jagg_frac=opts.jagg_frac)
                 and (world == 1 or opts.jagg_frac in (0.0, 1.0)))
@@ -1102,10 +1102,10 @@ def train(cfg, stop=()):
                     # every window exact, Flow-GRPO's per-step backward); with an option beyond
                     # the paper, jagg_options' general form of the same call
                     if papers_jagg:
-                        s, routed = jagg.paper_gradients(velocity_fn, minibatch, adv[idx], loss_cfg,
+                        s, routed = jagg.backward_batch(velocity_fn, minibatch, adv[idx], loss_cfg,
                                                          opts.window, opts.jagg_frac, ref_fn)
                     else:
-                        s, routed = options.window_gradients(
+                        s, routed = options.backward_batch(
                             velocity_fn, minibatch, adv[idx], loss_cfg, opts, ref_fn, probe_avg)
                 s["grad_seconds"] = time.perf_counter() - grad_start
                 stats.append(s)

@@ -73,7 +73,7 @@ def subset_gradients(fns, traj, advantages, cfg, segments, count, generator, by_
     sample's trained steps and over the samples, which both DanceGRPO and eff_grpo use, so with
     exact steps its expectation over the draws is exact GRPO's loss. fns(idx) -> (velocity_fn,
     ref_velocity_fn) of samples idx. Adds to .grad; returns (stats, []) with stats as
-    first_steps_gradients' or jagg.paper_gradients' (grad_rows: per sample, rows with grad as JAGG
+    first_steps_gradients' or jagg.backward_batch' (grad_rows: per sample, rows with grad as JAGG
     counts them)."""
     B, length = traj.z.shape[1], segments[0][1] - segments[0][0]
     jagg._check(all(b - a == length for a, b in segments), "the segments must be of equal length")
@@ -84,7 +84,7 @@ def subset_gradients(fns, traj, advantages, cfg, segments, count, generator, by_
     if not (by_jagg and length >= 3):  # every gathered step exactly, as first steps train theirs
         return first_steps_gradients(fns, gathered, advantages, cfg, len(steps))
     velocity_fn, ref_fn = fns(torch.arange(B))
-    return jagg.paper_gradients(velocity_fn, gathered, advantages, cfg, length, 1.0, ref_fn)[0], []
+    return jagg.backward_batch(velocity_fn, gathered, advantages, cfg, length, 1.0, ref_fn)[0], []
 
 
 def first_steps_gradients(fns, traj, advantages, cfg, count):
@@ -129,7 +129,7 @@ def hooks(args):
         def gradient(fns, traj, advantages):
             return first_steps_gradients(fns, traj, advantages, cfg, K)
         return gradient, None, f"first{K}"
-    if args.window_jagg:  # the window trained by window_gradients with the flags' JAGG options
+    if args.window_jagg:  # the window trained by backward_batch with the flags' JAGG options
         return None, window_rollout(args), f"window{K}_jagg_w{W}"
 
     def gradient(fns, traj, advantages):  # the window's K steps, exactly

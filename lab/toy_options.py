@@ -6,7 +6,7 @@
     python lab/toy_options.py --method jagg --weights index --probe-every 5
 
 train_toy.py's model, reward, evaluation and flags, and its loop with two changes: the gradient is
-options.window_gradients with a JaggOptions built from the flags (its defaults are the
+options.backward_batch with a JaggOptions built from the flags (its defaults are the
 paper's, so `--method jagg` alone trains what train_toy.py does, bit for bit), and the probe
 (probe.probe_segments), every --probe-every epochs, measures each window's JAGG gradient
 against the exact one before the epoch trains. lab/ runs its toy tables with this file, and its
@@ -96,7 +96,7 @@ def train(args, base, method, gradient=None, rollout=None):
     """train_toy.train with the flags' options and the probe. Returns (rows, model).
     gradient(fns, minibatch, advantages) -> (stats, routed), fns(idx) -> (velocity_fn,
     ref_velocity_fn) of the minibatch's samples idx; rollout(velocity_fn, noise, sigmas, generator,
-    epoch) -> (traj, samples): what the lab's baselines compute instead of window_gradients and
+    epoch) -> (traj, samples): what the lab's baselines compute instead of backward_batch and
     jagg.rollout (None: these)."""
     opts = jagg_opts(args, method)
     model = copy.deepcopy(base)
@@ -147,7 +147,7 @@ def train(args, base, method, gradient=None, rollout=None):
             grad_start = time.perf_counter()
             if gradient is None:
                 fn, ref_fn = velocity_fns(model, idx)
-                s, r = options.window_gradients(fn, traj.subset(idx), advantages[idx],
+                s, r = options.backward_batch(fn, traj.subset(idx), advantages[idx],
                                                      loss_cfg, opts, ref_fn, probe_avg)
             else:
                 s, r = gradient(lambda i, idx=idx: velocity_fns(model, idx[i]), traj.subset(idx),

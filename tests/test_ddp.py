@@ -26,7 +26,7 @@ T, W, B, D = 10, 4, 3, 3  # steps, window, samples per rank, sample size
 # or not, KL or not; rollout interiors with the drift guard (GUARD, the default) too: the ranks
 # decide on the largest drift over all their samples, as one process on all of them would.
 GUARD = options.JaggOptions.max_drift
-# "paper": jagg.paper_gradients itself, at jagg_frac 0 (exact GRPO) and 1 (JAGG on every window)
+# "paper": jagg.backward_batch itself, at jagg_frac 0 (exact GRPO) and 1 (JAGG on every window)
 PAPER = [("paper", None, None, frac, beta, None) for frac in (0.0, 1.0) for beta in (0.0, 0.1)]
 MODES = PAPER + [("window", "forward", None, 0.0, beta, None) for beta in (0.0, 0.1)] + [
     (anchors, interior, rows, frac, beta, None)
@@ -75,16 +75,16 @@ def rank_data(rank, nan=False):
 
 
 def gradient(model, ref, traj, adv, mode, route="probe"):
-    """Add one batch's gradient to .grad as mode computes it: the paper's call, or options.window_gradients."""
+    """Add one batch's gradient to .grad as mode computes it: the paper's call, or options.backward_batch."""
     anchors, interior, rows, frac, beta, max_drift = mode[:6]
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
     ref_fn = velocity_fn_of(ref) if beta else None
     if anchors == "paper":
-        return jagg.paper_gradients(velocity_fn_of(model), traj, adv, cfg, W, frac, ref_fn)[0]
+        return jagg.backward_batch(velocity_fn_of(model), traj, adv, cfg, W, frac, ref_fn)[0]
     opts = options.JaggOptions(W, frac, anchors=anchors, interior=interior, route=route, max_graph_rows=rows,
                                max_drift=max_drift)
     cosines = PROBE[anchors] if route == "probe" else None
-    return options.window_gradients(velocity_fn_of(model), traj, adv, cfg, opts, ref_fn, cosines)[0]
+    return options.backward_batch(velocity_fn_of(model), traj, adv, cfg, opts, ref_fn, cosines)[0]
 
 
 def train(model, ref, traj, adv, mode, no_sync=contextlib.nullcontext, steps=2):

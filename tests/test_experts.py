@@ -66,9 +66,9 @@ def flat(module):  # the module's .grad as one vector [P]
 
 
 def gradient(model, traj, adv, cfg=CFG, **fields):
-    """(flat gradient [P] of both experts, per expert [P_1], [P_2], stats) of window_gradients."""
+    """(flat gradient [P] of both experts, per expert [P_1], [P_2], stats) of backward_batch."""
     model.zero_grad(set_to_none=True)
-    stats, _ = options.window_gradients(model.velocity_fn(), traj, adv, cfg, options.JaggOptions(W, **fields))
+    stats, _ = options.backward_batch(model.velocity_fn(), traj, adv, cfg, options.JaggOptions(W, **fields))
     return flat(model), flat(model.first), flat(model.second), stats
 
 
@@ -141,7 +141,7 @@ def test_a_bad_boundary_is_refused_in_one_line(bad):
     model = TwoExperts(Affine(), Affine())
     traj, adv = straight_batch(model)
     with pytest.raises(ValueError, match=r"boundaries must be increasing step indices inside \(0, T = 10\)") as error:
-        options.window_gradients(model.velocity_fn(), traj, adv, CFG, options.JaggOptions(W, boundaries=bad))
+        options.backward_batch(model.velocity_fn(), traj, adv, CFG, options.JaggOptions(W, boundaries=bad))
     assert "\n" not in str(error.value)
     assert all(p.grad is None for p in model.parameters())  # refused before any work
 
@@ -212,7 +212,7 @@ def test_each_forward_with_graph_holds_one_expert_with_boundaries():
     traj, adv = straight_batch(model)
     for boundaries, expected in (((6,), [[1], [2]]), ((), [[1, 2]])):
         calls = []
-        options.window_gradients(model.velocity_fn(calls), traj, adv, CFG,
+        options.backward_batch(model.velocity_fn(calls), traj, adv, CFG,
                                       options.JaggOptions(W, anchors="shared", boundaries=boundaries))
         assert calls == expected, (boundaries, calls)
 

@@ -239,7 +239,7 @@ def test_a_window_of_two_steps_never_takes_a_jagg_slot():
     traj, adv = toy_batch(model, T=10, B=4)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     for frac, rows in ((0.34, 8), (1.0, 6), (0.0, 10)):
-        stats, routed = jagg.paper_gradients(as_velocity_fn(model), traj, adv, cfg, 4, frac)
+        stats, routed = jagg.backward_batch(as_velocity_fn(model), traj, adv, cfg, 4, frac)
         assert stats["grad_rows"] == rows and not routed[2] and sum(routed) == round(2 * frac)
 
 
@@ -319,11 +319,11 @@ def test_bad_input_raises_clear_errors():
     traj, adv = toy_batch(model)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="longer than the trajectory"):
-        jagg.paper_gradients(fn, traj, adv, jagg.LossConfig(0.7, 0.2), window=16)
+        jagg.backward_batch(fn, traj, adv, jagg.LossConfig(0.7, 0.2), window=16)
     with pytest.raises(ValueError, match="beta > 0 needs ref_fn"):
-        jagg.paper_gradients(fn, traj, adv, jagg.LossConfig(0.7, 0.2, beta=0.1))
+        jagg.backward_batch(fn, traj, adv, jagg.LossConfig(0.7, 0.2, beta=0.1))
     with pytest.raises(ValueError, match="cfg.noise_level must be the rollout's"):
-        jagg.paper_gradients(fn, traj, adv, jagg.LossConfig(1.0, 0.2))
+        jagg.backward_batch(fn, traj, adv, jagg.LossConfig(1.0, 0.2))
     assert all(p.grad is None for p in model.parameters())  # nothing was computed
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
 

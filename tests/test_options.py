@@ -40,10 +40,10 @@ def test_the_papers_function_equals_the_general_one_and_training_uses_it(monkeyp
         return [name for name in used if name != "backward_exact"]
     traj, adv = toy_batch(model, T=8, B=4)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
-    options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 1.0))
+    options.backward_batch(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 1.0))
     assert jagg_calls() == ["backward_jagg_window"] * 2
     used.clear()
-    options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 1.0, anchors="shared"))
+    options.backward_batch(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 1.0, anchors="shared"))
     assert jagg_calls() == ["backward_jagg"]
     # The default options train every window through jagg.py's own two functions, in routing's order
     # (T = 10: windows of 4, 4 and 2 steps; the 2-step one is always exact).
@@ -51,10 +51,10 @@ def test_the_papers_function_equals_the_general_one_and_training_uses_it(monkeyp
     for frac, expected in ((1.0, ["backward_jagg_window", "backward_jagg_window", "backward_exact"]),
                            (0.0, ["backward_exact"] * 3)):
         used.clear()
-        options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(jagg_frac=frac))
+        options.backward_batch(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(jagg_frac=frac))
         assert used == expected, (frac, used)
     used.clear()
-    _, routed = options.window_gradients(as_velocity_fn(model), traj, adv, cfg,
+    _, routed = options.backward_batch(as_velocity_fn(model), traj, adv, cfg,
                                               options.JaggOptions(jagg_frac=0.5))
     assert used == ["backward_jagg_window" if r else "backward_exact" for r in routed] and sum(routed) == 1
 
@@ -138,7 +138,7 @@ def test_rollout_interiors_are_exact_at_the_rollouts_parameters_but_the_referenc
     def grads(interior, beta, ref):
         model.zero_grad(set_to_none=True)
         cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
-        options.window_gradients(as_velocity_fn(model), traj, adv, cfg,
+        options.backward_batch(as_velocity_fn(model), traj, adv, cfg,
                                       options.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
                                       as_velocity_fn(ref))
         return torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -159,7 +159,7 @@ def _off_policy_run(seed, lr, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
-        stats, _ = options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 0.0))
+        stats, _ = options.backward_batch(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 0.0))
         yield model, traj, adv, cfg, stats["clipfrac"]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -194,14 +194,14 @@ def test_the_drift_guard_is_free_on_policy_and_is_forward_interiors_where_it_act
     for i, (model, traj, adv, cfg, _) in enumerate(_off_policy_run(1, lr=1e-2, steps=4)):
         if i == 0:  # on-policy
             calls = []
-            options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
+            options.backward_batch(as_velocity_fn(model, calls), traj, adv, cfg,
                                   options.JaggOptions(4, 1.0, anchors="shared", interior="rollout"))
             assert rows_by_grad(calls)[:2] == (4, 0)
     # four steps off the rollout now (the generator took its last step)
     forward, s_f, _ = window_grad(model, traj, adv, cfg, 4, 1.0, anchors="shared")
     calls.clear()
     model.zero_grad(set_to_none=True)
-    stats, _ = options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg,
+    stats, _ = options.backward_batch(as_velocity_fn(model, calls), traj, adv, cfg,
                                      options.JaggOptions(4, 1.0, anchors="shared", interior="rollout", max_drift=0.0))
     guarded = torch.cat([p.grad.flatten() for p in model.parameters()])
     torch.testing.assert_close(guarded, forward, rtol=1e-10, atol=1e-12)
@@ -240,7 +240,7 @@ def test_trained_steps_only_flow_grpos_timestep_fraction():
             return as_velocity_fn(model)(z, t)
 
         model.zero_grad(set_to_none=True)
-        stats, _ = options.window_gradients(recording, sub, adv, cfg, options.JaggOptions(4, 1.0, **fields))
+        stats, _ = options.backward_batch(recording, sub, adv, cfg, options.JaggOptions(4, 1.0, **fields))
         assert stats["grad_rows"] == rows
         assert not any((t_seen == traj.t[9, 0]).any() for t_seen in seen)  # sigma_9 -> 0: no network call
     with pytest.raises(ValueError, match="no first 11 steps"):
@@ -295,10 +295,10 @@ def test_index_weights_reproduce_the_authors_two_pass_scheme():
     t_lin = torch.linspace(0.9, 0.5, 5)[:, None].expand(5, 6)  # [W, B]
     torch.testing.assert_close(options.segment_weights(t_lin, "index"), jagg.interpolation_weights(t_lin))
 
-    # Through window_gradients (so train_step) and the probe: every window by the authors' scheme.
+    # Through backward_batch (so train_step) and the probe: every window by the authors' scheme.
     T, W = 10, 5
     model.zero_grad(set_to_none=True)
-    stats, routed = options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(W, 1.0, weights="index"))
+    stats, routed = options.backward_batch(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(W, 1.0, weights="index"))
     assert all(routed)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     windows = [authors_window_gradient(model, traj, adv, cfg, a, a + W) for a in range(0, T, W)]
@@ -341,7 +341,7 @@ def straight_trajectory(model, T=10, B=4, d=3, seed=0):
 
 def window_grad(model, traj, adv, cfg, W, frac, ref=None, probe_cosines=None, **fields):
     model.zero_grad(set_to_none=True)
-    stats, routed = options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(W, frac, **fields),
+    stats, routed = options.backward_batch(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(W, frac, **fields),
                                           None if ref is None else as_velocity_fn(ref), probe_cosines=probe_cosines)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), stats, routed
 
@@ -402,7 +402,7 @@ def test_the_network_sees_only_the_anchor_rows(anchors, interior, policy_calls, 
     traj, adv = toy_batch(model, T=10, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=0.1)
     calls, calls_ref = [], []
-    options.window_gradients(as_velocity_fn(model, calls), traj, adv, cfg, options.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
+    options.backward_batch(as_velocity_fn(model, calls), traj, adv, cfg, options.JaggOptions(4, 1.0, anchors=anchors, interior=interior),
                           as_velocity_fn(ref, calls_ref))
     assert calls == policy_calls and calls_ref == ref_calls
 
@@ -472,17 +472,17 @@ def test_probe_routing_keeps_the_nonlinear_segment_exact(anchors, T, band):
 
 @pytest.mark.parametrize("beta, frac", [(0.0, 1.0), (0.05, 0.5), (0.0, 0.0), (0.05, 1.0)])
 def test_default_options_train_bit_for_bit_what_the_paper_function_does(beta, frac):
-    """options.window_gradients with JaggOptions() and jagg.paper_gradients: the same stats and
+    """options.backward_batch with JaggOptions() and jagg.backward_batch: the same stats and
     the same gradient, to the last bit (train_sd.py calls the second unless an option is set)."""
     torch.manual_seed(9)
     model, ref = MLPFlow(), MLPFlow()
     traj, adv = toy_batch(model, T=10, B=6)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2, beta=beta)
     model.zero_grad(set_to_none=True)
-    paper, routed_p = jagg.paper_gradients(as_velocity_fn(model), traj, adv, cfg, 4, frac, as_velocity_fn(ref))
+    paper, routed_p = jagg.backward_batch(as_velocity_fn(model), traj, adv, cfg, 4, frac, as_velocity_fn(ref))
     g_paper = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    ours, routed_o = options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, frac),
+    ours, routed_o = options.backward_batch(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, frac),
                                                    as_velocity_fn(ref))
     assert routed_p == routed_o and paper == ours
     assert all(torch.equal(a, p.grad) for a, p in zip(g_paper, model.parameters()))
@@ -527,7 +527,7 @@ def test_bounded_graph_rows_give_the_same_gradient_with_the_same_rows(anchors, r
 @pytest.mark.parametrize("anchors, interior, bound", [("window", "forward", 1), ("shared", "forward", 1),
                                                       ("shared", "rollout", 2), ("shared", "rollout", 3)])
 def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior, bound):
-    """Through window_gradients with the KL reference (beta > 0): the same gradient and the same
+    """Through backward_batch with the KL reference (beta > 0): the same gradient and the same
     policy and reference rows as without a bound (T = 10, W = 4: shared anchors 0, 3, 6, 9)."""
     torch.manual_seed(23)
     model, ref = MLPFlow(), MLPFlow()
@@ -538,7 +538,7 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
         policy, reference = [], []
         model.zero_grad(set_to_none=True)
         opts = options.JaggOptions(4, 1.0, anchors=anchors, interior=interior, max_graph_rows=max_rows)
-        stats, routed = options.window_gradients(as_velocity_fn(model, policy), traj, adv, cfg, opts,
+        stats, routed = options.backward_batch(as_velocity_fn(model, policy), traj, adv, cfg, opts,
                                               ref_velocity_fn=as_velocity_fn(ref, reference))
         results.append((torch.cat([p.grad.flatten() for p in model.parameters()]), stats, policy, reference))
     (g0, s0, p0, r0), (g1, s1, p1, r1) = results
@@ -547,7 +547,7 @@ def test_bounded_training_step_matches_and_calls_the_same_rows(anchors, interior
     assert rows_by_grad(p1)[:2] == rows_by_grad(p0)[:2] and r1 == r0
     assert rows_by_grad(p1)[2] <= bound
     with pytest.raises(ValueError, match="max_graph_rows must be an integer >= [12].* or None \\(no bound\\), got 0"):
-        options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 1.0, anchors=anchors, interior=interior,
+        options.backward_batch(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(4, 1.0, anchors=anchors, interior=interior,
                               max_graph_rows=0), ref_velocity_fn=as_velocity_fn(ref))
 
 
@@ -574,11 +574,11 @@ def test_bad_options_raise_clear_errors_before_any_work():
     traj, adv = toy_batch(model)
     cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
     with pytest.raises(ValueError, match="advantages must be"):
-        options.window_gradients(fn, traj, adv[:-1], cfg, options.JaggOptions(4, 1.0))
+        options.backward_batch(fn, traj, adv[:-1], cfg, options.JaggOptions(4, 1.0))
     with pytest.raises(ValueError, match="longer than the trajectory"):
-        options.window_gradients(fn, traj, adv, cfg, options.JaggOptions(16, 1.0))
+        options.backward_batch(fn, traj, adv, cfg, options.JaggOptions(16, 1.0))
     with pytest.raises(ValueError, match="beta > 0 needs a ref_velocity_fn"):
-        options.window_gradients(fn, traj, adv, jagg.LossConfig(0.7, 0.2, beta=0.1), options.JaggOptions())
+        options.backward_batch(fn, traj, adv, jagg.LossConfig(0.7, 0.2, beta=0.1), options.JaggOptions())
     for kwargs, message in (({"anchors": "overlap"}, "anchors must be one of"),
                             ({"interior": "cache"}, "interior must be one of"),
                             ({"route": "random"}, "route must be one of"),
@@ -589,7 +589,7 @@ def test_bad_options_raise_clear_errors_before_any_work():
                             ({"route": "probe", "probe_cosines": [0.9]}, "one value per segment")):
         probe = {"probe_cosines": kwargs.pop("probe_cosines")} if "probe_cosines" in kwargs else {}
         with pytest.raises(ValueError, match=message):
-            options.window_gradients(fn, traj, adv, cfg, options.JaggOptions(4, 1.0, **kwargs), **probe)
+            options.backward_batch(fn, traj, adv, cfg, options.JaggOptions(4, 1.0, **kwargs), **probe)
     assert all(p.grad is None for p in model.parameters())  # nothing was computed
 
 
@@ -610,7 +610,7 @@ def test_fixed_routes_give_jagg_the_windows_of_their_schedule_whatever_the_veloc
         if seed == 1:  # the first window the straightest
             traj.v[1:3] = (traj.v[0] + (traj.v[3] - traj.v[0]) * torch.tensor([1 / 3, 2 / 3])[:, None, None])
             velocity = options.JaggOptions(4, 1 / 3)
-            assert options.window_gradients(fn, traj, adv, cfg, velocity)[1] == [True, False, False]
+            assert options.backward_batch(fn, traj, adv, cfg, velocity)[1] == [True, False, False]
         expected = 0
         for w, start in enumerate((0, 4, 8)):
             model.zero_grad(set_to_none=True)
@@ -620,7 +620,7 @@ def test_fixed_routes_give_jagg_the_windows_of_their_schedule_whatever_the_veloc
             expected = expected + torch.cat([p.grad.flatten() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
         opts = options.JaggOptions(4, frac, route=route)
-        stats, routed = options.window_gradients(fn, traj, adv, cfg, opts)
+        stats, routed = options.backward_batch(fn, traj, adv, cfg, opts)
         assert routed == [w in late for w in range(3)]
         scores = [jagg.linearity_score(traj.v[a : a + 4], traj.t[a : a + 4]) for a in (0, 4, 8)]
         assert stats["window_scores"] == pytest.approx(scores)  # the free score is still what is logged

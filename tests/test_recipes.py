@@ -229,7 +229,7 @@ def test_recipe_trains_exact_and_jagg_and_one_window_matches_explicit_jacobians(
             p.data.copy_(p0)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
         for _ in range(2):
-            stats, routed = options.window_gradients(fn, traj, adv, cfg, opts)
+            stats, routed = options.backward_batch(fn, traj, adv, cfg, opts)
             done = ranks.optimizer_step(model.parameters(), optimizer, [stats["loss"]])
             assert not done["skipped"] and done["grad_norm"] > 0
         assert any(routed) == (opts.jagg_frac > 0)

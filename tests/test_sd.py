@@ -83,9 +83,9 @@ def test_every_flag_has_help_and_a_bad_value_on_the_command_line_is_one_line(tmp
 def test_each_mode_trains_and_writes_what_it_says(mode, flags, calls, rows, tmp_path, monkeypatch):
     """Each mode calls the gradient it names once per micro-batch, with its W and jagg_frac; rows with grad
     per micro-batch as the mode counts them; the run's files, and no temporary one."""
-    seen, paper, general = [], jagg.paper_gradients, options.window_gradients
-    monkeypatch.setattr(jagg, "paper_gradients", lambda *a, **k: seen.append(("paper", a[4:6])) or paper(*a, **k))
-    monkeypatch.setattr(options, "window_gradients", lambda *a, **k: seen.append(("options", a[4])) or general(*a, **k))
+    seen, paper, general = [], jagg.backward_batch, options.backward_batch
+    monkeypatch.setattr(jagg, "backward_batch", lambda *a, **k: seen.append(("paper", a[4:6])) or paper(*a, **k))
+    monkeypatch.setattr(options, "backward_batch", lambda *a, **k: seen.append(("options", a[4])) or general(*a, **k))
     out = tmp_path / mode
     rows_seen = train_sd.train(train_sd.parse_args(args_of(out, *flags)))
     assert len(seen) == 2 * 2 and {name for name, _ in seen} == {calls}  # 2 epochs x 2 micro-batches of 2

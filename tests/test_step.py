@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("float64")  # conftest's: exactness shows a
 
 def train_step(velocity_fn, optimizer, traj, adv, cfg, opts, ref_velocity_fn=None, step=None):
     """One optimizer step as a trainer runs it: the batch's gradient, then ranks.optimizer_step."""
-    stats, routed = options.window_gradients(velocity_fn, traj, adv, cfg, opts, ref_velocity_fn)
+    stats, routed = options.backward_batch(velocity_fn, traj, adv, cfg, opts, ref_velocity_fn)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     stats.update(ranks.optimizer_step(params, optimizer, [stats["loss"]], step=step))
     return stats, routed
@@ -108,10 +108,10 @@ def test_a_forgotten_zero_grad_leaks_nothing_into_the_next_step(calls_zero_grad)
             losses = []
             for traj, adv in batches[2 * step : 2 * step + 2]:
                 if step_api:
-                    stats, _ = options.window_gradients(as_velocity_fn(net), traj, adv, cfg, opts)
+                    stats, _ = options.backward_batch(as_velocity_fn(net), traj, adv, cfg, opts)
                     losses.append(stats["loss"])
                 else:
-                    options.window_gradients(as_velocity_fn(net), traj, adv, cfg, opts)
+                    options.backward_batch(as_velocity_fn(net), traj, adv, cfg, opts)
             if step_api:
                 ranks.optimizer_step(net.parameters(), opt, losses, micro_batches=2, max_grad_norm=1e9)
                 assert all(p.grad is None for p in net.parameters())

@@ -77,12 +77,12 @@ def test_random_steps_are_the_loss_danceGRPO_states_and_unbiased():
     g = torch.Generator().manual_seed(2)
     chosen = [torch.randperm(6, generator=g)[:1].tolist() for _ in range(5)]
     torch.testing.assert_close(got, by_hand(model, traj, adv, cfg, chosen), rtol=1e-10, atol=1e-12)
-    # Every step drawn: exact GRPO's gradient (the mean over the steps), as window_gradients computes it.
+    # Every step drawn: exact GRPO's gradient (the mean over the steps), as backward_batch computes it.
     model.zero_grad(set_to_none=True)
     toy_baselines.subset_gradients(fns_of(model), traj, adv, cfg, steps, 6, g)
     every = flat(model)
     model.zero_grad(set_to_none=True)
-    options.window_gradients(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(3, 0.0))
+    options.backward_batch(as_velocity_fn(model), traj, adv, cfg, options.JaggOptions(3, 0.0))
     torch.testing.assert_close(every, flat(model), rtol=1e-10, atol=1e-12)
     # Unbiased: the mean over all C(6, 2) pairs, drawn by every sample alike, is exact's gradient.
     import itertools
@@ -133,7 +133,7 @@ def test_jagg_on_random_windows_is_the_papers_jagg_window_by_window():
     toy_baselines.subset_gradients(fns_of(model), traj, adv, cfg, windows, 2, g, by_jagg=True)
     every = flat(model)
     model.zero_grad(set_to_none=True)
-    jagg.paper_gradients(as_velocity_fn(model), traj, adv, cfg, window=4)
+    jagg.backward_batch(as_velocity_fn(model), traj, adv, cfg, window=4)
     torch.testing.assert_close(every, flat(model), rtol=1e-10, atol=1e-12)
 
 
@@ -152,7 +152,7 @@ def test_the_runner_trains_each_baseline_at_its_cost(tmp_path):
 
 
 def test_the_mini_sd3s_random_steps_are_one_draw_per_micro_batch():
-    """lab/sd_baselines.py's stand-in for jagg.paper_gradients: the micro-batch's drawn steps, exactly,
+    """lab/sd_baselines.py's stand-in for jagg.backward_batch: the micro-batch's drawn steps, exactly,
     the loss their mean, against autograd of that loss written out; it draws anew at each call."""
     import sd_baselines
 
@@ -185,7 +185,7 @@ def test_the_mini_sd3s_random_steps_train_train_sds_run(tmp_path):
              "--lora-rank", "4", "--epochs", "1", "--eval-samples", "2", "--reward", "darkness", "--method", "exact"]
     rows = sd_baselines.main(["--random-steps", "2", "--", *flags])
     assert rows[1]["train/grad_rows"] == 2 * 2  # 2 micro-batches, 2 of the 4 steps each
-    assert jagg.paper_gradients is sd_baselines.PAPER_GRADIENTS
+    assert jagg.backward_batch is sd_baselines.PAPER_GRADIENTS
     with pytest.raises(SystemExit):  # a JAGG option would bypass the baseline
         sd_baselines.main(["--random-steps", "2", "--", *flags, "--anchors", "shared", "--overwrite"])
 
@@ -230,7 +230,7 @@ def test_equal_cost_table_pairs_each_mode_with_exact_of_its_seed(tmp_path, capsy
 
 def test_equal_cost_errors_routing_each_window_as_its_rule_says():
     """lab/equal_cost_error.py's routing at jagg_frac 0.5 over two windows: velocity is the paper's
-    routing (jagg.paper_gradients); late is exact on the first window and JAGG on the second, early the
+    routing (jagg.backward_batch); late is exact on the first window and JAGG on the second, early the
     reverse; cosine gives JAGG the window whose JAGG gradient has the higher cosine to its exact one,
     each window's two gradients computed here one by one."""
     import types
@@ -250,7 +250,7 @@ def test_equal_cost_errors_routing_each_window_as_its_rule_says():
         methods[name](batch, cfg, None)
         return flat(model)
 
-    def window(start, by_jagg):  # one window's gradient, as paper_gradients weights it
+    def window(start, by_jagg):  # one window's gradient, as backward_batch weights it
         model.zero_grad(set_to_none=True)
         backward = jagg.backward_jagg_window if by_jagg else jagg.backward_exact
         backward(fn, traj.z[start : start + 4], traj.t[start : start + 4], jagg.make_step_loss(traj, adv, start,
@@ -258,7 +258,7 @@ def test_equal_cost_errors_routing_each_window_as_its_rule_says():
         return flat(model)
 
     model.zero_grad(set_to_none=True)
-    jagg.paper_gradients(fn, traj, adv, cfg, window=4, jagg_frac=0.5)
+    jagg.backward_batch(fn, traj, adv, cfg, window=4, jagg_frac=0.5)
     torch.testing.assert_close(got("velocity0.5"), flat(model), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(got("late0.5"), window(0, False) + window(4, True), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(got("early0.5"), window(0, True) + window(4, False), rtol=1e-10, atol=1e-12)

@@ -62,7 +62,7 @@ def test_saved_bytes_fall_with_the_bound():
     def saved(anchors="window", interior="forward", rows=None, frac=1.0):
         def step():
             model.zero_grad(set_to_none=True)
-            options.window_gradients(model, traj, adv, cfg, options.JaggOptions(
+            options.backward_batch(model, traj, adv, cfg, options.JaggOptions(
                 4, frac, anchors=anchors, interior=interior, max_graph_rows=rows))
         return bench.saved_bytes_peak(step)
 
@@ -215,7 +215,7 @@ def test_gradient_signal_stats_on_known_gradients():
 def test_time_gradients_times_exact_against_the_options_and_leaves_their_gradient():
     """bench.time_gradients: both gradients timed (medians of the repeats), the rows with grad each
     computes (T = 8, W = 4: exact 8 steps, JAGG 2 of each window's 4), and params left with the last call's
-    gradient, which is window_gradients' of that method (so the timed work is the training work)."""
+    gradient, which is options.backward_batch's of that method (so the timed work is the training work)."""
     torch.manual_seed(11)
     model = flows.MLPFlow()
     traj, adv = flows.toy_batch(model, T=8, B=4)
@@ -227,5 +227,5 @@ def test_time_gradients_times_exact_against_the_options_and_leaves_their_gradien
     last = [p.grad.clone() for p in params]  # repeats = 2: the last round runs exact last (the order alternates)
     for p in params:
         p.grad = None
-    options.window_gradients(flows.as_velocity_fn(model), traj, adv, cfg, dataclasses.replace(opts, jagg_frac=0.0))
+    options.backward_batch(flows.as_velocity_fn(model), traj, adv, cfg, dataclasses.replace(opts, jagg_frac=0.0))
     assert all(torch.equal(a, p.grad) for a, p in zip(last, params))
