@@ -11,6 +11,11 @@
     python lab/summarize.py retention runs/toy_quality                    # lab/toy_quality.sh: every mode over seeds
     python lab/summarize.py wallclock OUT/paper_seed0 OUT/window_seed0 ... [--png F]  # JAGG or an SDE window
     python lab/summarize.py equal_cost runs/toy_equal_cost [--png F]      # lab/toy_equal_cost.sh: at equal cost
+
+Each reads a fresh runs folder or the same runs packed into one JSONL file (lab/run_files.py pack; the
+kept runs in lab/results/ are packed): a packed file stands for its folder, so
+    python lab/summarize.py compare 'lab/results/mini_sd3/tables/cover.jsonl/paper_seed[0-9]'
+    python lab/summarize.py retention lab/results/quality/toy.jsonl
 """
 
 import argparse
@@ -21,12 +26,14 @@ import os
 from bench import TRAINING_MODES
 from run_files import (
     exact_gain,
+    expand,
     gain_along_run,
     grad_rows_per_step,
     initial_reward,
     load,
     probe_cosines,
     routing_figures,
+    runs_by_mode,
     side,
     strict_curve,
     timed_curve,
@@ -367,10 +374,7 @@ def paired(paths):
     gains over the base with its interval (ratio_interval's linearisation, drawn by draw); and the
     seeds ±10 points take at these draws and with no evaluation error at all (the most that
     evaluating with more samples can buy), and the draws it takes at these seeds."""
-    files = []
-    for path in paths:
-        with open(path) as f:
-            files.append(json.load(f)["models"])
+    files = [load(path)["models"] for path in paths]
     base = [m for models in files for m in models if m.get("mode") == "base"]
     if not base:
         raise SystemExit("error: no file holds the base model's draws; run lab/eval_noise.py without --no-base "
@@ -418,19 +422,13 @@ def paired(paths):
 
 
 def retention(folder):
-    """lab/toy_quality.sh's table: OUT/<mode>/seed<S>/summary.json (or, kept, seed<S>.json) for exact
-    and each JAGG mode. Per
+    """lab/toy_quality.sh's table: OUT/<mode>/seed<S>/summary.json (or OUT packed, the kept runs) for
+    exact and each JAGG mode. Per
     mode over the seeds every mode finished: the gain kept (JAGG's reward gain over exact's of the
     same seed), its mean with a 95 % t interval, the ratio of mean gains with its interval, the
     paired difference to the paper's mode with its interval, and the worst seed."""
-    modes = sorted((m for m in os.listdir(folder) if os.path.isdir(os.path.join(folder, m))),
-                   key=lambda m: (m != "exact", m != "paper", m))
-    def finished(m, name):  # a run folder with its summary.json, or a kept summary seed<S>.json
-        path = os.path.join(folder, m, name)
-        return name.startswith("seed") and (os.path.isfile(os.path.join(path, "summary.json")) or name.endswith(".json"))
-
-    runs = {m: {int(s[4:].removesuffix(".json")): load(os.path.join(folder, m, s))
-                for s in os.listdir(os.path.join(folder, m)) if finished(m, s)} for m in modes}
+    runs = runs_by_mode(folder)
+    modes = sorted(runs, key=lambda m: (m != "exact", m != "paper", m))
     seeds = sorted(set.intersection(*(set(r) for r in runs.values())))
     exact = {s: runs["exact"][s]["reward_gain"] for s in seeds}
     kept = {m: {s: runs[m][s]["reward_gain"] / exact[s] for s in seeds} for m in modes}
@@ -473,7 +471,7 @@ def equal_cost_group(mode):
 
 
 def equal_cost(folder, png="", timing="", versus="jagg_w4"):
-    """OUT/<mode>/seed<S>/summary.json of every mode (or, kept, OUT/<mode>/seed<S>.json): per mode
+    """OUT/<mode>/seed<S>/summary.json of every mode (or OUT packed, the kept runs): per mode
     over the seeds every mode finished, its rows with grad and training time as shares of exact's
     (time: the mean of the per-seed ratios), the gain kept (JAGG's reward gain over exact's of the
     same seed: mean with its 95 % t interval), the ratio of mean gains with its interval, and the
@@ -481,16 +479,8 @@ def equal_cost(folder, png="", timing="", versus="jagg_w4"):
     lab/equal_cost_error.py --time JSON, whose one-process medians are then the cost axis (a
     column of its own; the runs' own times were measured on a machine that other runs shared).
     Routing's modes, beside exact and jagg_w4, get a picture of their own: png's name + _routing."""
-    modes = sorted(m for m in os.listdir(folder) if os.path.isdir(os.path.join(folder, m)))
-
-    def finished(m, name):
-        path = os.path.join(folder, m, name)
-        return name.startswith("seed") and (os.path.isfile(os.path.join(path, "summary.json"))
-                                            or name.endswith(".json"))
-
-    runs = {m: {int(s[4:].removesuffix(".json")): load(os.path.join(folder, m, s))
-                for s in os.listdir(os.path.join(folder, m)) if finished(m, s)} for m in modes}
-    modes = [m for m in modes if runs[m]]
+    runs = runs_by_mode(folder)
+    modes = sorted(runs)
     seeds = sorted(set.intersection(*(set(r) for r in runs.values())))
     exact = {s: runs["exact"][s] for s in seeds}
     print(f"{len(seeds)} seeds; exact GRPO's gain {mean_interval([exact[s]['reward_gain'] for s in seeds])[0]:+.3f}")
@@ -551,7 +541,9 @@ def main():
                              "method's gain over seeds, eval_noise.py's paired draws of exact and JAGG, "
                              "every step or an SDE window: the reward at the same training time")
     parser.add_argument("paths", nargs="+", help="run folders (summary.json inside), benchmark.json files or "
-                                                 "(paired) lab/eval_noise.py --out files")
+                                                 "(paired) lab/eval_noise.py --out files; or packed runs, "
+                                                 "FILE.jsonl/NAME or FILE.jsonl/PATTERN (lab/run_files.py); "
+                                                 "retention, equal_cost: one runs folder or its packed FILE.jsonl")
     parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
     parser.add_argument("--last", type=int, default=3, help="curves: how many final evaluations to average")
     parser.add_argument("--timing", default="", help="equal_cost: a lab/equal_cost_error.py --time JSON, "
@@ -560,6 +552,9 @@ def main():
                                                              "seed by seed, in the last column")
     parser.add_argument("--png", default="", help="curves, wallclock: also draw them into this PNG file")
     args = parser.parse_args()
+    if args.table not in ("retention", "equal_cost"):  # a list of runs: a packed file's patterns become its runs
+        args.paths = expand(args.paths)
+        args.exact = ",".join(expand(args.exact.split(","))) if args.exact else ""
     if args.table == "compare":
         compare(args.paths)
     elif args.table == "routing":

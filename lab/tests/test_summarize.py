@@ -293,15 +293,15 @@ def test_wallclock_takes_single_runs_and_names_learning_rates_when_they_differ(t
     assert list(table) == ["all steps, exact, lr 0.0003", "all steps, the paper's JAGG, lr 0.0003", "all steps, exact, lr 0.003"]
 
 
-# --- Both layouts of the runs' files: the kept runs' and train_toy.py's
+# --- Both layouts of the runs' files: the kept runs' (packed, lab/run_files.py) and train_toy.py's
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 
 def test_the_kept_toy_retention_table_remakes_from_the_kept_files(capsys):
-    """lab/results/quality/toy holds the old train_toy.py's summaries (grad_steps, config steps): the
-    table lab/reports/quality.md cites comes out of them, as lab/README.md says."""
-    summarize.retention(str(RESULTS / "quality" / "toy"))
+    """lab/results/quality/toy.jsonl holds the old train_toy.py's summaries (grad_steps, config steps),
+    packed: the table lab/reports/quality.md cites comes out of them, as lab/README.md says."""
+    summarize.retention(str(RESULTS / "quality" / "toy.jsonl"))
     out = capsys.readouterr().out
     assert "20 seeds (0-19); exact GRPO's gain +0.501" in out
     assert "| paper | 8 | 96.7 % (94.1-99.3 %) |" in out and "| shared_rollout | 6 | 96.8 % (93.9-99.7 %) |" in out
@@ -309,9 +309,12 @@ def test_the_kept_toy_retention_table_remakes_from_the_kept_files(capsys):
 
 
 def test_the_kept_mini_sd3_compare_table_remakes_from_the_kept_files(capsys):
-    """The kept lab/sd_runner.py compare summaries ({key: {exact, jagg}}, probe_cosine_by_position)."""
-    tables = RESULTS / "mini_sd3" / "tables" / "darkness"
-    summarize.compare([str(tables / f"{mode}_seed{s}") for mode in ("paper", "shared") for s in range(5)])
+    """The kept lab/sd_runner.py compare summaries ({key: {exact, jagg}}, probe_cosine_by_position),
+    packed: each run named FILE.jsonl/NAME, or all of a pattern's."""
+    tables = RESULTS / "mini_sd3" / "tables" / "darkness.jsonl"
+    runs = [f"{tables}/{mode}_seed{s}" for mode in ("paper", "shared") for s in range(5)]
+    assert run_files.expand([f"{tables}/paper_seed[0-4]", f"{tables}/shared_seed*"]) == runs
+    summarize.compare(runs)
     out = capsys.readouterr().out
     assert "| jagg | 5 | 110.1 % (75-145 %) | 71.2 % | 109.7 % (76-143 %) |" in out
     assert "| jagg_shared_rollout | 5 | 110.4 % (94-126 %) |" in out
@@ -347,6 +350,24 @@ def test_retention_reads_todays_toy_runs(toy_runs, capsys):
     assert "2 seeds (0-1)" in out and "| exact | 8 | 100.0 % (100.0-100.0 %) |" in out and "| paper | 4 |" in out
     run = json.load(open(toy_runs / "quality" / "paper" / "seed0" / "summary.json"))  # T = 8, W = 4: 2 windows of 2 rows
     assert "grad_steps" not in run and run_files.grad_rows_per_step(run) == 4
+
+
+def test_a_packed_runs_folder_reads_as_the_folder(toy_runs, tmp_path, capsys):
+    """lab/run_files.py pack: a fresh runs folder packed into one JSONL file (the kept runs' format)
+    gives the same tables as the folder, metrics.jsonl's rows included (routing reads the JAGG side's)."""
+    run_files.main(["pack", str(toy_runs / "quality"), str(tmp_path / "quality.jsonl")])
+    run_files.main(["pack", str(toy_runs), str(tmp_path / "all.jsonl")])
+    capsys.readouterr()
+    tables = []
+    for quality, runs in ((str(toy_runs / "quality"), [str(toy_runs / f"route_seed{s}") for s in (0, 1)]),
+                          (str(tmp_path / "quality.jsonl"), run_files.expand([f"{tmp_path}/all.jsonl/route_seed*"]))):
+        summarize.retention(quality)
+        summarize.compare(runs)
+        summarize.routing(runs, ",".join(runs))
+        tables.append(capsys.readouterr().out)
+    assert tables[0] == tables[1] and "2 seeds (0-1)" in tables[0] and "| 1 | probe |" in tables[0]
+    rows = [json.loads(line) for line in open(toy_runs / "route_seed0" / "jagg" / "metrics.jsonl")]
+    assert run_files.metrics(f"{tmp_path}/all.jsonl/route_seed0/jagg") == rows and rows
 
 
 def test_compare_and_routing_read_todays_toy_compare_runs(toy_runs, capsys):
