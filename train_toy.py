@@ -192,7 +192,7 @@ def train(args, base, method):
             grad_seconds += time.perf_counter() - grad_start
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
-            stats.append(s)
+            stats.append({**s, "routed_frac": sum(routed) / len(routed)})  # the windows JAGG took
         # 4. Logging: the steps' means, their rows with grad and seconds summed
         row = {"epoch": epoch, "method": method, "rollout/reward_mean": rewards.mean().item()}
         for key in ("loss", "clipfrac", "approx_kl", "kl", "routed_frac"):

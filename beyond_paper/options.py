@@ -47,14 +47,13 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
     max_graph_rows       [None: no bound] At most this many anchor rows in a graph at once: always
                          the same gradient as without the bound, to round-off; less memory, some
                          speed lost. With rollout interiors at least 2.
-    route="early"        ["velocity", jagg.linearity_score] A fixed schedule: JAGG takes the
-                         earliest (highest-noise) segments first, where its error is smallest on
-                         the toy DiT and the mini SD3; at equal cost it keeps more reward than
-                         the free score there (lab/reports/equal_cost.md). The default stays the
-                         free score, our reading of the paper's rule.
-    route="late"         The opposite schedule: the latest (lowest-noise) segments first. The free
-                         score ranks segments by noise level this way (jagg.py, section 7) and
-                         keeps the same reward: this schedule says what the free score does.
+    route="velocity"     ["early": jagg.py's schedule, the earliest (highest-noise) segments first]
+                         Our reading of the abstract's cosine-similarity rule: the segments whose
+                         rollout velocities run straightest (jagg.linearity_score, free) take JAGG. It
+                         ranks segments by their noise level, lowest first, where JAGG adds the most
+                         error to the step (lab/reports/routing.md).
+    route="late"         The opposite schedule: the latest (lowest-noise) segments first, which is
+                         what the velocity score does in effect (the same reward on the toy).
     route="step_error"   JAGG takes the segments where it would add the least error to the step,
                          estimated from what the rollout kept, with no network call:
                          (1 - cos) |G_a + G_b|, the free score's bend times the segment's loss
@@ -96,7 +95,7 @@ from beyond_paper.ranks import over_ranks
 ANCHOR_MODES = ("window", "shared")  # the paper's disjoint windows; OURS: windows sharing end steps
 INTERIOR_MODES = ("forward", "rollout")  # the paper's no-graph forwards; OURS: rollout velocities
 WEIGHTS = ("time", "index")  # the paper's alpha_k by t; the authors' early code's by step index
-ROUTES = ("velocity", "early", "late", "step_error", "probe")  # linearity_score; schedules; OURS
+ROUTES = ("early", "velocity", "late", "step_error", "probe")  # jagg.py's schedule first
 
 
 @dataclass
@@ -112,8 +111,8 @@ class JaggOptions:
     weights: str = "time"  # "time": the paper's alpha_k by t; "index": alpha_k = k / (W - 1)
     max_graph_rows: int = None  # at most this many anchor rows in a graph at once; None: no bound
     max_drift: float = 0.5  # rollout interiors while the anchors' ratios drift less than this
-    route: str = "velocity"  # "velocity": jagg.linearity_score; "early" / "late": the earliest /
-    # latest segments first; "step_error": the smallest (1 - cos) |G_a + G_b|; "probe": its cosines
+    route: str = "early"  # "early" / "late": the earliest / latest segments first (jagg.py: early);
+    # "velocity": linearity_score; "step_error": the smallest (1 - cos) |G_a + G_b|; "probe": its cosines
     min_cosine: float = None  # route="probe": a window whose cosine is below this stays exact
     boundaries: tuple = ()  # two experts: each network's first step; no segment spans two
 
@@ -488,9 +487,12 @@ def reference_velocities(ref_velocity_fn, z, t, anchors=None, v_rollout=None, we
         return interpolate_from_anchors(v_anc, v_rollout, H, anchors).to(v_anc.dtype)  # [S, B, *D]
 
 
-# Routing by the error JAGG would add to the step (route="step_error"). The free score,
-# jagg.linearity_score, measures how straight the velocities run across a segment relative to the
-# segment itself; but a segment's share of the step's error is its relative error times the size
+# Routing by a score of the rollout. jagg.py takes the earliest windows first (its section 7 says
+# why); these scores read the rollout's velocities instead, so each needs traj.v.
+# route="velocity": our reading of the abstract's "cosine-similarity rule", jagg.linearity_score
+# (jagg.py section 7 says why jagg.py routes by a schedule instead).
+# route="step_error": the error JAGG would add to the step. The velocity score measures how
+# straight the velocities run relative to the segment itself; but a segment's share of the step's error is its relative error times the size
 # of its gradient, and the low-noise segments carry the largest gradients (g_k grows as the SDE's
 # noise shrinks). The score multiplies the two, from the rollout's own velocities alone:
 #     score = (1 - cos) |G_a + G_b|,    G_a + G_b = sum_k g_k,
@@ -503,16 +505,20 @@ def step_error_score(traj, advantages, cfg, start, stop):
     policy_loss = jagg.make_step_loss(traj, advantages, start, stop, replace(cfg, beta=0.0))
     signal = 0.0
     for i in range(stop - start):
-        v_k = traj.v[start + i].detach().float().requires_grad_(True)  # [B, *D], the rollout's
+        v_k = traj.v[start + i].detach().to(torch.promote_types(traj.v.dtype, torch.float32))
+        v_k.requires_grad_(True)  # [B, *D], the rollout's, in fp32 at least
         (g_k,) = torch.autograd.grad(policy_loss(i, v_k), v_k)  # [B, *D]
         signal = signal + g_k
     return (1 - cos) * float(torch.linalg.vector_norm(signal))
 
 
-def route_segments(scores, lengths, jagg_frac, floor=None):
-    """jagg.route_windows, then none whose score is below floor (None: no floor)."""
-    routed = jagg.route_windows(scores, lengths, jagg_frac)
-    return [r and (floor is None or s >= floor) for r, s in zip(routed, scores)]
+def route_segments(ranks, lengths, jagg_frac, floor=None):
+    """One bool per segment: True for the round(jagg_frac x eligible) highest-ranked segments of 3+
+    steps (of equal ranks, the earlier), as jagg.route_windows counts them; none ranked below floor
+    (None: no floor)."""
+    eligible = [w for w, n in enumerate(lengths) if n >= 3]
+    chosen = set(sorted(eligible, key=lambda w: -ranks[w])[: round(jagg_frac * len(eligible))])
+    return [w in chosen and (floor is None or ranks[w] >= floor) for w in range(len(ranks))]
 
 
 def backward_batch(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=None,
@@ -527,12 +533,20 @@ def backward_batch(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=Non
     check_batch(traj, advantages, cfg)
     _check(cfg.beta == 0 or ref_velocity_fn is not None,
            "beta > 0 needs a ref_velocity_fn (the frozen reference model)")
+    reads_v = opts.interior == "rollout" or opts.route in ("velocity", "step_error", "probe")
+    _check(traj.v is not None or not reads_v,
+           f"interior={opts.interior!r}, route={opts.route!r} read the rollout's velocities: give "
+           "jagg.Trajectory its v (jagg.rollout keeps it)")
     velocity_fn = checked(velocity_fn)
-    scores = [jagg.linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
-    scores = over_ranks(scores, "mean", traj.z.device)  # every rank's samples: all route alike
-    ranks = scores  # what routing ranks by; scores stay in the stats (the free score, logged)
-    if opts.route in ("early", "late"):  # fixed: the later the segment, the lower its noise
-        ranks = [float(i if opts.route == "late" else -i) for i in range(len(bounds))]
+    scores = None  # the velocity score of each segment, logged where the rollout kept v
+    if traj.v is not None:
+        scores = [jagg.linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
+        scores = over_ranks(scores, "mean", traj.z.device)  # every rank's samples: all route alike
+    ranks = [float(-i) for i in range(len(bounds))]  # "early", jagg.py's: the earlier, the higher
+    if opts.route == "late":
+        ranks = [float(i) for i in range(len(bounds))]
+    if opts.route in ("velocity", "probe"):  # probe: by velocity until the first probe
+        ranks = scores
     if opts.route == "step_error":  # the smallest estimated error first, agreed over the ranks
         ranks = [-step_error_score(traj, advantages, cfg, a, b) for a, b in bounds]
         ranks = over_ranks(ranks, "mean", traj.z.device)

@@ -101,10 +101,11 @@ def chart(series, title, x_label, y_label, size=(780, 420), lines=True, marks=No
     return img
 
 
-def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference=None):
+def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference=None, frontier=None):
     """Points with 95 % intervals: points {name: (x, y, y_low, y_high, group)}, a dot each with its
     vertical interval, coloured by group (the legend beside the plot names the groups) and labelled
-    with its name; reference: a y drawn as a dashed line (100 %, say)."""
+    with its name; reference: a y drawn as a dashed line (100 %, say); frontier: names of points to
+    join, in order, by a grey line beneath them (the Pareto frontier)."""
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     small, large = font(12), font(15)
@@ -135,6 +136,10 @@ def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference
     d.text(((left + right) / 2, 8), title, fill="black", font=large, anchor="mt")
     d.text(((left + right) / 2, size[1] - 8), x_label, fill="black", font=small, anchor="md")
     d.text((8, top - 22), y_label, fill="black", font=small)
+    if frontier:
+        d.line([px(points[m][0], points[m][1]) for m in frontier], fill=(160, 160, 160), width=3)
+        d.text((right - 6, bottom - 6), "grey line: the Pareto frontier", fill=(110, 110, 110), font=small,
+               anchor="rd")
     for name, (x, y, low, high, group) in points.items():
         color = PALETTE[groups.index(group) % len(PALETTE)]
         (cx, cy), (_, ly), (_, hy) = px(x, y), px(x, low), px(x, high)

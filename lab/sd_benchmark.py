@@ -55,6 +55,7 @@ class BenchConfig:
     lora_rank: int = 32
     checkpointing: bool = False  # gradient checkpointing (lab/sd_runner.py's default); the backward recomputes
     repeats: int = 5
+    sde_windows: str = "3,4"  # the SDE windows' sizes K, each trained exactly and with JAGG at min(K, --window)
     json: bool = False  # print one JSON object instead of the tables
     seed: int = 0
     out: str = "runs/sd_bench"
@@ -129,11 +130,14 @@ def benchmark(cfg):
                                       repeats=cfg.repeats,
                                            modes=bench_modes(cfg.max_graph_rows),
                                            rollout_fn=lambda: jagg.rollout(velocity_fn, noise, sigmas, cfg.noise_level))
-        # JAGG or an SDE window: a window of K steps trained exactly, and with JAGG inside it at W = K.
-        # Its rollout calls the network at the same T steps as a full one (the ODE steps too).
-        t_sde = {K: benchmark_trajectory(velocity_fn, params, traj.first_steps(K), adv, loss_cfg, K, ref_fn,
-                                         repeats=cfg.repeats, modes=("exact", "jagg", "jagg_shared_rollout"))
-                 for K in SDE_WINDOWS if K <= T}
+        # JAGG or an SDE window: a window of K steps trained exactly, and with JAGG inside it at W = min(K, --window)
+        # (the paper's, and the fast mode, bounded too with --max-graph-rows). Its rollout calls the network at the
+        # same T steps as a full one (the ODE steps too).
+        sde_modes = ("exact", "jagg", "jagg_shared_rollout") + (
+            (f"jagg_shared_rollout_rows{cfg.max_graph_rows}",) if cfg.max_graph_rows >= 2 else ())
+        t_sde = {K: benchmark_trajectory(velocity_fn, params, traj.first_steps(K), adv, loss_cfg, min(K, W), ref_fn,
+                                         repeats=cfg.repeats, modes=sde_modes)
+                 for K in sde_windows(cfg) if K <= T}
         return t_window, t_traj, t_sde
 
     # No gradient checkpointing unless the largest joint anchor batch does not fit: the benchmark
@@ -175,7 +179,7 @@ def benchmark(cfg):
         print(f"\n-- one training step: a whole trajectory (T = {T}, the first {cfg.trained_steps()} trained, "
               f"CFG {cfg.guidance_scale}, beta {cfg.beta}, W = {W})")
         result.update(report_trajectory(t_traj, W))
-        print(f"\n-- JAGG or an SDE window: a window of K steps trained (--sde-window K), exact and with JAGG at W = K; "
+        print(f"\n-- JAGG or an SDE window: a window of K steps trained (--sde-window K), exact and with JAGG at W = min(K, {W}); "
               f"its rollout takes the same T = {T} network calls")
         result["sde_windows"] = report_sde_windows(result, t_sde)
     run_folder.write_json(os.path.join(cfg.out, "benchmark.json"), {"config": dataclasses.asdict(cfg), "result": result})
@@ -187,7 +191,9 @@ def benchmark(cfg):
     return result
 
 
-SDE_WINDOWS = (3, 4)  # the benchmark's SDE windows: Flow-GRPO-Fast's 3 (geneval), MixGRPO's 4
+def sde_windows(cfg):
+    """The SDE windows' sizes of --sde-windows: by default Flow-GRPO-Fast's 3 (geneval) and MixGRPO's 4."""
+    return [int(k) for k in cfg.sde_windows.split(",") if k.strip()]
 
 
 def report_sde_windows(result, t_sde):
@@ -198,15 +204,24 @@ def report_sde_windows(result, t_sde):
     rows = {f"all {result['trained_steps']} steps, {m}": (result["backward_rows"][m], result["train_s"][m],
                                                           result["saved_gb"][m])
             for m in ("exact", "jagg", "jagg_shared_rollout") if m in result["train_s"]}
+    peaks = {name: result["peak_mem_gb"][m] for name, m in zip(list(rows), [m for m in ("exact", "jagg", "jagg_shared_rollout")
+                                                                             if m in result["train_s"]])
+             if "peak_mem_gb" in result}  # on CUDA only
     for K, t in t_sde.items():
         rows.update({f"window of {K}, {m}": (int(t[m]["backward_rows"]), t[m]["train_s"], t[m]["saved_gb"]) for m in t})
+        peaks.update({f"window of {K}, {m}": t[m]["peak_mem_gb"] for m in t if "peak_mem_gb" in t[m]})
     base = rows[f"all {result['trained_steps']} steps, exact"]
-    print(f"{'setting':>36} {'rows':>5} {'step (s)':>9} {'x step':>7} {'epoch (s)':>10} {'x epoch':>8} {'saved MiB':>10}")
+    print(f"{'setting':>36} {'rows':>5} {'step (s)':>9} {'x step':>7} {'epoch (s)':>10} {'x epoch':>8} {'saved MiB':>10}"
+          + (f" {'peak GiB':>9}" if peaks else ""))
     out = {}
     for name, (n, step, saved) in rows.items():
         out[name] = {"rows": n, "train_s": step, "epoch_s": rollout + step, "saved_gb": saved}
+        peak = ""
+        if name in peaks:
+            out[name]["peak_mem_gb"] = peaks[name]
+            peak = f" {peaks[name]:>9.1f}"
         print(f"{name:>36} {n:>5} {step:>9.3f} {base[1] / step:>6.2f}x {rollout + step:>10.3f} "
-              f"{(rollout + base[1]) / (rollout + step):>7.2f}x {1024 * saved:>10.1f}")
+              f"{(rollout + base[1]) / (rollout + step):>7.2f}x {1024 * saved:>10.1f}{peak}")
     return out
 
 

@@ -147,18 +147,21 @@ class Config:
 
     def papers_jagg(self, world=1):
         """Whether jagg.backward_batch computes the gradient: every JAGG flag at the paper's value
-        (--method exact is its jagg_frac 0), and on many ranks no routing for them to agree on
-        (--jagg-frac 0 or 1). Else options.backward_batch, the same where both apply."""
+        (--method exact is its jagg_frac 0), the route jagg.py's earliest-first schedule or moot
+        (--jagg-frac 0 or 1: every window or none); a fixed schedule needs no agreement between
+        ranks. Else options.backward_batch, the same where both apply (this runner's default route,
+        velocity, is the one jagg.py took when the kept runs were made)."""
         opts = self.jagg_options()
-        return (opts == options.JaggOptions(window=opts.window, jagg_frac=opts.jagg_frac)
-                and (world == 1 or opts.jagg_frac in (0.0, 1.0)))
+        if opts.jagg_frac in (0.0, 1.0):
+            opts = dataclasses.replace(opts, route="early")
+        return opts == options.JaggOptions(window=opts.window, jagg_frac=opts.jagg_frac)
 
     def trained_steps(self):  # the SDE window's steps, or Flow-GRPO's first int(T * fraction)
         return self.sde_window or int(self.num_steps * self.timestep_fraction)
 
     def ranges(self):
         """(ok, flag, what it must be) of each flag declared with a range (the JAGG flags':
-        jagg_options')."""
+        beyond_paper/options.py')."""
         return [(RANGES[f.metadata["must"]](getattr(self, f.name)), f.name, f.metadata["must"])
                 for f in dataclasses.fields(self) if f.metadata["must"]]
 
@@ -220,7 +223,7 @@ def validate(cfg, given=None):
     for ok, name, must in finite + cfg.ranges():  # every float finite, then in its declared range
         if not ok:
             fail(f"--{name.replace('_', '-')} must be {must}, got {getattr(cfg, name)}")
-    try:  # JaggOptions' ranges, declared once in jagg_options; its message starts with the field
+    try:  # JaggOptions' ranges, declared once in beyond_paper/options.py; its message starts with the field
         options.check_options(cfg.jagg_options("jagg"))
     except ValueError as e:
         field, rest = str(e).split(" ", 1)
@@ -791,7 +794,7 @@ def evaluate(epoch, cfg, pipe, transformer, ema, prompts, sigmas, reward_fn, use
 
 
 # === 5. Files: the trained weights for users, and one checkpoint OUT/checkpoint.pt, whole or
-# ignored (long_runs/checkpoint.py gathers FSDP's shards and checks a resumed run is this one) ===
+# ignored (lab/checkpoint.py gathers FSDP's shards and checks a resumed run is this one) ===
 def weights_path(folder, lora_rank):  # the trained weights (the EMA if kept), for users
     return os.path.join(folder, "lora.safetensors" if lora_rank else "transformer.safetensors")
 
@@ -1100,10 +1103,12 @@ def train(cfg, stop=()):
                 with ranks.no_sync_for(net, last=j == len(micro) - 1)():
                     # THE JAGG CALL: the micro-batch's gradient added to .grad (--method exact:
                     # every window exact, Flow-GRPO's per-step backward); with an option beyond
-                    # the paper, jagg_options' general form of the same call
+                    # the paper, options.backward_batch, the general form of the same call
                     if papers_jagg:
                         s, routed = jagg.backward_batch(velocity_fn, minibatch, adv[idx], loss_cfg,
                                                          opts.window, opts.jagg_frac, ref_fn)
+                        lengths = [b - a for a, b in jagg.window_bounds(n_train, opts.window)]
+                        s["routed_frac"] = sum(routed) / max(sum(n >= 3 for n in lengths), 1)
                     else:
                         s, routed = options.backward_batch(
                             velocity_fn, minibatch, adv[idx], loss_cfg, opts, ref_fn, probe_avg)

@@ -456,7 +456,8 @@ def retention(folder):
 EQUAL_COST_GROUPS = {"exact": "exact GRPO", "jagg": "JAGG", "random": "random steps (DanceGRPO)",
                      "first": "first steps (Flow-GRPO)", "window": "SDE window (Flow-GRPO-Fast)",
                      "velocity": "routing: free score", "late": "routing: late windows first",
-                     "early": "routing: early windows first", "probe": "routing: the probe"}
+                     "early": "routing: early windows first", "probe": "routing: the probe",
+                     "step_error": "routing: estimated error", "shared": "fast: shared anchors (OURS)"}
 
 
 def equal_cost_group(mode):
@@ -464,6 +465,8 @@ def equal_cost_group(mode):
     JAGG (on random windows), window8_jagg_w4 -> SDE window, velocity0.5 -> routing, ..."""
     if mode.startswith("jagg_random"):
         return "JAGG on random windows (eff_grpo)"
+    if mode.startswith("window") and "shared" in mode:
+        return "SDE window, fast mode inside (OURS)"
     for prefix, group in EQUAL_COST_GROUPS.items():
         if mode.startswith(prefix):
             return group
@@ -532,10 +535,74 @@ def equal_cost(folder, png="", timing="", versus="jagg_w4"):
     return points
 
 
+# Which to run at a given budget (lab/reports/equal_cost.md): every method of several equal-cost runs
+# folders or packed files on one cost axis, a training step timed in one process, and its Pareto frontier.
+def frontier(paths, timing, png="", budgets=(25, 50, 75)):
+    """Every mode of the runs in paths (OUT/<mode>/seed<S> folders or their packed files: the same seeds, the
+    same exact runs), over the seeds every mode finished: its rows with grad, its training step timed in one
+    process (timing: a lab/equal_cost_error.py --time JSON that times every mode), the gain kept (mean, 95 %
+    interval) and whether it is on the Pareto frontier (no other mode both cheaper and higher in mean gain
+    kept). Then per budget (% of exact's step), the best mode within it by mean, the runner-up, and their
+    paired difference, seed by seed: a frontier mode whose interval overlaps the runner-up's is not a sure
+    winner. png: the picture, the frontier drawn through its modes."""
+    runs = {}
+    for path in paths:
+        for m, by_seed in runs_by_mode(path).items():
+            runs.setdefault(m, {}).update(by_seed)
+    seconds = load(timing)["seconds"]
+    untimed = sorted(set(runs) - set(seconds))
+    runs = {m: r for m, r in runs.items() if m in seconds}
+    seeds = sorted(set.intersection(*(set(r) for r in runs.values())))
+    kept = {m: [runs[m][s]["reward_gain"] / runs["exact"][s]["reward_gain"] for s in seeds] for m in runs}
+    cost = {m: 100 * seconds[m] / seconds["exact"] for m in runs}
+    gain = {m: 100 * mean_interval(kept[m])[0] for m in runs}
+    on_frontier = [m for m in runs if not any(cost[o] < cost[m] and gain[o] > gain[m] for o in runs)]
+    print(f"{len(seeds)} seeds; one training step timed in one process ({timing})"
+          + (f"; not timed, left out: {', '.join(untimed)}" if untimed else ""))
+    print()
+    print("| mode | rows with grad, of exact's | one training step, of exact's | gain kept, mean (95 % interval) "
+          "| on the frontier |")
+    print("|---|---|---|---|---|")
+    points = {}
+    for m in sorted(runs, key=lambda m: (-cost[m], m)):
+        mean, half = mean_interval(kept[m])
+        rows = runs[m][seeds[0]]["grad_rows"] / runs["exact"][seeds[0]]["grad_rows"]
+        print(f"| {m} | {100 * rows:.0f} % | {cost[m]:.0f} % | {100 * mean:.1f} % ({100 * (mean - half):.1f}-"
+              f"{100 * (mean + half):.1f} %) | {'yes' if m in on_frontier else ''} |")
+        points[m] = (cost[m], 100 * mean, 100 * (mean - half), 100 * (mean + half), equal_cost_group(m))
+    print()
+    print("| budget, % of exact's step | best within it: gain kept | runner-up: gain kept | best minus runner-up, "
+          "paired (95 % interval) |")
+    print("|---|---|---|---|")
+    for budget in budgets:
+        within = sorted((m for m in runs if cost[m] <= budget), key=lambda m: -gain[m])
+        if not within:
+            print(f"| {budget} % | none | | |")
+            continue
+        cells = []
+        for m in within[:2]:
+            mean, half = mean_interval(kept[m])
+            cells.append(f"{m} ({cost[m]:.0f} %): {100 * mean:.1f} % ({100 * (mean - half):.1f}-{100 * (mean + half):.1f} %)")
+        diff = ""
+        if len(within) > 1:
+            d, h = mean_interval([a - b for a, b in zip(kept[within[0]], kept[within[1]])])
+            diff = f"{100 * d:+.1f} ({100 * (d - h):+.1f} to {100 * (d + h):+.1f}) points"
+        print(f"| {budget} % | {cells[0]} | {cells[1] if len(cells) > 1 else '-'} | {diff} |")
+    if png:
+        from charts import interval_scatter, save_png
+
+        line = sorted(on_frontier, key=lambda m: cost[m])
+        save_png(png, interval_scatter(points, f"which to run at a given cost: reward gain kept, {len(seeds)} seeds",
+                                       "one training step timed in one process, % of exact GRPO's (rollouts "
+                                       "included)", "gain kept, % of exact's (95 % interval)", reference=100.0,
+                                       frontier=line))
+    return points, on_frontier
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("table", choices=["compare", "routing", "bench", "settings", "toybench", "window", "curves", "gains",
-                                          "paired", "retention", "wallclock", "equal_cost"],
+                                          "paired", "retention", "wallclock", "equal_cost", "frontier"],
                         help="which table: compare runs, routing runs, SD benchmark (training step, settings side by "
                              "side, or window level), toy benchmark, single runs' evaluation curves, one "
                              "method's gain over seeds, eval_noise.py's paired draws of exact and JAGG, "
@@ -543,16 +610,17 @@ def main():
     parser.add_argument("paths", nargs="+", help="run folders (summary.json inside), benchmark.json files or "
                                                  "(paired) lab/eval_noise.py --out files; or packed runs, "
                                                  "FILE.jsonl/NAME or FILE.jsonl/PATTERN (lab/run_files.py); "
-                                                 "retention, equal_cost: one runs folder or its packed FILE.jsonl")
+                                                 "retention, equal_cost: one runs folder or its packed FILE.jsonl; "
+                                                 "frontier: several, their modes taken together")
     parser.add_argument("--exact", default="", help="routing: comma-separated compare runs giving exact GRPO's gain per seed")
     parser.add_argument("--last", type=int, default=3, help="curves: how many final evaluations to average")
-    parser.add_argument("--timing", default="", help="equal_cost: a lab/equal_cost_error.py --time JSON, "
+    parser.add_argument("--timing", default="", help="equal_cost, frontier: a lab/equal_cost_error.py --time JSON, "
                                                       "the cost axis measured in one process")
     parser.add_argument("--versus", default="jagg_w4", help="equal_cost: the mode each mode is paired with, "
                                                              "seed by seed, in the last column")
     parser.add_argument("--png", default="", help="curves, wallclock: also draw them into this PNG file")
     args = parser.parse_args()
-    if args.table not in ("retention", "equal_cost"):  # a list of runs: a packed file's patterns become its runs
+    if args.table not in ("retention", "equal_cost", "frontier"):  # a packed file's patterns become its runs
         args.paths = expand(args.paths)
         args.exact = ",".join(expand(args.exact.split(","))) if args.exact else ""
     if args.table == "compare":
@@ -577,6 +645,8 @@ def main():
         wallclock(args.paths, args.png)
     elif args.table == "equal_cost":
         equal_cost(args.paths[0], args.png, args.timing, args.versus)
+    elif args.table == "frontier":
+        frontier(args.paths, args.timing, args.png)
     else:
         window_level(args.paths)
 

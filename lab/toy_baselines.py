@@ -84,7 +84,8 @@ def subset_gradients(fns, traj, advantages, cfg, segments, count, generator, by_
     if not (by_jagg and length >= 3):  # every gathered step exactly, as first steps train theirs
         return first_steps_gradients(fns, gathered, advantages, cfg, len(steps))
     velocity_fn, ref_fn = fns(torch.arange(B))
-    return jagg.backward_batch(velocity_fn, gathered, advantages, cfg, length, 1.0, ref_fn)[0], []
+    stats = jagg.backward_batch(velocity_fn, gathered, advantages, cfg, length, 1.0, ref_fn)[0]
+    return {**stats, "routed_frac": 1.0}, []  # every gathered window by JAGG
 
 
 def first_steps_gradients(fns, traj, advantages, cfg, count):

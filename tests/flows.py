@@ -3,10 +3,21 @@ affine in (z, t)) and a nonlinear one, velocity_fn wrappers that record their ca
 (autograd of a summed loss, Jacobians interpolated explicitly with torch.func)."""
 
 import numpy as np
+import pytest
 import torch
 from torch.func import functional_call, jacrev
 
 import jagg
+
+
+@pytest.fixture
+def float64():
+    """Torch's default dtype float64 for one test (test_jagg and test_experts take it for every test): exactness
+    then shows as ~1e-16, not fp32's ~1e-7. The conftests of tests/ and lab/tests/ import it."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 class LinearFlow(torch.nn.Module):

@@ -3,7 +3,6 @@ Jacobians built with torch.func, torch.distributions' Gaussian density, and hand
 statistics. The options beyond the paper are tested in test_options.py, the probe in
 test_probe.py, the real-run step in test_step.py."""
 
-import copy
 import math
 import os
 
@@ -209,31 +208,24 @@ def test_kl_term_is_flow_grpos_not_the_transitions():
         assert abs(expected / abs(dt) - log[0]["kl"]) > 0.5 * log[0]["kl"]  # the transitions' KL: far off
 
 
-def test_routing_picks_the_most_linear_windows():
-    T, B, d, W = 12, 3, 2, 4
-    t = jagg.sigma_schedule(T, shift=1.0)[:-1, None].expand(T, B)  # [T, B]
-    v = torch.randn(B, d).expand(T, B, d).clone()  # constant: perfectly linear everywhere
-    v[5] = -v[5]  # window 1 (steps 4..7) bends hard
-    v[9] += 0.3 * torch.randn(B, d)  # window 2 (steps 8..11) bends a little
-    bounds = jagg.window_bounds(T, W)
-    scores = [jagg.linearity_score(v[a:b], t[a:b]) for a, b in bounds]
-    assert scores[0] == pytest.approx(1.0) and scores[0] > scores[2] > scores[1]
-    lengths = [b - a for a, b in bounds]
-    assert jagg.route_windows(scores, lengths, 1 / 3) == [True, False, False]
-    assert jagg.route_windows(scores, lengths, 2 / 3) == [True, False, True]
-    assert jagg.route_windows(scores, lengths, 0.0) == [False] * 3
-    assert jagg.route_windows(scores, lengths, 1.0) == [True] * 3
+def test_routing_takes_the_earliest_windows():
+    """jagg_frac's share of the windows of 3+ steps, the earliest (highest-noise) first, whatever the samples."""
+    lengths = [b - a for a, b in jagg.window_bounds(12, 4)]
+    assert jagg.route_windows(lengths, 1 / 3) == [True, False, False]
+    assert jagg.route_windows(lengths, 2 / 3) == [True, True, False]
+    assert jagg.route_windows(lengths, 0.0) == [False] * 3
+    assert jagg.route_windows(lengths, 1.0) == [True] * 3
     # A leftover one-step window is always exact.
     assert jagg.window_bounds(9, 4) == [(0, 4), (4, 8), (8, 9)]
-    assert jagg.route_windows([1.0, 1.0, 1.0], [4, 4, 1], 1.0) == [True, True, False]
+    assert jagg.route_windows([4, 4, 1], 1.0) == [True, True, False]
 
 
 def test_a_window_of_two_steps_never_takes_a_jagg_slot():
     """A 2-step window has no interior: JAGG saves nothing on it, so routing leaves it exact and
     jagg_frac counts the windows of 3 steps or more. T = 10, W = 4 (windows of 4, 4, 2): a share
     of 0.34 goes to one 4-step window, 8 rows with grad, not to the 2-step one (10 rows)."""
-    assert jagg.route_windows([1.0, 1.0, 1.0], [4, 4, 2], 1.0) == [True, True, False]
-    assert jagg.route_windows([0.9, 0.95, 1.0], [4, 4, 2], 0.34) == [False, True, False]
+    assert jagg.route_windows([4, 4, 2], 1.0) == [True, True, False]
+    assert jagg.route_windows([4, 4, 2], 0.34) == [True, False, False]
     torch.manual_seed(3)
     model = MLPFlow()
     traj, adv = toy_batch(model, T=10, B=4)
@@ -241,47 +233,6 @@ def test_a_window_of_two_steps_never_takes_a_jagg_slot():
     for frac, rows in ((0.34, 8), (1.0, 6), (0.0, 10)):
         stats, routed = jagg.backward_batch(as_velocity_fn(model), traj, adv, cfg, 4, frac)
         assert stats["grad_rows"] == rows and not routed[2] and sum(routed) == round(2 * frac)
-
-
-def test_the_routing_score_ranks_window_positions_more_than_trajectories():
-    """What the routing score (jagg.py section 7: it sees v, not J) can and cannot tell, measured in the
-    self-check's setting (a tanh network 4-32-3 on its own rollouts, T = 10, W = 4, B = 16, groups of 4,
-    beta 0.04 to a reference 0.05 away) over 40 seeds. Spearman's rank correlation of each 4-step
-    window's score with its JAGG gradient's cosine to exact: 0.57 over all 80 windows, 0.23 and 0.40
-    within the first and the second window; the high-noise window scores lower in 39 of 40 seeds and has
-    the lower cosine in 34."""
-    def spearman(a, b):  # no ties among these floats
-        ra, rb = (torch.tensor(x).argsort().argsort().double() for x in (a, b))
-        return torch.corrcoef(torch.stack([ra, rb]))[0, 1].item()
-
-    T, W, B, D = 10, 4, 16, 3
-    rows = []  # (window position, score, cosine)
-    for seed in range(40):
-        torch.manual_seed(seed)
-        net = torch.nn.Sequential(torch.nn.Linear(D + 1, 32), torch.nn.Tanh(), torch.nn.Linear(32, D))
-        frozen = copy.deepcopy(net).requires_grad_(False)
-        frozen[0].bias.data += 0.05
-        fn = lambda n: (lambda z, t: n(torch.cat([z, t[..., None]], -1)))  # noqa: E731
-        traj = jagg.rollout(fn(net), torch.randn(B, D), jagg.sigma_schedule(T), 0.7)
-        adv = jagg.group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4).double()
-        cfg = jagg.LossConfig(0.7, 0.2, 0.04)
-        for pos, (a, b) in enumerate(jagg.window_bounds(T, W)[:2]):
-            z, t = traj.z[a:b], traj.t[a:b]
-            grads = []
-            for backward in (jagg.backward_exact, jagg.backward_jagg_window):
-                net.zero_grad(set_to_none=True)
-                backward(fn(net), z, t, jagg.make_step_loss(traj, adv, a, b, cfg, fn(frozen)(z, t)))
-                grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
-            rows.append((pos, jagg.linearity_score(traj.v[a:b], traj.t[a:b]), cosine(*grads)))
-    overall = spearman([r[1] for r in rows], [r[2] for r in rows])
-    within = [spearman([r[1] for r in rows if r[0] == p], [r[2] for r in rows if r[0] == p]) for p in (0, 1)]
-    first, second = rows[0::2], rows[1::2]
-    lower_score = sum(f[1] < s[1] for f, s in zip(first, second))
-    lower_cosine = sum(f[2] < s[2] for f, s in zip(first, second))
-    # The figures measured (float64; a margin for another machine's rounding of the same seeds).
-    assert overall == pytest.approx(0.57, abs=0.03) and within == pytest.approx([0.23, 0.40], abs=0.03), (overall, within)
-    assert abs(lower_score - 39) <= 1 and abs(lower_cosine - 34) <= 2, (lower_score, lower_cosine)
-    assert max(within) < overall - 0.15  # the claim itself: it ranks positions far better than trajectories
 
 
 def test_rollout_shapes_and_log_probs():
@@ -311,7 +262,7 @@ def test_bad_input_raises_clear_errors():
         jagg.window_bounds(8, 9)
     for frac in (-0.1, 1.5):
         with pytest.raises(ValueError, match=r"jagg_frac must be in \[0, 1\], got"):
-            jagg.route_windows([1.0], [4], frac)
+            jagg.route_windows([4], frac)
     with pytest.raises(ValueError, match="rewards and group_ids"):
         jagg.group_advantages(torch.ones(4), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="velocity_fn gave"):
@@ -328,40 +279,42 @@ def test_bad_input_raises_clear_errors():
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
 
 
-def test_python_jagg_py_runs_its_self_check():
-    """`python jagg.py` prints what a learner should see: exact on a linear velocity with states where t
-    puts them, and not when they sit evenly by step, bend, or the network is a tanh; on real rollouts, the
-    gradient error of JAGG below that of 2 random steps x W/2, larger for the step in the low-noise window
-    but smaller of that window's own gradient, and that window the routing score mostly picks; routing at
-    jagg_frac 1 and 0.5 (the short last window never takes JAGG's share) with its cost in rows with grad
-    (10 -> 6, and 9 -> 5 on Flow-GRPO's 9 trained steps) and in forwards (27 -> 19 on 9); GRPO runs
-    with JAGG and exact over 3 seeds whose rewards rise alike."""
-    import re
+def run_self_check(seed):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "jagg.py"], capture_output=True, text=True, check=True, timeout=120,
-                         cwd=os.path.dirname(os.path.abspath(jagg.__file__))).stdout
+    return subprocess.run([sys.executable, "jagg.py", str(seed)], capture_output=True, text=True, check=True,
+                          timeout=300, cwd=os.path.dirname(os.path.abspath(jagg.__file__))).stdout
+
+
+def test_python_jagg_py_runs_its_self_check():
+    """`python jagg.py` prints what a learner should see: exact on a linear velocity with states where t
+    puts them, and not when they sit evenly by step, bend, or the network is a tanh; on real rollouts, each
+    window's error beside the shortcut's at 16, 64 and 256 rollouts; routing at jagg_frac 1 and 0.5 (the
+    earliest window first, the short last window never) with its cost in rows with grad (10 -> 6, and 9 -> 5
+    on Flow-GRPO's 9 trained steps) and in forwards (27 -> 19 on 9); one window timed."""
+    import re
+
+    out = run_self_check(0)
     rel, evenly, bent, curved = (float(x) for x in re.search(
         r"A\. \|JAGG - exact\| / \|exact\|: (\S+) with v affine in \(z, t\), states on the segment;\s+"
         r"(\S+) spaced by step; (\S+) off it; (\S+) for a tanh net", out).groups())
-    assert rel < 1e-12 and min(evenly, bent, curved) > 1e-3, out  # either condition broken: JAGG is no longer exact
-    rows = [tuple(map(float, r)) for r in re.findall(r"^ +(?:0-3|4-7) \| +(\S+) \| +(\S+) \| +(\S+)$", out, re.M)]
-    (jagg_0, alt_0, own_0), (jagg_1, alt_1, own_1) = rows
-    assert 0.01 < min(jagg_0, jagg_1) and jagg_0 < alt_0 and jagg_1 < alt_1, out
-    assert jagg_1 > jagg_0 and own_1 < own_0, out  # 4-7 adds more error to the step, less of its own ...
-    found = re.search(r"At jagg_frac 0.5 the score picks 4-7 in (\d+) of (\d+): JAGG errs least there", out)
-    late, rollouts = int(found[1]), int(found[2])
-    assert rollouts / 2 < late <= rollouts, out  # ... and the score mostly picks it, as a fixed late-first rule would
+    assert rel < 1e-12 and min(evenly, bent, curved) > 1e-6, out  # either condition broken: no longer exact
+    rows = re.findall(r"^ +(0-3|4-7) +\| ([\d. ]+) \| ([\d. ]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["0-3", "4-7"] and all(len(r[1].split()) == len(r[2].split()) == 3 for r in rows), out
     rows = re.findall(r"^ +(\d+) steps, jagg_frac (\S+?): JAGG on (.*?); (\d+) rows with grad "
                       r"\((\d+) backwards\), (\d+) without: (\d+) forwards$", out, re.M)
     assert rows == [("10", "1.0", "0-3, 4-7", "6", "4", "4", "22"),  # a backward: 2 forwards
-                    ("10", "0.5", rows[1][2], "8", "7", "2", "26"),
+                    ("10", "0.5", "0-3", "8", "7", "2", "26"),
                     ("9", "0.0", "none", "9", "9", "0", "27"),
                     ("9", "1.0", "0-3, 4-7", "5", "3", "4", "19")], out
-    assert rows[1][2] in ("0-3", "4-7"), out  # one 4-step window, never the 2-step one
-    runs = re.findall(r"seed \d: (\S+) -> (\S+) with JAGG, (\S+) exact$", out, re.M)
-    assert len(runs) == 3, out
-    for first, jagg_last, exact_last in (map(float, r) for r in runs):
-        assert jagg_last > first + 0.5 and abs(jagg_last - exact_last) < 0.05, out
+    timed = re.search(r"D\. One window of W = 4 on 64 samples: exact (\d+) ms \(4 backward passes\), JAGG (\d+) ms", out)
+    assert timed and min(map(int, timed.groups())) > 0, out
     assert out.strip().endswith("ok"), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(1, 10))
+def test_the_self_check_passes_on_every_seed(seed):
+    """Its asserts hold what holds for any seed (exactness, counts); measurements are printed, not asserted."""
+    assert run_self_check(seed).strip().endswith("ok")

@@ -1,4 +1,4 @@
-"""jagg_probe.py: the probe's cosine and its error in units of a step's noise against gradients
+"""beyond_paper/probe.py: the probe's cosine and its error in units of a step's noise against gradients
 computed here, pooling over probes against numpy, and the timing of exact against JAGG. The
 velocity_fn contract check is tested on every diffusers family in test_recipes.py."""
 

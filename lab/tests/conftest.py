@@ -11,6 +11,8 @@ sys.path.insert(0, LAB)  # the lab's modules by their own names (summarize, benc
 sys.path.insert(0, os.path.dirname(LAB))  # the top level, and lab.mini_sd3 for --reward lab.mini_sd3:...
 sys.path.insert(0, os.path.join(os.path.dirname(LAB), "tests"))  # the top level's test helpers (flows, ...)
 
+from flows import float64  # noqa: E402,F401  (the fixture: torch's default dtype float64 for a test)
+
 
 def pytest_collection_modifyitems(items):
     for item in items:

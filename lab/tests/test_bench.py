@@ -106,6 +106,30 @@ def test_sd_benchmark_times_every_mode_in_flow_grpos_setting(tmp_path):
     assert saved["result"] == result and (tmp_path / "benchmark.png").stat().st_size > 1000
 
 
+def test_the_gpu_equal_cost_script_runs_on_a_cpu_in_its_tiny_setting(tmp_path):
+    """lab/gpu_equal_cost.sh, the one command for a lent GPU: on the CPU at the tiny size, every mode it names
+    is timed at W = 4 and 8, with its rows with grad, in Flow-GRPO's configuration (LoRA on a batch of 9 there,
+    2 here), and the SDE windows of 8 and 4 exact, with the paper's JAGG and with the fast mode, bounded too."""
+    import subprocess
+
+    run = subprocess.run(["bash", os.path.join(ROOT, "lab", "gpu_equal_cost.sh"), str(tmp_path), "--size", "tiny",
+                          "--device", "cpu", "--batch", "2", "--repeats", "1"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for W in (4, 8):
+        result = json.load(open(tmp_path / f"w{W}" / "benchmark.json"))["result"]
+        assert (result["window"], result["trained_steps"], result["num_steps"], result["beta"], result["train"]) == (
+            W, 9, 10, 0.04, "lora")
+        assert set(result["train_speedup"]) == set(bench.TRAINING_MODES) | {"jagg_shared_rows2", "jagg_shared_rollout_rows2"}
+        windows = {name: row["rows"] for name, row in result["sde_windows"].items() if name.startswith("window")}
+        fast = {4: (4, 2), 8: (2, 2)}[W]  # the window of 8 and of 4 with shared anchors at W = min(K, W)
+        assert windows == {"window of 8, exact": 8, "window of 8, jagg": {4: 4, 8: 2}[W],
+                           "window of 8, jagg_shared_rollout": fast[0], "window of 8, jagg_shared_rollout_rows2": fast[0],
+                           "window of 4, exact": 4, "window of 4, jagg": 2, "window of 4, jagg_shared_rollout": fast[1],
+                           "window of 4, jagg_shared_rollout_rows2": fast[1]}
+    assert "x step" in run.stdout and "window of 8, jagg_shared_rollout" in run.stdout
+
+
 def test_sd_benchmark_with_a_bound_on_graph_rows_reports_saved_memory(tmp_path, capsys):
     result = sd_benchmark(tmp_path, "--max-graph-rows", "2")
     assert set(result["train_s"]) == set(bench.TRAINING_MODES) | {"jagg_shared_rows2", "jagg_shared_rollout_rows2"}

@@ -372,7 +372,7 @@ def test_a_full_disk_is_one_line_and_the_last_checkpoint_stands(tiny, tmp_path, 
 
 
 def test_the_run_folder_helpers_refuse_and_name_what_is_wrong(tmp_path):
-    """jagg_options' run-folder section, which both trainers use: flags compared with a run's, a folder
+    """the run-folder section (lab/run_folder.py), which both trainers use: flags compared with a run's, a folder
     holding a run refused and cleared only on overwrite, a signal recorded rather than raised."""
     import signal
 
@@ -409,16 +409,18 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o644  # readable by others, not mkstemp's 0600
 
 
-def test_the_papers_call_trains_unless_an_option_or_the_ranks_routing_asks_for_the_general_one():
-    """Config.papers_jagg: jagg.backward_batch for the paper's flags (and --method exact), on many
-    ranks only where no routing must agree (--jagg-frac 0 or 1); else options.backward_batch."""
+def test_the_papers_call_trains_unless_an_option_or_another_routing_asks_for_the_general_one():
+    """Config.papers_jagg: jagg.backward_batch for the paper's flags (and --method exact), where the route is
+    jagg.py's earliest-first schedule or moot (--jagg-frac 0 or 1), on any number of ranks; else
+    options.backward_batch (the runner's default route, velocity, at --jagg-frac 0.5)."""
     def papers(*flags, world=1):
         return sd_runner.parse(list(flags)).papers_jagg(world)
-    assert papers() and papers("--method", "exact") and papers("--jagg-frac", "0.5", "--window", "3")
+    assert papers() and papers("--method", "exact") and papers("--jagg-frac", "0.5", "--window", "3", "--route", "early")
     assert papers(world=4) and papers("--method", "exact", "--jagg-frac", "0.5", world=4)
-    assert not papers("--jagg-frac", "0.5", world=2)  # the ranks agree on routing in backward_batch
+    assert papers("--jagg-frac", "0.5", "--route", "early", world=2)  # a fixed schedule: the ranks agree
+    assert not papers("--jagg-frac", "0.5") and not papers("--jagg-frac", "0.5", "--route", "late")
     for flag in (["--anchors", "shared"], ["--interior", "rollout"], ["--weights", "index"],
-                 ["--max-graph-rows", "2"], ["--route", "early"]):
+                 ["--max-graph-rows", "2"]):
         assert not papers(*flag), flag
 
 

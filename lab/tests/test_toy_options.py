@@ -1,4 +1,4 @@
-"""lab/toy_options.py, the options of jagg_options.py on the toy: its flags refused in one line
+"""lab/toy_options.py, the options of beyond_paper/options.py on the toy: its flags refused in one line
 before any work, its defaults the demo's run bit for bit, the probe and its routing (fast); every
 option raising the reward (slow)."""
 
