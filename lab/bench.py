@@ -1,4 +1,4 @@
-"""Exact vs JAGG measured: every training mode of jagg.py and jagg_options.py timed interleaved (medians of
+"""Exact vs JAGG measured: every training mode of jagg.py and beyond_paper/options.py timed interleaved (medians of
 repeats; time_gradients: one batch's gradient on your model), the activations autograd saves for backward
 weighed, and the tables the benchmarks print.
 lab/sd_benchmark.py and lab/fsdp_memory.py use it on SD3 transformers; the modes' names derive from
@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jagg  # noqa: E402
 from beyond_paper import options  # noqa: E402
 
-# The training modes the benchmarks compare, by name: (anchors, interior), every one of jagg_options'
-# combinations; every JAGG mode interpolates every segment (jagg_frac = 1). exact: None.
+# The training modes the benchmarks compare, by name: (anchors, interior), every combination in
+# beyond_paper/options.py; every JAGG mode interpolates every segment (jagg_frac = 1). exact: None.
 TRAINING_MODES = {"exact": None, **{
     options.JaggOptions(anchors=a, interior=i).mode_name(): (a, i)
     for i, a in itertools.product(options.INTERIOR_MODES, options.ANCHOR_MODES)}}

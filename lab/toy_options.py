@@ -1,4 +1,4 @@
-"""JAGG's options beyond the paper (jagg_options.py) on train_toy.py's task, one flag each.
+"""JAGG's options beyond the paper (beyond_paper/options.py) on train_toy.py's task, one flag each.
 
     python lab/toy_options.py --anchors shared --interior rollout      # exact, then that mode
     python lab/toy_options.py --jagg-frac 0.5 --route early            # half the windows: the noisiest
@@ -46,7 +46,7 @@ class Args(train_toy.Args):
                                  "noise first, as late), early (highest noise first, fixed: "
                                  "more reward kept at equal cost), late, or probe (measured)")
     min_cosine: float = arg(0.0, "--route probe: a window whose cosine is below this stays exact")
-    # --- the probe (jagg_probe.py)
+    # --- the probe (beyond_paper/probe.py)
     probe_every: int = arg(0, "every N epochs and the first, JAGG's gradient against exact; 0: off")
     probe_batch: int = arg(8, "samples the probe measures on")
     probe_decay: float = arg(0.5, "--route probe ranks windows by an average of probes: its decay")
