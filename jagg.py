@@ -25,7 +25,7 @@ Notation (code name -> symbol)
     G_a, G_b  sum_k (1 - alpha_k) g_k and sum_k alpha_k g_k: the window's loss signal at a and b
 Shapes: S a number of steps, *D one sample's shape, P the number of weights; a row is one sample
 at one step. The network enters only as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D].
-Run `python jagg.py [seed]`: it checks what the file claims and trains a toy, in seconds.
+Run `python jagg.py [seed]`: it checks what the file claims, in seconds.
 """
 
 import itertools
@@ -130,7 +130,7 @@ def group_advantages(rewards, group_ids, eps=1e-4, global_std=False, clip=5.0):
 @dataclass
 class LossConfig:  # the knobs of the per-step loss and of the SDE
     noise_level: float  # the SDE's noise level (Flow-GRPO: 0.7)
-    clip_range: float  # the ratio's clip (Flow-GRPO: 1e-4, sized for images; section 9's toy: 0.01)
+    clip_range: float  # the ratio's clip (Flow-GRPO's 1e-4 is sized for images: a toy needs more)
     beta: float = 0.0  # weight of the KL to a reference model; 0 needs no reference
 
 def grpo_step_loss(log_prob, log_prob_old, advantages, clip_range, mean=None, mean_ref=None,
@@ -260,26 +260,36 @@ def linearity_score(v, t):
     cos = torch.cosine_similarity(v[1:-1].flatten(2), v_line[1:-1].flatten(2), dim=-1)  # [W-2, B]
     return cos.mean().item()
 
-def route_windows(lengths, jagg_frac):
-    """One bool per window (lengths: their steps): True for the earliest windows of 3+ steps (of 2
-    steps there is no interior to save), jagg_frac of them rounded to the nearest count, halves to
-    even (0.5 of 1 window is 0, of 3 is 2)."""
+def route_windows(lengths, jagg_frac, scores=None):
+    """One bool per window (lengths: their steps), True for jagg_frac of the windows of 3+ steps (of
+    2 steps there is no interior to save), rounded to the nearest count, halves to even (0.5 of 1
+    window is 0, of 3 is 2): the earliest, or with scores the highest scored (ties: the earlier)."""
     _check(0.0 <= jagg_frac <= 1.0, f"jagg_frac must be in [0, 1], got {jagg_frac}")
-    eligible = [w for w, n in enumerate(lengths) if n >= 3]
-    chosen = set(eligible[: round(jagg_frac * len(eligible))])  # the earliest: the highest noise
+    eligible = [w for w, n in enumerate(lengths) if n >= 3]  # in step order: the earliest first
+    if scores is not None:
+        eligible = sorted(eligible, key=lambda w: -scores[w])  # a stable sort: ties stay in order
+    chosen = set(eligible[: round(jagg_frac * len(eligible))])
     return [w in chosen for w in range(len(lengths))]
 
 # === 8. One optimizer step's gradient over a batch of trajectories ===
-def backward_batch(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_fn=None):
+def backward_batch(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_fn=None,
+                   route="early"):
     """Add to .grad the gradient of the batch's GRPO loss (the mean over its steps and samples),
-    window by window: JAGG on the jagg_frac earliest windows, exact on the others (jagg_frac 0:
-    exact GRPO). advantages: [B]; ref_fn: the reference's velocity_fn, needed when cfg.beta > 0.
-    Returns (stats, routed): the means over steps that Flow-GRPO logs (loss, kl, clipfrac,
-    approx_kl) and grad_rows, the rows back-propagated; routed: whether JAGG took each window."""
+    window by window: JAGG on jagg_frac of the windows, exact on the others (jagg_frac 0: exact
+    GRPO), the earliest first (route "early") or the straightest velocities first ("velocity", the
+    abstract's rule as we read it; it reads traj.v, and each rank's own samples). advantages: [B];
+    ref_fn: the reference's velocity_fn, needed when cfg.beta > 0. Returns (stats, routed): the
+    means over steps that Flow-GRPO logs (loss, kl, clipfrac, approx_kl) and grad_rows, the rows
+    back-propagated; routed: whether JAGG took each window."""
     _check(cfg.beta == 0 or ref_fn is not None, "beta > 0 needs ref_fn, the reference model's")
+    _check(route == "early" or (route == "velocity" and traj.v is not None),
+           f"route must be 'early', or 'velocity' with the rollout's v in traj, got {route!r}")
     bounds = window_bounds(traj.z.shape[0], window)  # [(start, stop), ...]
     lengths = [stop - start for start, stop in bounds]
-    routed = route_windows(lengths, jagg_frac)
+    scores = None  # route "early" needs none: the windows' order is their rank
+    if route == "velocity":
+        scores = [linearity_score(traj.v[start:stop], traj.t[start:stop]) for start, stop in bounds]
+    routed = route_windows(lengths, jagg_frac, scores)
     log, loss = [], 0.0  # every step's stats from grpo_step_loss; the summed loss
     for (start, stop), use_jagg in zip(bounds, routed):
         z, t = traj.z[start:stop], traj.t[start:stop]  # [W, B, *D], [W, B]
@@ -293,41 +303,16 @@ def backward_batch(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, 
     stats.update(loss=loss, grad_rows=grad_rows)
     return stats, routed
 
-# === 9. The training loop, as Flow-GRPO runs it, on a toy ===
-# 4 prompts, each asking for a point in 2-D; the reward is minus the distance to it.
-def _mlp(i, o, width=32):  # i inputs, o outputs, a tanh between: v is not linear
-    return torch.nn.Sequential(torch.nn.Linear(i, width), torch.nn.Tanh(), torch.nn.Linear(width, o))
-
-def _velocity_fn(net, c=None, calls=None):  # net on (z, t) and each sample's condition c [B, C]
-    def velocity_fn(z, t):  # z [S, B, d], t [S, B] -> v [S, B, d]
-        if calls is not None:  # for C: each call's number of steps, and whether it builds a graph
-            calls.append((z.shape[0], torch.is_grad_enabled()))
-        x = [z, t[..., None]] + ([c.expand(len(z), *c.shape)] if c is not None else [])
-        return net(torch.cat(x, dim=-1))  # [S, B, d + 1 (+ C)] -> [S, B, d]
-    return velocity_fn
-
-def toy_grpo(jagg_frac, epochs=10, T=10, W=4, seed=1):
-    """GRPO on the toy (jagg_frac 0: exact). Returns the mean reward of each epoch's rollout."""
-    torch.manual_seed(seed)
-    prompt_of = torch.arange(32) // 8  # [B], each sample's prompt: 4 prompts, 8 samples each
-    targets = torch.randn(4, 2)[prompt_of]  # [B, 2]: the point each sample's prompt asks for
-    policy = _mlp(2 + 1 + 2, 2)  # on (z, t, target)
-    optimizer = torch.optim.Adam(policy.parameters(), 3e-2)
-    cfg = LossConfig(0.7, clip_range=0.01)  # the toy's log-ratios are larger than an image's
-    rewards = []
-    for epoch in range(epochs):
-        batch = rollout(_velocity_fn(policy, targets), torch.randn(32, 2), sigma_schedule(T), 0.7)
-        reward = -(batch.sample - targets).norm(dim=-1)  # [B]
-        rewards.append(reward.mean().item())
-        advantages = group_advantages(reward, prompt_of)  # [B]
-        for idx in torch.randperm(32).chunk(2):  # 2 minibatches of 16: the second is off-policy
-            minibatch = batch.first_steps(T - 1).subset(idx)  # Flow-GRPO trains 9 of 10 steps
-            optimizer.zero_grad(set_to_none=True)
-            backward_batch(_velocity_fn(policy, targets[idx]), minibatch, advantages[idx], cfg, W,
-                           jagg_frac)  # adds the minibatch's gradient to .grad
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)  # Flow-GRPO's max_grad_norm
-            optimizer.step()
-    return rewards
+# === 9. The training loop around it (Flow-GRPO's; train_toy.py runs it on a toy) ===
+#   for epoch in range(epochs):
+#       traj = rollout(velocity_fn, noise, sigmas, noise_level)  # B trajectories, no graph
+#       advantages = group_advantages(reward(traj.sample), prompt_ids)  # [B]
+#       for idx in torch.randperm(B).chunk(2):  # 2 optimizer steps: the second is off-policy
+#           optimizer.zero_grad()
+#           minibatch = traj.first_steps(9).subset(idx)  # Flow-GRPO trains 9 of 10 steps
+#           backward_batch(velocity_fn_of(idx), minibatch, advantages[idx], cfg)  # adds to .grad
+#           torch.nn.utils.clip_grad_norm_(params, 1.0)  # Flow-GRPO's max_grad_norm
+#           optimizer.step()
 
 # === 10. Using your own model ===
 # Wrap your network as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], with t = sigma and v =
@@ -340,6 +325,17 @@ def toy_grpo(jagg_frac, epochs=10, T=10, W=4, seed=1):
 
 # === Self-check: python jagg.py [seed] prints, in seconds, what a learner should see ===
 # Asserts check what holds for every seed (exactness, counts); measurements are printed as such.
+def _mlp(i, o, width=32):  # i inputs, o outputs, a tanh between: v is not linear
+    layers = [torch.nn.Linear(i, width), torch.nn.Tanh(), torch.nn.Linear(width, o)]
+    return torch.nn.Sequential(*layers)
+
+def _velocity_fn(net, calls=None):  # net on (z, t)
+    def velocity_fn(z, t):  # z [S, B, d], t [S, B] -> v [S, B, d]
+        if calls is not None:  # for C: each call's number of steps, and whether it builds a graph
+            calls.append((z.shape[0], torch.is_grad_enabled()))
+        return net(torch.cat([z, t[..., None]], dim=-1))  # [S, B, d + 1] -> [S, B, d]
+    return velocity_fn
+
 def _grad(net, backward, *args):  # the gradient [P] that backward(*args) leaves in net's .grad
     net.zero_grad(set_to_none=True)
     backward(*args)
@@ -372,8 +368,8 @@ def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=(16, 64, 256)
     for r in range(max(rollouts)):
         traj = rollout(fn, torch.randn(B, D), sigma_schedule(T), cfg.noise_level)
         adv = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4)  # [B], 4 groups
-        cosines = [linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in ((0, W), (W, 2 * W))]
-        picks += cosines[1] > cosines[0]  # the cosine rule at jagg_frac 0.5 would take 4-7
+        picks += route_windows([W, W], 0.5, [linearity_score(traj.v[a : a + W], traj.t[a : a + W])
+                                             for a in (0, W)])[1]  # route "velocity" takes 4-7
         for a in (0, W):  # the two 4-step windows: 0-3, 4-7
             per_step = [_grad(net, backward_exact, fn, traj.z[k : k + 1], traj.t[k : k + 1],
                               make_step_loss(traj, adv, k, k + 1, cfg)) for k in range(a, a + W)]
@@ -386,16 +382,18 @@ def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=(16, 64, 256)
                 total = sums.setdefault((a, n), [0, 0, 0])
                 for i, x in enumerate((exact, jagg, alt_sq)):
                     total[i] += x
-    print(f"B. |estimate - exact| of the step's gradient, as a share of the step's |exact|, over\n"
-          f"   {', '.join(map(str, rollouts))} rollouts\n   steps | JAGG              | 2 random steps x W/2")
+    print("B. |estimate - exact| of the step's gradient, as a share of the step's |exact|, over")
+    print(f"   {', '.join(map(str, rollouts))} rollouts\n   steps | JAGG              | "
+          "2 random steps x W/2")
     for a in (0, W):
         whole = [(sums[(0, n)][0] + sums[(W, n)][0]).norm() for n in rollouts]  # |exact| per n
         jagg = [(sums[(a, n)][1] - sums[(a, n)][0]).norm() / w for n, w in zip(rollouts, whole)]
         alt = [math.sqrt(sums[(a, n)][2]) / w for n, w in zip(rollouts, whole)]  # squares add
         print(f"   {a}-{a + W - 1}   | {' '.join(f'{e:.3f}' for e in jagg)} | "
               f"{' '.join(f'{e:.3f}' for e in alt)}")
-    print(f"   At jagg_frac 0.5 the cosine rule would give JAGG 4-7 in {picks} of {max(rollouts)} "
-          "rollouts;\n   the schedule gives it 0-3 (section 7). Which adds less error?")
+    print(f"   At jagg_frac 0.5, route 'velocity' (the cosine rule) gives JAGG 4-7 in {picks} of "
+          f"{max(rollouts)} rollouts;\n   route 'early' gives it 0-3 (section 7). Which adds less "
+          "error?")
     return traj, adv
 
 def _check_cost(net, cfg, traj, adv, W=4):
@@ -404,7 +402,8 @@ def _check_cost(net, cfg, traj, adv, W=4):
     for steps, frac in [(10, 1.0), (10, 0.5), (9, 0.0), (9, 1.0)]:
         calls, ref_calls = [], []  # (steps, builds a graph) of each call
         fn, sub = _velocity_fn(net, calls=calls), traj.first_steps(steps)
-        stats, routed = backward_batch(fn, sub, adv, cfg, W, frac, _velocity_fn(net, calls=ref_calls))
+        ref_fn = _velocity_fn(net, calls=ref_calls)  # the KL's reference: the same net will do
+        stats, routed = backward_batch(fn, sub, adv, cfg, W, frac, ref_fn)
         grad_rows = sum(n for n, grad in calls if grad)  # the rows back-propagated
         passes = sum(grad for _, grad in calls)  # each call with a graph gets one backward pass
         no_graph = sum(n for n, grad in calls if not grad)  # the interiors' rows
@@ -416,29 +415,22 @@ def _check_cost(net, cfg, traj, adv, W=4):
         assert stats["grad_rows"] == grad_rows == steps - 2 * sum(routed)  # JAGG: 2 rows, not 4
         assert sum(n for n, _ in ref_calls) == steps  # the reference runs every step, either way
 
-def _check_timing(W=4, B=64, D=256):
-    """D. One window timed (the median of 5) on a network wide enough that the backward passes
-    dominate: a tanh MLP D + 1 -> 2048 -> D, float32."""
+def _check_timing(W=4, B=64, D=256, repeats=7):
+    """D. One window timed on a network wide enough that the backward passes dominate (a tanh MLP
+    D + 1 -> 2048 -> D, float32): exact and JAGG in turn, the median of each."""
     net, z = _mlp(D + 1, D, 2048).float(), torch.randn(W, B, D).float()  # [W, B, D]
     t = torch.linspace(0.9, 0.3, W)[:, None].expand(W, B).float()  # [W, B]
-
-    def median_seconds(backward):
-        runs = []
-        for _ in range(6):  # the first warms up
+    args = (_velocity_fn(net), z, t, lambda i, v: (v * v).sum())  # a loss for each step
+    runs = {backward_exact: [], backward_jagg_window: []}
+    for r in range(repeats + 1):  # in turn, so that a busy machine slows both alike
+        for backward, seconds in runs.items():
             start = time.perf_counter()
-            _grad(net, backward, _velocity_fn(net), z, t, lambda i, v: (v * v).sum())
-            runs.append(time.perf_counter() - start)
-        return sorted(runs[1:])[2]
-    exact, jagg = median_seconds(backward_exact), median_seconds(backward_jagg_window)
+            _grad(net, backward, *args)
+            seconds.append(time.perf_counter() - start)  # the first round warms up
+    exact, jagg = (sorted(seconds[1:])[repeats // 2] for seconds in runs.values())
     print(f"D. One window of W = {W} on {B} samples: exact {1e3 * exact:.0f} ms ({W} backward "
           f"passes), JAGG {1e3 * jagg:.0f} ms\n   (one backward over 2 rows, and a forward without "
           f"graph on the {W - 2} interiors): {exact / jagg:.2f}x, measured here")
-
-def _check_training(seeds=(1, 2, 3)):  # a toy this easy learns from cruder gradients too
-    print("E. Section 9's GRPO on the toy, JAGG and exact from one start per seed: mean reward")
-    for seed in seeds:
-        jagg, exact = toy_grpo(jagg_frac=1.0, seed=seed), toy_grpo(jagg_frac=0.0, seed=seed)
-        print(f"   seed {seed}: {jagg[0]:.2f} -> {jagg[-1]:.2f} with JAGG, {exact[-1]:.2f} exact")
 
 if __name__ == "__main__":
     torch.set_num_threads(1)  # tiny tensors: threads would cost more than they save
@@ -449,5 +441,4 @@ if __name__ == "__main__":
     traj, adv = _check_gradient_error(net, cfg)  # C reuses B's last rollout, with the KL's term
     _check_cost(net, replace(cfg, beta=0.04), traj, adv)
     _check_timing()
-    _check_training()
     print("ok")

@@ -513,12 +513,10 @@ def step_error_score(traj, advantages, cfg, start, stop):
 
 
 def route_segments(ranks, lengths, jagg_frac, floor=None):
-    """One bool per segment: True for the round(jagg_frac x eligible) highest-ranked segments of 3+
-    steps (of equal ranks, the earlier), as jagg.route_windows counts them; none ranked below floor
-    (None: no floor)."""
-    eligible = [w for w, n in enumerate(lengths) if n >= 3]
-    chosen = set(sorted(eligible, key=lambda w: -ranks[w])[: round(jagg_frac * len(eligible))])
-    return [w in chosen and (floor is None or ranks[w] >= floor) for w in range(len(ranks))]
+    """jagg.route_windows by ranks (the highest first; of equal ranks, the earlier), then none ranked
+    below floor (None: no floor)."""
+    routed = jagg.route_windows(lengths, jagg_frac, ranks)
+    return [r and (floor is None or rank >= floor) for r, rank in zip(routed, ranks)]
 
 
 def backward_batch(velocity_fn, traj, advantages, cfg, opts, ref_velocity_fn=None,

@@ -4,6 +4,7 @@ statistics. The options beyond the paper are tested in test_options.py, the prob
 test_probe.py, the real-run step in test_step.py."""
 
 import math
+from dataclasses import replace
 import os
 
 import pytest
@@ -218,6 +219,22 @@ def test_routing_takes_the_earliest_windows():
     # A leftover one-step window is always exact.
     assert jagg.window_bounds(9, 4) == [(0, 4), (4, 8), (8, 9)]
     assert jagg.route_windows([4, 4, 1], 1.0) == [True, True, False]
+
+
+def test_route_velocity_takes_the_straightest_windows_and_needs_the_rollouts_v():
+    """route="velocity", the abstract's cosine rule as we read it: the windows whose rollout velocities run
+    straightest first (linearity_score, computed here window by window); without traj.v it is refused."""
+    torch.manual_seed(4)
+    model = MLPFlow()
+    traj, adv = toy_batch(model, T=12, B=4)
+    cfg = jagg.LossConfig(noise_level=0.7, clip_range=0.2)
+    scores = [jagg.linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in jagg.window_bounds(12, 4)]
+    _, routed = jagg.backward_batch(as_velocity_fn(model), traj, adv, cfg, 4, 1 / 3, route="velocity")
+    assert routed == [w == max(range(3), key=scores.__getitem__) for w in range(3)] == [False, False, True]
+    _, early = jagg.backward_batch(as_velocity_fn(model), traj, adv, cfg, 4, 1 / 3)
+    assert early == [True, False, False]
+    with pytest.raises(ValueError, match="route must be 'early', or 'velocity' with the rollout's v"):
+        jagg.backward_batch(as_velocity_fn(model), replace(traj, v=None), adv, cfg, 4, 1 / 3, route="velocity")
 
 
 def test_a_window_of_two_steps_never_takes_a_jagg_slot():
