@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -48,7 +47,7 @@ class Args:
     reward: str = arg("jpeg_compressibility", "one of REWARDS, or module:function (section 3)")
     prompts: str = arg("", "a text file, one prompt a line; empty: a small built-in list")
     out: str = arg("runs/sd", "the run's folder: config.json, metrics.jsonl, samples_*.png, checkpoint.pt")
-    resume: str = arg("", "a run's folder: go on from its checkpoint (only --epochs and --eval-every may change)")
+    resume: str = arg("", "a run's folder: go on from its checkpoint (only --epochs, --eval-every may change)")
     seed: int = arg(0, "the seed of the LoRA's start, the prompts and the noise (each rank adds its rank)")
     epochs: int = arg(100, "epochs, each one rollout and its optimizer steps")
     # --- GRPO: Flow-GRPO's geneval_sd3 settings
@@ -113,9 +112,11 @@ def check_args(a):
              ("eval_every", a.eval_every >= 1, ">= 1"), ("eval_samples", a.eval_samples >= 1, ">= 1"),
              ("window", 2 <= a.window <= max(T, 2), f"in [2, the {T} trained steps]"),
              ("jagg_frac", 0 <= a.jagg_frac <= 1, "in [0, 1]"),
-             ("reward", a.reward in REWARDS or a.reward.count(":") == 1, f"one of {', '.join(REWARDS)} or module:function"),
+             ("reward", a.reward in REWARDS or a.reward.count(":") == 1,
+              f"one of {', '.join(REWARDS)} or module:function"),
              ("prompts", not a.prompts or os.path.isfile(a.prompts), "a text file, or empty")]
-    rules += [(f.name, math.isfinite(getattr(a, f.name)), "a finite number") for f in fields(a) if f.type is float]
+    floats = [f.name for f in fields(a) if f.type is float]
+    rules += [(name, math.isfinite(getattr(a, name)), "a finite number") for name in floats]
     for name, holds, must in rules:
         if not holds:
             fail(f"--{name.replace('_', '-')} must be {must}, got {getattr(a, name)!r}")
@@ -148,7 +149,8 @@ def tiny_pipeline():
                                  num_heads=4, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
     vae = AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 8), latent_channels=4,
                         layers_per_block=1, norm_num_groups=8, sample_size=16, mid_block_add_attention=False,
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2,
                         use_quant_conv=False, use_post_quant_conv=False)
     transformer = SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
@@ -175,7 +177,8 @@ def load_pipeline(args, device, dtype):
             fail(f"cannot load --model {args.model!r} ({type(e).__name__}: {str(e)[:200]}): give a "
                  "StableDiffusion3Pipeline folder, or a hub id on a machine with network")
     pipe.set_progress_bar_config(disable=True)  # and diffusers' warning at every encoding of a long prompt:
-    logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3").setLevel(logging.ERROR)
+    sd3 = "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3"
+    logging.getLogger(sd3).setLevel(logging.ERROR)
     pipe.to(device)
     for part in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
         if part is not None:  # frozen, and in eval mode: a T5 built in code would apply its dropout
@@ -193,6 +196,23 @@ def load_pipeline(args, device, dtype):
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     return pipe
+
+
+def latent_shape(pipe, resolution):
+    """One sample's latents [C, h, w] at resolution pixels (0: 512, or the model's size if smaller)."""
+    config, factor = pipe.transformer.config, pipe.vae_scale_factor
+    size = resolution or min(512, config.sample_size * factor)
+    limit = config.pos_embed_max_size * config.patch_size * factor  # the position embedding's reach
+    if size > limit:
+        fail(f"--resolution {size} is above this model's {limit} pixels: give at most {limit}")
+    return (config.in_channels, size // factor, size // factor)
+
+
+def pipeline_sigmas(pipe, num_steps):
+    """The T + 1 sigmas the pipeline's own scheduler samples at, 1 down to 0 (Flow-GRPO's)."""
+    scheduler = copy.deepcopy(pipe.scheduler)
+    scheduler.set_timesteps(num_steps)
+    return scheduler.sigmas.float()  # [T + 1]
 
 
 @torch.no_grad()
@@ -223,6 +243,22 @@ def make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16):
                 v = v_u + guidance_scale * (v - v_u)  # [S*B, C, H, W]
         return v.to(z.dtype).reshape(z.shape)  # fp32 latents, whatever the autocast
     return velocity_fn
+
+
+def reference_velocity_fn(transformer, frozen, cond, uncond, guidance_scale, use_bf16):
+    """The KL reference's velocity_fn: a frozen copy of the base weights (full fine-tuning), or the
+    transformer with its LoRA switched off, as Flow-GRPO's disable_adapter()."""
+    if frozen is not None:
+        return make_velocity_fn(frozen, cond, uncond, guidance_scale, use_bf16)
+    velocity_fn = make_velocity_fn(transformer, cond, uncond, guidance_scale, use_bf16)
+
+    def lora_off(z, t):
+        transformer.disable_adapters()
+        try:
+            return velocity_fn(z, t)
+        finally:
+            transformer.enable_adapters()
+    return lora_off
 
 
 @torch.no_grad()
@@ -265,12 +301,13 @@ def rewards_of(reward_fn, images, prompts, name):
     """[B] rewards, checked: one finite number per image, or the run ends in one line."""
     values = torch.as_tensor(reward_fn(images, prompts), dtype=torch.float32).reshape(-1)
     if values.shape != (len(images),) or not torch.isfinite(values).all():
-        fail(f"--reward {name} returned {values.numel()} numbers, {int((~values.isfinite()).sum())} not finite,"
-             f" for {len(images)} images: it must return one finite number per image")
+        broken = int((~values.isfinite()).sum())
+        fail(f"--reward {name} returned {values.numel()} numbers, {broken} not finite, for {len(images)} "
+             "images: it must return one finite number per image")
     return values
 
 
-# === 4. The run's files: written whole (beside their place, then renamed), so a kill leaves the old or the new ===
+# === 4. The run's files: each written whole (beside its place, then renamed): a kill leaves old or new ===
 def save(path, write, mode="w"):
     with open(path + ".tmp", mode) as f:
         write(f)
@@ -316,8 +353,8 @@ def sample(pipe, transformer, prompts, args, shape, sigmas, generator, use_bf16)
         trajs.append(jagg.rollout(fn, noise, sigmas, args.noise_level, generator))
         conds.append(cond + uncond)
         images += decode(pipe, trajs[-1].sample)
-    traj = jagg.Trajectory(**{k: torch.cat([getattr(t, k) for t in trajs], dim=1) for k in jagg.Trajectory.TENSORS},
-                           noise_level=args.noise_level)  # [T, B, ...]
+    tensors = {k: torch.cat([getattr(t, k) for t in trajs], dim=1) for k in jagg.Trajectory.TENSORS}
+    traj = jagg.Trajectory(**tensors, noise_level=args.noise_level)  # [T, B, ...]
     c = [torch.cat(parts) for parts in zip(*conds)]  # prompt_embeds, pooled, their empty-prompt twins
     return traj, (c[0], c[1]), (c[2], c[3]), images
 
@@ -361,23 +398,20 @@ def train(args):
         dist.init_process_group("nccl" if on_gpu else "gloo")
     torch.manual_seed(args.seed)  # the LoRA starts alike on every rank and in a resumed run
     pipe = load_pipeline(args, device, torch.bfloat16 if use_bf16 else torch.float32)
-    transformer = pipe.transformer
-    size = args.resolution or min(512, transformer.config.sample_size * pipe.vae_scale_factor)
-    limit = transformer.config.pos_embed_max_size * transformer.config.patch_size * pipe.vae_scale_factor
-    if size > limit:
-        fail(f"--resolution {size} is above this model's {limit} pixels: give at most {limit}")
-    shape = (transformer.config.in_channels, size // pipe.vae_scale_factor, size // pipe.vae_scale_factor)  # [C, h, w]
+    transformer, shape = pipe.transformer, latent_shape(pipe, args.resolution)  # shape: [C, h, w]
+    sigmas = pipeline_sigmas(pipe, args.num_steps).to(device)  # [T + 1]
     net = transformer  # what the training forwards run through: DDP's wrapper on many GPUs
     no_sync = contextlib.nullcontext
     if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(transformer, device_ids=[device.index] if on_gpu else None)
+        device_ids = [device.index] if on_gpu else None
+        net = torch.nn.parallel.DistributedDataParallel(transformer, device_ids=device_ids)
         no_sync = net.no_sync
     params = list(trainable(transformer).values())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=WEIGHT_DECAY)
     ema = {n: p.detach().clone() for n, p in trainable(transformer).items()} if args.ema else None
-    reference = None  # the KL's frozen reference: the LoRA switched off, or a copy of the base weights
+    frozen = None  # the KL's reference under full fine-tuning: a copy of the base weights
     if args.beta > 0 and not args.lora_rank:
-        reference = copy.deepcopy(transformer).requires_grad_(False)
+        frozen = copy.deepcopy(transformer).requires_grad_(False)
     start, rows = 0, []
     if args.resume:  # where the run stopped: weights, Adam's moments, the EMA, the metrics
         with torch.no_grad():
@@ -386,32 +420,20 @@ def train(args):
         optimizer.load_state_dict(state["optimizer"])
         start, rows, ema = state["epoch"], state["rows"], state["ema"]
     if rank == 0:
-        print(f"config: {json.dumps(asdict(args))}\ntrainable parameters: {sum(p.numel() for p in params):,},"
-              f" {size} px, device {device}, world {world}")
-        save(os.path.join(args.out, "config.json"), lambda f: json.dump({**asdict(args), "world": world}, f, indent=2))
-    scheduler = copy.deepcopy(pipe.scheduler)
-    scheduler.set_timesteps(args.num_steps)
-    sigmas = scheduler.sigmas.float().to(device)  # [T + 1], 1 down to 0: the pipeline's own schedule
+        print(f"config: {json.dumps(asdict(args))}\ntrainable parameters: "
+              f"{sum(p.numel() for p in params):,}, latents {shape}, device {device}, world {world}")
+        config = {**asdict(args), "world": world}
+        save(os.path.join(args.out, "config.json"), lambda f: json.dump(config, f, indent=2))
     loss_cfg = jagg.LossConfig(args.noise_level, args.clip_range, args.beta)
     n_train = int(args.num_steps * args.timestep_fraction)  # Flow-GRPO trains the first 9 of 10 steps
     eval_prompts = [prompts_all[i % len(prompts_all)] for i in range(args.eval_samples)]
 
     def velocity_fns(cond, uncond, idx):  # the policy's velocity_fn and the KL reference's, for samples idx
         c, u = (cond[0][idx], cond[1][idx]), (uncond[0][idx], uncond[1][idx])
-        policy = make_velocity_fn(net, c, u, args.guidance_scale, use_bf16)
-        if args.beta == 0:
-            return policy, None
-        if reference is not None:
-            return policy, make_velocity_fn(reference, c, u, args.guidance_scale, use_bf16)
-        lora = make_velocity_fn(transformer, c, u, args.guidance_scale, use_bf16)
-
-        def lora_off(z, t):
-            transformer.disable_adapters()
-            try:
-                return lora(z, t)
-            finally:
-                transformer.enable_adapters()
-        return policy, lora_off
+        ref_fn = None
+        if args.beta > 0:
+            ref_fn = reference_velocity_fn(transformer, frozen, c, u, args.guidance_scale, use_bf16)
+        return make_velocity_fn(net, c, u, args.guidance_scale, use_bf16), ref_fn
 
     def evaluate(epoch):
         """The mean reward on fixed prompts and noise, the EMA's weights in; rank 0 saves their grid."""
@@ -428,7 +450,8 @@ def train(args):
                 p.copy_(trained[n])
         if rank == 0:
             grid = sample_grid(images[:16], eval_prompts[:16], rewards.tolist()[:16])
-            save(os.path.join(args.out, f"samples_{epoch:04d}.png"), lambda f: grid.save(f, format="PNG"), "wb")
+            path = os.path.join(args.out, f"samples_{epoch:04d}.png")
+            save(path, lambda f: grid.save(f, format="PNG"), "wb")
         return rewards.mean().item()
 
     if start == 0:
@@ -442,7 +465,8 @@ def train(args):
         prompt_ids = torch.randint(len(prompts_all), (args.prompts_per_epoch,), generator=g)
         prompt_ids = prompt_ids.repeat_interleave(args.group_size).to(device)  # [B]
         prompts = [prompts_all[i] for i in prompt_ids.tolist()]
-        traj, cond, uncond, images = sample(pipe, transformer, prompts, args, shape, sigmas, noise_g, use_bf16)
+        traj, cond, uncond, images = sample(pipe, transformer, prompts, args, shape, sigmas, noise_g,
+                                            use_bf16)
         # 2. Rewards and advantages. A group is a prompt's samples on every rank; Flow-GRPO divides by
         # the std of all the epoch's rewards (global std), clips to 5, and drops the samples whose
         # advantage is 0, putting random ones back so that the optimizer steps split evenly
@@ -467,28 +491,26 @@ def train(args):
                     if not args.fast:  # THE JAGG CALL: the micro-batch's gradient added to .grad
                         s = jagg.backward_batch(policy, minibatch, adv[idx], loss_cfg, args.window,
                                                  args.jagg_frac, ref_fn)[0]
-                    else:  # OURS: windows share end steps, interiors from the rollout (beyond_paper/options.py)
-                        opts = options.JaggOptions(args.window, args.jagg_frac, anchors="shared", interior="rollout")
+                    else:  # OURS: windows share end steps, interiors from the rollout (beyond_paper/)
+                        opts = options.JaggOptions(args.window, args.jagg_frac, anchors="shared",
+                                                   interior="rollout")
                         s = options.backward_batch(policy, minibatch, adv[idx], loss_cfg, opts, ref_fn)[0]
                 grad_seconds += time.perf_counter() - grad_start
                 stats.append(s)
-            # The mean over micro-batches and ranks in ONE all-reduce, Flow-GRPO's clip, and the step,
-            # skipped where the gradient is not finite (after the all-reduce, on every rank alike)
-            ranks.average_gradients(params, max(len(micro), 1))
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM).item()
-            if math.isfinite(grad_norm):
-                optimizer.step()
-            else:
-                warnings.warn(f"epoch {epoch}: an optimizer step skipped, its gradient not finite")
-            optimizer.zero_grad(set_to_none=True)
+            # The step: the mean over the micro-batches and the ranks in ONE all-reduce, Flow-GRPO's
+            # clip, optimizer.step(), skipped on every rank alike where a loss or the gradient is not
+            # finite (a NaN would poison Adam's moments for good), then .grad cleared
             step = (epoch - 1) * args.steps_per_epoch + i + 1
+            losses = [s["loss"] for s in stats[len(stats) - len(micro):]]
+            ranks.optimizer_step(params, optimizer, losses, micro_batches=max(len(micro), 1),
+                                 max_grad_norm=MAX_GRAD_NORM, step=step)
             if ema is not None and step % EMA_EVERY == 0:  # Flow-GRPO's EMA of the trained weights
                 decay = min(step / (9 + step), EMA_DECAY)
                 for n, p in trainable(transformer).items():
                     ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
         # 4. One line an epoch, with the gradient's seconds: beside a --jagg-frac 0 run, JAGG's speedup
-        row = {"epoch": epoch, "rollout/reward_mean": all_rewards.mean().item(), "time/grad_seconds": grad_seconds,
-               "train/grad_rows": sum(s["grad_rows"] for s in stats)}
+        row = {"epoch": epoch, "rollout/reward_mean": all_rewards.mean().item(),
+               "time/grad_seconds": grad_seconds, "train/grad_rows": sum(s["grad_rows"] for s in stats)}
         for key in ("loss", "kl", "clipfrac", "approx_kl"):
             row[f"train/{key}"] = sum(s[key] for s in stats) / max(len(stats), 1)
         row["time/epoch_seconds"] = time.perf_counter() - epoch_start
@@ -501,13 +523,15 @@ def train(args):
                   f"{row['train/loss']:+.5f} kl {row['train/kl']:.5f} clipfrac {row['train/clipfrac']:.3f} "
                   f"gradients {grad_seconds:.1f} s ({row['train/grad_rows']} rows with grad)", flush=True)
             save_checkpoint(args, world, epoch, transformer, optimizer, ema, rows)
-            save(os.path.join(args.out, "metrics.jsonl"), lambda f: f.writelines(json.dumps(r) + "\n" for r in rows))
+            lines = "".join(json.dumps(r) + "\n" for r in rows)
+            save(os.path.join(args.out, "metrics.jsonl"), lambda f: f.write(lines))
     if rank == 0:  # the trained weights for users, the EMA if kept
         from safetensors.torch import save_file
         weights = ema if ema is not None else {n: p.detach() for n, p in trainable(transformer).items()}
-        save_file({n: w.contiguous() for n, w in weights.items()}, os.path.join(args.out, "weights.safetensors"))
+        path = os.path.join(args.out, "weights.safetensors")
+        save_file({n: w.contiguous() for n, w in weights.items()}, path)
         print(f"eval reward {rows[0]['eval/reward']:.3f} -> {rows[-1]['eval/reward']:.3f}, gradients "
-              f"{sum(r.get('time/grad_seconds', 0.0) for r in rows):.0f} s; weights in {args.out}/weights.safetensors")
+              f"{sum(r.get('time/grad_seconds', 0.0) for r in rows):.0f} s; weights in {path}")
     if world > 1:
         dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()

@@ -2,7 +2,6 @@
 
     python train_toy.py                        # exact GRPO, then JAGG, from one base model and seed
     python train_toy.py --method jagg --window 8 --jagg-frac 0.5
-    python lab/toy_options.py --help      # the same task, JAGG's options beyond the paper
 
 A toy DiT (toy_dit.py; you need not read it) is pretrained on 4 "prompts", each a mixture of
 Gaussians in 2-D. GRPO then tunes it to put each prompt's samples on ONE of its modes. An epoch is

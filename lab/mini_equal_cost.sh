@@ -5,6 +5,7 @@
 #
 #   lab/mini_equal_cost.sh [OUT]                              # default OUT: runs/mini_equal_cost
 #   SEEDS="0 1 2 3 4 5 6 7" P=2 lab/mini_equal_cost.sh OUT      # more seeds, two runs at a time
+#   MODES="exact jagg_w4" lab/mini_equal_cost.sh OUT            # some modes only
 #   python lab/summarize.py equal_cost OUT                    # the table (--png F: the picture)
 #
 # Rows with grad per sample and step of the 10: exact 10; the paper's JAGG at W = 4 (windows 0-3,
@@ -53,7 +54,9 @@ jobs_file=$(mktemp)
 trap 'rm -f "$jobs_file"' EXIT
 for s in $seeds; do
   for m in "${modes[@]}"; do
-    name=${m%%|*} cmd=${m#*|}
+    name=${m%%|*}
+    cmd=${m#*|}
+    [ -n "${MODES:-}" ] && [[ " $MODES " != *" $name "* ]] && continue  # MODES="a b": those modes only
     dir="$out/$name/seed$s"
     [ -f "$dir/summary.json" ] && continue
     echo "mkdir -p $out/$name && python3 $cmd --seed $s --overwrite --out $dir > $dir.log 2>&1 && tail -n 1 $dir.log" >> "$jobs_file"

@@ -6,6 +6,7 @@
 #
 #   lab/toy_equal_cost.sh [OUT]                              # default OUT: runs/toy_equal_cost
 #   SEEDS="0 1 2" P=2 lab/toy_equal_cost.sh runs/try          # fewer seeds, two runs at a time
+#   MODES="exact jagg_w4" lab/toy_equal_cost.sh runs/try      # some modes only
 #   python lab/summarize.py equal_cost runs/toy_equal_cost    # the tables and equal_cost.png
 #
 # The setting is train_toy.py's defaults: T = 16, all 16 steps trained by exact GRPO, 80 epochs of
@@ -63,7 +64,9 @@ jobs_file=$(mktemp)
 trap 'rm -f "$jobs_file"' EXIT
 for s in $seeds; do
   for m in "${modes[@]}"; do
-    name=${m%%|*} flags=${m#*|}
+    name=${m%%|*}
+    flags=${m#*|}
+    [ -n "${MODES:-}" ] && [[ " $MODES " != *" $name "* ]] && continue  # MODES="a b": those modes only
     dir="$out/$name/seed$s"
     [ -f "$dir/summary.json" ] && continue
     echo "mkdir -p $out/$name && python3 $flags --seed $s --base-ckpt $base --out $dir > $dir.log 2>&1 && tail -n 1 $dir.log" >> "$jobs_file"

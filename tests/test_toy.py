@@ -100,8 +100,7 @@ def test_a_tiny_run_writes_what_it_says(tmp_path, monkeypatch, capsys):
         # T = 16 in windows of 4, 4 optimizer steps an epoch: exact 16 rows a step, JAGG 2 of 4
         assert s["grad_rows"] == 2 * 4 * (16 if method == "exact" else 8)
     top = json.load(open("out/summary.json"))
-    assert top["grad_speedup"] > 0 and top["exact"]["reward_gain"] == json.load(
-        open("out/exact/summary.json"))["reward_gain"]
+    assert top["exact"]["reward_gain"] == json.load(open("out/exact/summary.json"))["reward_gain"]
     for picture in ("samples.png", "reward.png"):
         assert os.path.getsize(f"out/{picture}") > 1000
     assert not [p for _, _, files in os.walk("out") for p in files if p.endswith(".tmp")]  # save's, replaced
