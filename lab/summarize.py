@@ -73,7 +73,7 @@ def noise(run):
 def compare(runs):
     """One row per compare run, then the mean and the worst gain kept per mode."""
     sd = any("eval_curve" in load(run)["exact"] for run in runs)
-    print("| seed | mode | reward, exact | reward, JAGG | gain kept | gradient (kept runs: backward) "
+    print("| seed | mode | reward, exact | reward, JAGG | gain kept | gradient "
           "| training step (rollouts incl.) "
           "| probe cosine per segment |" + (" exact: eval noise (gain / noise) |" if sd else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if sd else ""))
@@ -221,7 +221,7 @@ def curves(paths, last, png=""):
     # the settings that differ between the runs (their output folders aside), as flags
     differ = [k for k in runs[0]["config"] if k != "out" and len({json.dumps(r["config"].get(k)) for r in runs}) > 1]
     print(f"| run | mode | settings | start | highest (epoch) | mean of the last {last} evaluations | training (s) "
-          f"| gradients (s; kept runs: backward) |")
+          f"| gradients (s) |")
     print("|---|---|---|---|---|---|---|---|")
     drawn = {}
     for path, s in zip(paths, runs):
