@@ -140,6 +140,7 @@ def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference
         d.line([px(points[m][0], points[m][1]) for m in frontier], fill=(160, 160, 160), width=3)
         d.text((right - 6, bottom - 6), "grey line: the Pareto frontier", fill=(110, 110, 110), font=small,
                anchor="rd")
+    taken = []  # the boxes of the labels and dots drawn so far: a label goes where none is
     for name, (x, y, low, high, group) in points.items():
         color = PALETTE[groups.index(group) % len(PALETTE)]
         (cx, cy), (_, ly), (_, hy) = px(x, y), px(x, low), px(x, high)
@@ -147,7 +148,21 @@ def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference
         d.line([cx - 4, ly, cx + 4, ly], fill=color, width=2)
         d.line([cx - 4, hy, cx + 4, hy], fill=color, width=2)
         d.ellipse([cx - 4, cy - 4, cx + 4, cy + 4], fill=color)
-        d.text((cx + 7, cy), name, fill="black", font=small, anchor="lm")
+        taken.append((cx - 5, cy - 5, cx + 5, cy + 5))
+    for name, (x, y, low, high, group) in points.items():
+        (cx, cy) = px(x, y)
+        width = d.textlength(name, font=small)
+        spots = [(cx + 7, cy + dy) for dy in (0, -13, 13, -26, 26)]
+        spots += [(cx - 7 - width, cy + dy) for dy in (0, -13, 13, -26, 26)]  # then on the left
+        for sx, sy in spots + [spots[0]]:  # where every spot is taken, the first anyway
+            box = (sx, sy - 7, sx + width, sy + 7)
+            free = all(box[2] < b[0] or box[0] > b[2] or box[3] < b[1] or box[1] > b[3] for b in taken)
+            if free and box[0] > left and box[2] < right:
+                break
+        taken.append(box)
+        if abs(sy - cy) > 8:  # a label moved off its dot: a thin line back to it
+            d.line([cx, cy, sx if sx > cx else sx + width, sy], fill=(170, 170, 170))
+        d.text((sx, sy), name, fill="black", font=small, anchor="lm")
     for i, group in enumerate(groups):
         ly = top + 6 + 22 * i
         d.rectangle([right + 16, ly + 2, right + 30, ly + 14], fill=PALETTE[i % len(PALETTE)])

@@ -521,7 +521,7 @@ def equal_cost(folder, png="", timing="", versus="jagg_w4"):
         from charts import interval_scatter, save_png
 
         how = "one training step timed in one process" if measured else "the runs' training time"
-        routing = ("velocity", "late", "early", "probe")
+        routing = ("velocity", "late", "early", "probe", "step_error")
         for picture, keep in ((png, lambda m: not m.startswith(routing)),  # the alternatives; then routing
                               (png.replace(".png", "_routing.png"), lambda m: m in ("exact", "jagg_w4")
                                or m.startswith(routing))):
