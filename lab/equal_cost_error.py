@@ -3,6 +3,7 @@
     python lab/equal_cost_error.py toy --checkpoints 0 40 --batches 4    # lab/reports/equal_cost.md
     python lab/equal_cost_error.py mini --checkpoints 0 7 --batches 3 --batch-sizes 16 64
     python lab/equal_cost_error.py report runs/equal_cost_error_toy.json
+    python lab/equal_cost_error.py routing TOY.json MINI.json           # lab/reports/routing.md's table
     python lab/equal_cost_error.py toy --time 256 --batches 7           # each method's training step, timed
     python lab/equal_cost_error.py mini --time 32 --batches 3
 
@@ -210,11 +211,41 @@ def report(path):
     return lines
 
 
+ROUTING_ROWS = [("early", "early (jagg.py)"), ("error_oracle", "error oracle"), ("step_error", "step_error"),
+                ("velocity", "velocity (free score)"), ("late", "late"), ("cosine", "cosine oracle")]
+
+
+def routing_report(paths):
+    """lab/reports/routing.md's table: the routing rules' relative error, mean ± 95 % interval, at
+    every checkpoint and batch size of each run file (the toy's, the mini's), side by side."""
+    columns, header = [], []  # columns: (result of one checkpoint, batch size)
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for c, result in data["checkpoints"].items():
+            for i, size in enumerate(result):
+                columns.append(result[size])
+                where = f"{data['args']['model_kind']}, epoch {c}: " if i == 0 else ""
+                header.append(f"{where}B = {size}")
+    def cell(rows):  # (relative error, cosine) per batch -> "mean ± half-width" of the error
+        return "{:.3f} ± {:.3f}".format(*mean_interval([r for r, _ in rows]))
+
+    lines = ["| rule, jagg_frac | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    for frac in ("0.5", "0.75"):
+        for key, label in ROUTING_ROWS:
+            lines.append(f"| {label}, {frac} | " + " | ".join(cell(col[key + frac]) for col in columns) + " |")
+    lines.append("| every window (jagg_frac 1) | " + " | ".join(cell(col["jagg_w4"]) for col in columns) + " |")
+    print("\n".join(lines))
+    return lines
+
+
 def main(argv=None):
     if argv is None:
         argv = sys.argv[1:]
     if argv and argv[0] == "report":
         return report(argv[1])
+    if argv and argv[0] == "routing":
+        return routing_report(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model_kind", choices=["toy", "mini"], help="which model and setting (or: report JSON)")
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[0, 40],
