@@ -4,6 +4,7 @@
     python lab/equal_cost_error.py mini --checkpoints 0 7 --batches 3 --batch-sizes 16 64
     python lab/equal_cost_error.py report runs/equal_cost_error_toy.json
     python lab/equal_cost_error.py routing TOY.json MINI.json           # lab/reports/routing.md's table
+    python lab/equal_cost_error.py fast TOY.json MINI.json              # the fast modes' (equal_cost.md)
     python lab/equal_cost_error.py toy --time 256 --batches 7           # each method's training step, timed
     python lab/equal_cost_error.py mini --time 32 --batches 3
 
@@ -211,14 +212,20 @@ def report(path):
     return lines
 
 
-ROUTING_ROWS = [("early", "early (jagg.py)"), ("error_oracle", "error oracle"), ("step_error", "step_error"),
-                ("velocity", "velocity (free score)"), ("late", "late"), ("cosine", "cosine oracle")]
+ROUTING_ROWS = [(f"{key}{frac}", f"{label}, {frac}") for frac in ("0.5", "0.75") for key, label in
+                [("early", "early (jagg.py)"), ("error_oracle", "error oracle"), ("step_error", "step_error"),
+                 ("velocity", "velocity (free score)"), ("late", "late"), ("cosine", "cosine oracle")]]
+ROUTING_ROWS.append(("jagg_w4", "every window (jagg_frac 1)"))
+FAST_ROWS = [("jagg_w4", "JAGG, W = 4 (the paper's)"), ("shared_rollout_w4", "shared + rollout, W = 4"),
+             ("jagg_w8", "JAGG, W = 8"), ("shared_rollout_w8", "shared + rollout, W = 8"),
+             ("random8", "random 8 steps (toy)"), ("random6", "random 6 steps (mini)")]
 
 
-def routing_report(paths):
-    """lab/reports/routing.md's table: the routing rules' relative error, mean ± 95 % interval, at
-    every checkpoint and batch size of each run file (the toy's, the mini's), side by side."""
-    columns, header = [], []  # columns: (result of one checkpoint, batch size)
+def side_by_side(paths, rows):
+    """One table of the relative error (mean ± 95 % interval) of the methods rows [(key, label)],
+    at every checkpoint and batch size of each run file (the toy's, the mini's), side by side;
+    "-" where a file has no such method. routing: lab/reports/routing.md's; fast: equal_cost.md's."""
+    columns, header = [], []  # columns: the result of one checkpoint at one batch size
     for path in paths:
         with open(path) as f:
             data = json.load(f)
@@ -227,14 +234,15 @@ def routing_report(paths):
                 columns.append(result[size])
                 where = f"{data['args']['model_kind']}, epoch {c}: " if i == 0 else ""
                 header.append(f"{where}B = {size}")
-    def cell(rows):  # (relative error, cosine) per batch -> "mean ± half-width" of the error
-        return "{:.3f} ± {:.3f}".format(*mean_interval([r for r, _ in rows]))
 
-    lines = ["| rule, jagg_frac | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
-    for frac in ("0.5", "0.75"):
-        for key, label in ROUTING_ROWS:
-            lines.append(f"| {label}, {frac} | " + " | ".join(cell(col[key + frac]) for col in columns) + " |")
-    lines.append("| every window (jagg_frac 1) | " + " | ".join(cell(col["jagg_w4"]) for col in columns) + " |")
+    def cell(column, key):  # "mean ± half-width" of the relative error over the batches
+        if key not in column:
+            return "-"
+        return "{:.3f} ± {:.3f}".format(*mean_interval([r for r, _ in column[key]]))
+
+    lines = ["| method | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    for key, label in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(column, key) for column in columns) + " |")
     print("\n".join(lines))
     return lines
 
@@ -244,8 +252,8 @@ def main(argv=None):
         argv = sys.argv[1:]
     if argv and argv[0] == "report":
         return report(argv[1])
-    if argv and argv[0] == "routing":
-        return routing_report(argv[1:])
+    if argv and argv[0] in ("routing", "fast"):  # the routing rules' or the fast modes' rows, side by side
+        return side_by_side(argv[1:], ROUTING_ROWS if argv[0] == "routing" else FAST_ROWS)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model_kind", choices=["toy", "mini"], help="which model and setting (or: report JSON)")
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[0, 40],
