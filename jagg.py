@@ -12,7 +12,7 @@ What JAGG saves: Flow-GRPO trains 9 steps per sample, each with its own backward
 W = 4 back-propagates 5 of them, in 3 passes (self-check C counts the calls, D times a window).
 What it costs: a bias wherever the straight-line assumption fails. Self-check A shows when JAGG is
 exact; B measures its error beside an unbiased shortcut with as many rows with grad, and which
-windows JAGG should take first (section 7).
+windows JAGG should take first (section 7); E trains a toy with it.
 
 Notation (code name -> symbol)
     T, B      number of sampling steps; number of samples in the batch
@@ -235,14 +235,15 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # then v_b * G_b: the same gradient in exact's memory, in two passes.
 
 # === 7. Routing: which windows take JAGG ===
-# jagg_frac is the share of windows that take JAGG; the others train exactly. The abstract picks
-# them by "a cosine-similarity rule" it does not spell out. Our reading, linearity_score, measures
-# how a window's velocities bend relative to the window itself; but the error a window adds to the
-# step is that times the size of its gradient, and the low-noise windows carry the largest loss
-# signal (|g_k| scales as sqrt|dt| / std_t, and std_t falls with sigma). So the cosine rule picks
-# the windows where JAGG adds the most error (self-check B). We take the earliest, highest-noise
-# windows first (OURS), as an oracle that knew each window's error did on a toy DiT and a small
-# SD3 (this repository's lab/reports/routing.md): a schedule that routes alike on every rank.
+# jagg_frac is the share of windows that take JAGG; the others train exactly. Which ones? The
+# abstract names "a cosine-similarity rule" and does not spell it out. Our reading of it,
+# linearity_score, picks the windows where the rollout's velocities run straightest. But what
+# counts is the error a window adds to the batch's gradient: its relative error times its share
+# of the gradient, and the low-noise windows carry the most (|g_k| grows as sqrt|dt| / std_t, and
+# std_t falls with sigma). Their velocities also run straightest, so the cosine rule hands JAGG
+# the windows where it adds the most error (self-check B). We take the earliest, highest-noise
+# windows first (OURS): an oracle that knew each window's true error chose the same on a toy DiT
+# and a small SD3 (the repository's lab/reports/routing.md). A schedule needs no score, either.
 def window_bounds(num_steps, window):
     """T steps in disjoint windows of W (OURS): [(start, stop), ...], stop = b + 1; last shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG needs two end steps), got {window}")
@@ -262,25 +263,23 @@ def linearity_score(v, t):
 
 def route_windows(lengths, jagg_frac, scores=None):
     """One bool per window (lengths: their steps), True for jagg_frac of the windows of 3+ steps (of
-    2 steps there is no interior to save), rounded to the nearest count, halves to even (0.5 of 1
-    window is 0, of 3 is 2): the earliest, or with scores the highest scored (ties: the earlier)."""
+    2 steps there is no interior to save), rounded to the nearest count, halves up (0.5 of 1
+    window is 1): the earliest, or with scores the highest scored (ties: the earlier)."""
     _check(0.0 <= jagg_frac <= 1.0, f"jagg_frac must be in [0, 1], got {jagg_frac}")
     eligible = [w for w, n in enumerate(lengths) if n >= 3]  # in step order: the earliest first
     if scores is not None:
         eligible = sorted(eligible, key=lambda w: -scores[w])  # a stable sort: ties stay in order
-    chosen = set(eligible[: round(jagg_frac * len(eligible))])
+    chosen = set(eligible[: int(jagg_frac * len(eligible) + 0.5)])
     return [w in chosen for w in range(len(lengths))]
 
 # === 8. One optimizer step's gradient over a batch of trajectories ===
 def backward_batch(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, ref_fn=None,
                    route="early"):
     """Add to .grad the gradient of the batch's GRPO loss (the mean over its steps and samples),
-    window by window: JAGG on jagg_frac of the windows, exact on the others (jagg_frac 0: exact
-    GRPO), the earliest first (route "early") or the straightest velocities first ("velocity", the
-    abstract's rule as we read it; it reads traj.v, and each rank's own samples). advantages: [B];
-    ref_fn: the reference's velocity_fn, needed when cfg.beta > 0. Returns (stats, routed): the
-    means over steps that Flow-GRPO logs (loss, kl, clipfrac, approx_kl) and grad_rows, the rows
-    back-propagated; routed: whether JAGG took each window."""
+    window by window: JAGG on jagg_frac of the windows, the earliest first (route "velocity": the
+    straightest, section 7), exact on the others. advantages: [B]; ref_fn: the KL reference's
+    velocity_fn (cfg.beta > 0). Returns (stats, routed): the means over steps that Flow-GRPO logs
+    (loss, kl, clipfrac, approx_kl) and grad_rows, the rows back-propagated; JAGG's windows."""
     _check(cfg.beta == 0 or ref_fn is not None, "beta > 0 needs ref_fn, the reference model's")
     _check(route == "early" or (route == "velocity" and traj.v is not None),
            f"route must be 'early', or 'velocity' with the rollout's v in traj, got {route!r}")
@@ -303,16 +302,22 @@ def backward_batch(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, 
     stats.update(loss=loss, grad_rows=grad_rows)
     return stats, routed
 
-# === 9. The training loop around it (Flow-GRPO's; train_toy.py runs it on a toy) ===
-#   for epoch in range(epochs):
-#       traj = rollout(velocity_fn, noise, sigmas, noise_level)  # B trajectories, no graph
-#       advantages = group_advantages(reward(traj.sample), prompt_ids)  # [B]
-#       for idx in torch.randperm(B).chunk(2):  # 2 optimizer steps: the second is off-policy
-#           optimizer.zero_grad()
-#           minibatch = traj.first_steps(9).subset(idx)  # Flow-GRPO trains 9 of 10 steps
-#           backward_batch(velocity_fn_of(idx), minibatch, advantages[idx], cfg)  # adds to .grad
-#           torch.nn.utils.clip_grad_norm_(params, 1.0)  # Flow-GRPO's max_grad_norm
-#           optimizer.step()
+# === 9. The training loop around it (Flow-GRPO's; self-check E runs it on a toy) ===
+def train_epoch(velocity_fn, params, optimizer, reward_fn, noise, group_ids, sigmas, cfg,
+                trained_steps, window=4, jagg_frac=1.0):
+    """One epoch: B trajectories from noise [B, *D], their rewards reward_fn(z_T) [B] and advantages
+    within groups, then 2 optimizer steps on half the batch each. A model with conditions needs
+    each minibatch's velocity_fn made with its samples' conditions. Returns the mean reward."""
+    traj = rollout(velocity_fn, noise, sigmas, cfg.noise_level)  # no graph
+    rewards = reward_fn(traj.sample)  # [B]
+    advantages = group_advantages(rewards, group_ids)  # [B]
+    for idx in torch.randperm(len(noise)).chunk(2):  # the second step is off-policy
+        optimizer.zero_grad()
+        minibatch = traj.first_steps(trained_steps).subset(idx)  # Flow-GRPO trains 9 of 10 steps
+        backward_batch(velocity_fn, minibatch, advantages[idx], cfg, window, jagg_frac)  # .grad
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # Flow-GRPO's max_grad_norm
+        optimizer.step()
+    return rewards.mean().item()
 
 # === 10. Using your own model ===
 # Wrap your network as velocity_fn(z [S, B, *D], t [S, B]) -> v [S, B, *D], with t = sigma and v =
@@ -335,6 +340,9 @@ def _velocity_fn(net, calls=None):  # net on (z, t)
             calls.append((z.shape[0], torch.is_grad_enabled()))
         return net(torch.cat([z, t[..., None]], dim=-1))  # [S, B, d + 1] -> [S, B, d]
     return velocity_fn
+
+def _near_origin(z):  # the self-checks' reward [B] of samples z [B, D]
+    return -z.norm(dim=-1)
 
 def _grad(net, backward, *args):  # the gradient [P] that backward(*args) leaves in net's .grad
     net.zero_grad(set_to_none=True)
@@ -361,15 +369,16 @@ def _check_exactness(B=16, D=3):
     assert errors[0] < 1e-12 and min(errors[1:]) > 1e-6
 
 def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=(16, 64, 256)):
-    """B. Is it worth it, and where? Each window's error in the step's gradient, by JAGG and by an
-    unbiased shortcut with as many rows with grad (2 random steps of the window, times W/2), summed
-    over the first n rollouts: a noise halves with 4x the rollouts, a bias stays."""
-    fn, sums, picks = _velocity_fn(net), {}, 0  # (window, n) -> [exact, JAGG, shortcut's error^2]
+    """B. Is it worth it, and where? Each window's error in the batch's gradient, by JAGG and by an
+    unbiased shortcut with as many rows with grad (2 random steps of the window, times W/2), with
+    the first n rollouts in the batch: a noise halves with 4x the rollouts, a bias stays."""
+    fn, picks = _velocity_fn(net), 0
+    rows = {a: [] for a in (0, W)}  # window start -> per rollout (exact, JAGG, shortcut's error^2)
     for r in range(max(rollouts)):
         traj = rollout(fn, torch.randn(B, D), sigma_schedule(T), cfg.noise_level)
-        adv = group_advantages(-traj.sample.norm(dim=-1), torch.arange(B) // 4)  # [B], 4 groups
-        picks += route_windows([W, W], 0.5, [linearity_score(traj.v[a : a + W], traj.t[a : a + W])
-                                             for a in (0, W)])[1]  # route "velocity" takes 4-7
+        adv = group_advantages(_near_origin(traj.sample), torch.arange(B) // 4)  # [B]
+        scores = [linearity_score(traj.v[a : a + W], traj.t[a : a + W]) for a in (0, W)]
+        picks += route_windows([W, W], 0.5, scores)[1]  # route "velocity" gives JAGG window 4-7
         for a in (0, W):  # the two 4-step windows: 0-3, 4-7
             per_step = [_grad(net, backward_exact, fn, traj.z[k : k + 1], traj.t[k : k + 1],
                               make_step_loss(traj, adv, k, k + 1, cfg)) for k in range(a, a + W)]
@@ -377,28 +386,27 @@ def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=(16, 64, 256)
             jagg = _grad(net, backward_jagg_window, fn, traj.z[a : a + W], traj.t[a : a + W],
                          make_step_loss(traj, adv, a, a + W, cfg))  # [P]
             pairs = list(itertools.combinations(per_step, 2))  # every pair the shortcut could draw
-            alt_sq = sum((W / 2 * (p + q) - exact).norm() ** 2 for p, q in pairs) / len(pairs)
-            for n in (n for n in rollouts if r < n):  # this rollout counts in the first n
-                total = sums.setdefault((a, n), [0, 0, 0])
-                for i, x in enumerate((exact, jagg, alt_sq)):
-                    total[i] += x
-    print("B. |estimate - exact| of the step's gradient, as a share of the step's |exact|, over")
-    print(f"   {', '.join(map(str, rollouts))} rollouts\n   steps | JAGG              | "
-          "2 random steps x W/2")
+            shortcut = sum((W / 2 * (p + q) - exact).norm() ** 2 for p, q in pairs) / len(pairs)
+            rows[a].append((exact, jagg, shortcut))
+    print("B. |estimate - exact| of the batch's gradient, as a share of its |exact|, with 16, 64")
+    print("   and 256 rollouts in the batch\n   steps | JAGG              | 2 random steps x W/2")
     for a in (0, W):
-        whole = [(sums[(0, n)][0] + sums[(W, n)][0]).norm() for n in rollouts]  # |exact| per n
-        jagg = [(sums[(a, n)][1] - sums[(a, n)][0]).norm() / w for n, w in zip(rollouts, whole)]
-        alt = [math.sqrt(sums[(a, n)][2]) / w for n, w in zip(rollouts, whole)]  # squares add
-        print(f"   {a}-{a + W - 1}   | {' '.join(f'{e:.3f}' for e in jagg)} | "
-              f"{' '.join(f'{e:.3f}' for e in alt)}")
-    print(f"   At jagg_frac 0.5, route 'velocity' (the cosine rule) gives JAGG 4-7 in {picks} of "
-          f"{max(rollouts)} rollouts;\n   route 'early' gives it 0-3 (section 7). Which adds less "
-          "error?")
+        jagg_err, shortcut_err = [], []
+        for n in rollouts:  # sums over the first n rollouts: the batch's gradients
+            whole = sum(e for w in (0, W) for e, _, _ in rows[w][:n]).norm()  # both windows'
+            exact, jagg, shortcut = (sum(x) for x in zip(*rows[a][:n]))
+            jagg_err.append((jagg - exact).norm() / whole)
+            shortcut_err.append(math.sqrt(shortcut) / whole)  # independent draws: squares add
+        print(f"   {a}-{a + W - 1}   | {' '.join(f'{e:.3f}' for e in jagg_err)} | "
+              f"{' '.join(f'{e:.3f}' for e in shortcut_err)}")
+    print(f"   At jagg_frac 0.5, route 'velocity' (the cosine rule) gives JAGG window 4-7 in "
+          f"{picks} of\n   {max(rollouts)} rollouts; route 'early' gives it 0-3 (section 7). "
+          "Which adds less error?")
     return traj, adv
 
 def _check_cost(net, cfg, traj, adv, W=4):
-    print("C. Routing, and its cost in forwards from velocity_fn's calls (a backward = 2 forwards;")
-    print("   the KL's reference runs a forward at every step either way)")
+    print("C. Routing, and its cost in forwards from velocity_fn's calls (a backward = 2 forwards;"
+          "\n   the KL's reference runs a forward at every step either way)")
     for steps, frac in [(10, 1.0), (10, 0.5), (9, 0.0), (9, 1.0)]:
         calls, ref_calls = [], []  # (steps, builds a graph) of each call
         fn, sub = _velocity_fn(net, calls=calls), traj.first_steps(steps)
@@ -411,7 +419,7 @@ def _check_cost(net, cfg, traj, adv, W=4):
         print(f"   {steps} steps, jagg_frac {frac}: JAGG on {', '.join(windows) or 'none'}; "
               f"{grad_rows} rows with grad ({passes} backwards), {no_graph} without: "
               f"{3 * grad_rows + no_graph} forwards")
-        assert routed == [w < round(frac * 2) for w in range(len(routed))]  # the earliest first
+        assert routed == [w < int(frac * 2 + 0.5) for w in range(len(routed))]  # earliest first
         assert stats["grad_rows"] == grad_rows == steps - 2 * sum(routed)  # JAGG: 2 rows, not 4
         assert sum(n for n, _ in ref_calls) == steps  # the reference runs every step, either way
 
@@ -432,6 +440,22 @@ def _check_timing(W=4, B=64, D=256, repeats=7):
           f"passes), JAGG {1e3 * jagg:.0f} ms\n   (one backward over 2 rows, and a forward without "
           f"graph on the {W - 2} interiors): {exact / jagg:.2f}x, measured here")
 
+def _check_training(cfg, epochs=40, B=32, D=3, T=10):
+    """E. Section 9's loop: exact GRPO (jagg_frac 0) and JAGG (W = 4) from one random start."""
+    rewards = {}  # jagg_frac -> the mean reward of each epoch's rollout
+    for frac in (0.0, 1.0):
+        torch.manual_seed(0)  # the same network and first rollout for both
+        net = _mlp(D + 1, D)
+        params = list(net.parameters())
+        optimizer = torch.optim.Adam(params, lr=1e-2)
+        rewards[frac] = [train_epoch(_velocity_fn(net), params, optimizer, _near_origin,
+                                     torch.randn(B, D), torch.arange(B) // 4, sigma_schedule(T),
+                                     cfg, T - 1, jagg_frac=frac) for epoch in range(epochs)]
+    (e0, e1), (j0, j1) = (rewards[frac][:: epochs - 1] for frac in (0.0, 1.0))
+    print(f"E. Section 9's loop, {epochs} epochs of {B} samples in groups of 4: mean reward "
+          f"{e0:.2f} -> {e1:.2f}\n   by exact GRPO, {j0:.2f} -> {j1:.2f} by JAGG (5 rows with grad "
+          "a sample, not 9)")
+
 if __name__ == "__main__":
     torch.set_num_threads(1)  # tiny tensors: threads would cost more than they save
     torch.set_default_dtype(torch.float64)  # so that "exact" shows as ~1e-16, not fp32's ~1e-7
@@ -441,4 +465,5 @@ if __name__ == "__main__":
     traj, adv = _check_gradient_error(net, cfg)  # C reuses B's last rollout, with the KL's term
     _check_cost(net, replace(cfg, beta=0.04), traj, adv)
     _check_timing()
+    _check_training(cfg)
     print("ok")

@@ -309,7 +309,8 @@ def test_python_jagg_py_runs_its_self_check():
     puts them, and not when they sit evenly by step, bend, or the network is a tanh; on real rollouts, each
     window's error beside the shortcut's at 16, 64 and 256 rollouts; routing at jagg_frac 1 and 0.5 (the
     earliest window first, the short last window never) with its cost in rows with grad (10 -> 6, and 9 -> 5
-    on Flow-GRPO's 9 trained steps) and in forwards (27 -> 19 on 9); one window timed."""
+    on Flow-GRPO's 9 trained steps) and in forwards (27 -> 19 on 9); one window timed; section 9's loop run by
+    exact GRPO and by JAGG from one start."""
     import re
 
     out = run_self_check(0)
@@ -327,6 +328,9 @@ def test_python_jagg_py_runs_its_self_check():
                     ("9", "1.0", "0-3, 4-7", "5", "3", "4", "19")], out
     timed = re.search(r"D\. One window of W = 4 on 64 samples: exact (\d+) ms \(4 backward passes\), JAGG (\d+) ms", out)
     assert timed and min(map(int, timed.groups())) > 0, out
+    trained = re.search(r"E\. Section 9's loop, .*? mean reward (\S+) -> (\S+)\s+by exact GRPO, (\S+) -> (\S+) by "
+                        r"JAGG \(5 rows with grad a sample, not 9\)", out, re.S)
+    assert trained and trained[1] == trained[3], out  # one start for both; where they go is printed, not asserted
     assert out.strip().endswith("ok"), out
 
 
