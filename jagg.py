@@ -407,10 +407,11 @@ def _check_gradient_error(net, cfg, T=10, W=4, B=16, D=3, rollouts=(16, 64, 256)
 def _check_cost(net, cfg, traj, adv, W=4):
     print("C. Routing, and its cost in forwards from velocity_fn's calls (a backward = 2 forwards;"
           "\n   the KL's reference runs a forward at every step either way)")
+    reference = _mlp(3 + 1, 3)  # the KL's reference model: another net will do
     for steps, frac in [(10, 1.0), (10, 0.5), (9, 0.0), (9, 1.0)]:
         calls, ref_calls = [], []  # (steps, builds a graph) of each call
         fn, sub = _velocity_fn(net, calls=calls), traj.first_steps(steps)
-        ref_fn = _velocity_fn(net, calls=ref_calls)  # the KL's reference: the same net will do
+        ref_fn = _velocity_fn(reference, calls=ref_calls)
         stats, routed = backward_batch(fn, sub, adv, cfg, W, frac, ref_fn)
         grad_rows = sum(n for n, grad in calls if grad)  # the rows back-propagated
         passes = sum(grad for _, grad in calls)  # each call with a graph gets one backward pass
