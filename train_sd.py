@@ -345,18 +345,20 @@ def resume_checkpoint(args, world):
 def sample(pipe, transformer, prompts, args, shape, sigmas, generator, use_bf16):
     """Roll out the prompts by Flow-GRPO's SDE in chunks of --train-batch from noise of shape [C, h, w]:
     (trajectories [T, B, ...], cond, uncond, images); the transformer in eval mode (no dropout)."""
-    trajs, conds, images = [], [], []
+    trajs, conds, unconds, images = [], [], [], []
     for i in range(0, len(prompts), args.train_batch):
         cond, uncond = encode(pipe, prompts[i : i + args.train_batch], sigmas.device)
         noise = torch.randn(len(cond[0]), *shape, generator=generator, device=sigmas.device)  # [b, C, h, w]
         fn = make_velocity_fn(transformer.eval(), cond, uncond, args.guidance_scale, use_bf16)
         trajs.append(jagg.rollout(fn, noise, sigmas, args.noise_level, generator))
-        conds.append(cond + uncond)
+        conds.append(cond)
+        unconds.append(uncond)
         images += decode(pipe, trajs[-1].sample)
     tensors = {k: torch.cat([getattr(t, k) for t in trajs], dim=1) for k in jagg.Trajectory.TENSORS}
     traj = jagg.Trajectory(**tensors, noise_level=args.noise_level)  # [T, B, ...]
-    c = [torch.cat(parts) for parts in zip(*conds)]  # prompt_embeds, pooled, their empty-prompt twins
-    return traj, (c[0], c[1]), (c[2], c[3]), images
+    cond = tuple(torch.cat(parts) for parts in zip(*conds))  # (prompt_embeds [B, L, E], pooled [B, P])
+    uncond = tuple(torch.cat(parts) for parts in zip(*unconds))  # the empty prompt's, alike
+    return traj, cond, uncond, images
 
 
 def sample_grid(images, prompts, rewards, cell=96):
@@ -429,7 +431,7 @@ def train(args):
     eval_prompts = [prompts_all[i % len(prompts_all)] for i in range(args.eval_samples)]
 
     def velocity_fns(cond, uncond, idx):  # the policy's velocity_fn and the KL reference's, for samples idx
-        c, u = (cond[0][idx], cond[1][idx]), (uncond[0][idx], uncond[1][idx])
+        c, u = tuple(x[idx] for x in cond), tuple(x[idx] for x in uncond)
         ref_fn = None
         if args.beta > 0:
             ref_fn = reference_velocity_fn(transformer, frozen, c, u, args.guidance_scale, use_bf16)

@@ -37,6 +37,25 @@ def test_the_link_check_sees_links():
     assert len(PAGES) >= 4
 
 
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9]*(_[A-Z0-9]+)+$", re.M)  # a line like FILL_ME_IN, left in a draft
+
+
+def placeholders(text):
+    return [m.group(0) for m in PLACEHOLDER.finditer(text)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_no_page_keeps_a_placeholder(page):
+    with open(page) as f:
+        left = placeholders(f.read())
+    assert not left, f"{os.path.relpath(page, ROOT)} still holds {left}"
+
+
+def test_the_placeholder_check_sees_one():
+    assert placeholders("## Which to pick\n\nWHICH_TO_PICK\n") == ["WHICH_TO_PICK"]
+    assert placeholders("`CI=true bash .ci/run`\nOMP_NUM_THREADS=1 python x.py\n") == []
+
+
 def script_commands(text, script):
     """The arguments of each `script` command in a text, up to a backtick, a comment, a pipe or the
     line's end (a shell variable is dropped with the flag it is the value of)."""

@@ -330,7 +330,9 @@ def test_python_jagg_py_runs_its_self_check():
     assert timed and min(map(int, timed.groups())) > 0, out
     trained = re.search(r"E\. Section 9's loop, .*? mean reward (\S+) -> (\S+)\s+by exact GRPO, (\S+) -> (\S+) by "
                         r"JAGG \(5 rows with grad a sample, not 9\)", out, re.S)
-    assert trained and trained[1] == trained[3], out  # one start for both; where they go is printed, not asserted
+    assert trained, out
+    start, exact_end, start_jagg, jagg_end = (float(x) for x in trained.groups())
+    assert start == start_jagg and exact_end > start + 0.3 and jagg_end > start + 0.3, out  # both learn
     assert out.strip().endswith("ok"), out
 
 

@@ -88,7 +88,7 @@ def test_a_loss_at_another_noise_level_than_the_rollouts_is_refused():
 
 @pytest.mark.parametrize("calls_zero_grad", [True, False])
 def test_a_forgotten_zero_grad_leaks_nothing_into_the_next_step(calls_zero_grad):
-    """Two optimizer steps of two micro-batches each through accumulate_gradients and optimizer_step,
+    """Two optimizer steps of two micro-batches each through options.backward_batch and ranks.optimizer_step,
     with and without the caller's zero_grad, end at the same parameters as steps written out with
     zero_grad; and each step's gradient is the mean of its own micro-batches, not the sum with the
     step before (which a leak would make: cosine 0.95 and 1.18x the norm, silently)."""

@@ -9,7 +9,7 @@ import pytest
 
 import sd_runner  # lab/ is on the path (lab/tests/conftest.py)
 import toy_options
-from tests.test_docs import ROOT, check_commands, missing_links, parses, unknown_flags
+from tests.test_docs import ROOT, check_commands, missing_links, parses, placeholders, unknown_flags
 
 LAB_PAGES = [os.path.join(ROOT, "lab", "README.md"), *sorted(glob.glob(os.path.join(ROOT, "lab", "reports", "*.md")))]
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "lab", "*.sh")))
@@ -23,6 +23,13 @@ def test_there_are_pages_to_check():
 def test_relative_links_resolve(page):
     missing = missing_links(page)
     assert not missing, f"{os.path.relpath(page, ROOT)} links to missing {missing}"
+
+
+@pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_no_page_keeps_a_placeholder(page):
+    with open(page) as f:
+        left = placeholders(f.read())
+    assert not left, f"{os.path.relpath(page, ROOT)} still holds {left}"
 
 
 def runner_parses(args):
