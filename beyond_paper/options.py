@@ -57,7 +57,8 @@ The options (a JaggOptions field each; in brackets, the default), and when each 
     route="step_error"   JAGG takes the segments where it would add the least error to the step,
                          estimated from what the rollout kept, with no network call:
                          (1 - cos) |G_a + G_b|, the free score's bend times the segment's loss
-                         signal (step_error_score; lab/reports/routing.md measures it).
+                         signal (step_error_score). It matched "early" at jagg_frac 0.5 and left
+                         2-3x its error at 0.75 on the toy (lab/reports/routing.md).
     route="probe"        Route by the probe's measured cosine of each segment's JAGG gradient to
                          its exact one (probe.py), averaged over probes. min_cosine [None;
                          route="probe" only] trains any segment whose average is below it EXACT.
