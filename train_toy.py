@@ -287,7 +287,7 @@ def curve_picture(curves, size=(720, 400), box=(60, 40, 590, 350)):
 
 def main(argv=None):
     args = parse_args(argv)
-    # One thread: the toy's tensors are tiny, and on a busy 2-core machine two threads ran 25x slower
+    # One thread: the toy's tensors are tiny, and on a busy machine more threads wait on each other
     torch.set_num_threads(1)
     try:  # the run's folder first, so that an unwritable --out ends here in one line, before any work
         os.makedirs(args.out, exist_ok=True)
