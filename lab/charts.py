@@ -152,8 +152,9 @@ def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference
     for name, (x, y, low, high, group) in points.items():
         (cx, cy) = px(x, y)
         width = d.textlength(name, font=small)
-        spots = [(cx + 7, cy + dy) for dy in (0, -13, 13, -26, 26)]
-        spots += [(cx - 7 - width, cy + dy) for dy in (0, -13, 13, -26, 26)]  # then on the left
+        shifts = (0, -13, 13, -26, 26, -39, 39, -52, 52)
+        spots = [(cx + 7, cy + dy) for dy in shifts[:5]] + [(cx - 7 - width, cy + dy) for dy in shifts[:5]]
+        spots += [(cx + 7, cy + dy) for dy in shifts[5:]]  # then on the left, then further off
         for sx, sy in spots + [spots[0]]:  # where every spot is taken, the first anyway
             box = (sx, sy - 7, sx + width, sy + 7)
             free = all(box[2] < b[0] or box[0] > b[2] or box[3] < b[1] or box[1] > b[3] for b in taken)

@@ -281,3 +281,53 @@ def test_equal_cost_timing_times_every_method_and_the_sde_windows(tmp_path):
     # The mini's T = 10: JAGG's windows 0-3, 4-7, 8-9 back-propagate 2 + 2 + 2 rows, at W = 8 2 + 2, so
     # the alternatives train K = 6 and 4 steps (lab/mini_equal_cost.sh's runs), not T / 2 and T / 4.
     assert set(equal_cost_error.methods(10)) == {"jagg_w4", "random6", "first6", "jagg_w8", "random4", "first4"}
+
+
+def test_frontier_marks_the_modes_nothing_beats_and_names_the_best_within_each_budget(tmp_path, capsys):
+    """summarize.py frontier on folders written here: a mode is on the frontier unless another is both
+    cheaper and higher in mean gain kept; per budget the best within it, and its runner-up is not its
+    _rows2 twin (the same gradient), paired seed by seed."""
+    import summarize
+
+    gains = {"exact": [0.5, 0.4, 0.6], "jagg_w4": [0.45, 0.4, 0.54], "window8": [0.5, 0.36, 0.6],
+             "fast": [0.5, 0.4, 0.57], "fast_rows2": [0.5, 0.4, 0.57], "window4": [0.3, 0.2, 0.3]}
+    cost = {"exact": 2.0, "jagg_w4": 1.5, "window8": 1.3, "fast": 0.9, "fast_rows2": 0.92, "window4": 0.8}
+    for mode, values in gains.items():
+        for seed, gain in enumerate(values):
+            folder = tmp_path / "runs" / mode / f"seed{seed}"
+            folder.mkdir(parents=True)
+            (folder / "summary.json").write_text(json.dumps({"reward_gain": gain, "grad_rows": 8, "train_seconds": 1.0}))
+    (tmp_path / "timing.json").write_text(json.dumps({"seconds": cost}))
+    points, on_frontier = summarize.frontier([str(tmp_path / "runs")], str(tmp_path / "timing.json"),
+                                             str(tmp_path / "f.png"), budgets=(30, 50, 70))
+    out = capsys.readouterr().out
+    kept = {m: [g / e for g, e in zip(v, gains["exact"])] for m, v in gains.items()}
+    assert points["fast"][:2] == pytest.approx((45.0, 100 * sum(kept["fast"]) / 3))
+    # window8 (65 %, 96.7 %) and jagg_w4 (75 %, 93.3 %) are beaten by fast (45 %, 98.3 %); its twin ties
+    # its gain, and a tie beats nothing
+    assert sorted(on_frontier) == ["exact", "fast", "fast_rows2", "window4"]
+    lines = {line.split(" |")[0]: line for line in out.splitlines() if line.startswith("| ") and " %" in line}
+    assert "none: the cheapest mode takes 40 %" in lines["| 30 %"]
+    assert "fast (45 %)" in lines["| 50 %"] and "window4 (40 %)" in lines["| 50 %"]  # not fast_rows2
+    diff = 100 * sum(a - b for a, b in zip(kept["fast"], kept["window4"])) / 3
+    assert f"| {diff:+.1f} (" in lines["| 50 %"]
+    assert "window8 (65 %)" in lines["| 70 %"] and (tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_toy_run_time_times_each_mode_against_exact_in_turn(tmp_path, capsys):
+    """lab/toy_run_time.py: short runs of exact and the modes asked for, in turn, from a base model, their
+    medians written in lab/equal_cost_error.py --time's format; a bad count is one line."""
+    import toy_dit
+    import toy_run_time
+    import train_toy
+
+    base = str(tmp_path / "base.pt")
+    train_toy.save_base_model(toy_dit.pretrain(steps=5, seed=0, batch=16), base)
+    toy_run_time.main(["--epochs", "1", "--repeats", "1", "--modes", "jagg_w4", "window8_shared_rollout_w4",
+                       "--base-ckpt", base, "--out", str(tmp_path / "t.json")])
+    out = capsys.readouterr().out
+    assert "| exact | 100 % | 100 % |" in out and "| window8_shared_rollout_w4 |" in out
+    seconds = json.loads((tmp_path / "t.json").read_text())["seconds"]
+    assert set(seconds) == {"exact", "jagg_w4", "window8_shared_rollout_w4"} and all(s > 0 for s in seconds.values())
+    with pytest.raises(SystemExit):
+        toy_run_time.main(["--epochs", "0"])
