@@ -51,7 +51,7 @@ def sigma_schedule(num_steps, shift=3.0):
 def sde_step(v, z, sigma, sigma_next, noise_level, prev_sample=None, generator=None):
     """Flow-GRPO's sde_step_with_logprob from sigma to sigma_next [B]; v, z: [B, *D]. Returns
     z_{k+1} [B, *D] (sampled, or prev_sample), log_prob [B] (mean over *D), mu [B, *D], std_t."""
-    # The SDE math runs in fp32 at least: in bf16, rounding alone moves a ratio by 1e-4.
+    # The SDE math runs in fp32 at least: in bf16, rounding alone moves a ratio past the 1e-4 clip.
     dtype = torch.promote_types(torch.result_type(v, z), torch.float32)
     v, z = v.to(dtype), z.to(dtype)
     shape = (-1,) + (1,) * (z.ndim - 1)  # [B, 1, ...]: one sigma per sample, broadcast over *D
@@ -241,10 +241,11 @@ def backward_jagg_window(velocity_fn, z, t, step_loss):
 # linearity_score, picks the windows where the rollout's velocities run straightest. But what
 # counts is the error a window adds to the batch's gradient: its relative error times its share
 # of the gradient, and the low-noise windows carry the most (|g_k| grows as sqrt|dt| / std_t, and
-# std_t falls with sigma). Their velocities also run straightest, so the cosine rule hands JAGG
-# the windows where it adds the most error (self-check B). We take the earliest, highest-noise
-# windows first (OURS): an oracle that knew each window's true error chose the same on a toy DiT
-# and a small SD3 (the repository's lab/reports/routing.md). A schedule needs no score, either.
+# std_t falls with sigma). On check B's toy their velocities also run straightest, so the cosine
+# rule hands JAGG the windows where it adds the most error. We take the earliest, highest-noise
+# windows first (OURS): an oracle that knew each window's true error chose the same on the toy DiT
+# and the small SD3 we measured (lab/reports/routing.md in this file's repository). A schedule
+# needs no score, either; route="velocity" runs the cosine rule instead.
 def window_bounds(num_steps, window):
     """T steps in disjoint windows of W (OURS): [(start, stop), ...], stop = b + 1; last shorter."""
     _check(window >= 2, f"window must be >= 2 steps (JAGG needs two end steps), got {window}")
@@ -305,7 +306,7 @@ def backward_batch(velocity_fn, traj, advantages, cfg, window=4, jagg_frac=1.0, 
 
 # === 9. The training loop around it (Flow-GRPO's; self-check E runs it on a toy) ===
 def train_epoch(velocity_fn, params, optimizer, reward_fn, noise, group_ids, sigmas, cfg,
-                trained_steps, window=4, jagg_frac=1.0):
+                trained_steps, window=4, jagg_frac=1.0, route="early"):
     """One epoch: B trajectories from noise [B, *D], their rewards reward_fn(z_T) [B] and advantages
     within groups, then 2 optimizer steps on half the batch each. A model with conditions needs
     each minibatch's velocity_fn made with its samples' conditions. Returns the mean reward."""
@@ -315,7 +316,7 @@ def train_epoch(velocity_fn, params, optimizer, reward_fn, noise, group_ids, sig
     for idx in torch.randperm(len(noise)).chunk(2):  # the second step is off-policy
         optimizer.zero_grad()
         minibatch = traj.first_steps(trained_steps).subset(idx)  # Flow-GRPO trains 9 of 10 steps
-        backward_batch(velocity_fn, minibatch, advantages[idx], cfg, window, jagg_frac)  # .grad
+        backward_batch(velocity_fn, minibatch, advantages[idx], cfg, window, jagg_frac, route=route)
         torch.nn.utils.clip_grad_norm_(params, 1.0)  # Flow-GRPO's max_grad_norm
         optimizer.step()
     return rewards.mean().item()
@@ -326,7 +327,8 @@ def train_epoch(velocity_fn, params, optimizer, reward_fn, noise, group_ids, sig
 # time, JAGG on several steps at once: both must give the same v, or the first minibatch's ratios
 # drift from 1. So no dropout, and rows in step-major order (row s * B + n is sample n at step s):
 # repeat a condition as c.repeat(S, 1, ...), never c.repeat_interleave(S, 0). With classifier-free
-# guidance, return v_u + scale (v_c - v_u). The backward passes add to .grad: on many GPUs, run
+# guidance, return v_u + scale (v_c - v_u). The states come back in fp32 (section 1): cast z and t
+# to your model's dtype inside velocity_fn. The backward passes add to .grad: on many GPUs, run
 # them without DDP's all-reduce (no_sync) and all-reduce .grad once per optimizer step.
 
 # === Self-check: python jagg.py [seed] prints, in seconds, what a learner should see ===
@@ -351,7 +353,7 @@ def _grad(net, backward, *args):  # the gradient [P] that backward(*args) leaves
     return torch.cat([p.grad.flatten() for p in net.parameters()])
 
 def _check_exactness(B=16, D=3):
-    """A. Section 6's two conditions: JAGG is exact when both hold, and not when either fails."""
+    """A. Section 6's two conditions: JAGG is exact when both hold; here, not when either fails."""
     t = torch.tensor([0.9, 0.7, 0.5, 0.2])[:, None].expand(4, B)  # [W, B], unevenly spaced
     alpha = interpolation_weights(t)[..., None]  # [W, B, 1]
     z_a, z_b, coef = torch.randn(B, D), torch.randn(B, D), torch.randn(4, B, D)  # coef: [W, B, D]
