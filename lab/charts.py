@@ -101,15 +101,19 @@ def chart(series, title, x_label, y_label, size=(780, 420), lines=True, marks=No
     return img
 
 
-def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference=None, frontier=None):
+def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference=None, frontier=None, colours=None):
     """Points with 95 % intervals: points {name: (x, y, y_low, y_high, group)}, a dot each with its
     vertical interval, coloured by group (the legend beside the plot names the groups) and labelled
     with its name; reference: a y drawn as a dashed line (100 %, say); frontier: names of points to
-    join, in order, by a grey line beneath them (the Pareto frontier)."""
+    join, in order, by a grey line beneath them (the Pareto frontier); colours: every group a picture
+    of the kind could hold, in order, so that a group keeps its colour across pictures."""
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     small, large = font(12), font(15)
     groups = list(dict.fromkeys(p[4] for p in points.values()))
+    colours = list(colours or [])  # a group's colour: its place in colours, else after them
+    colour = {g: PALETTE[(colours.index(g) if g in colours else len(colours) + i) % len(PALETTE)]
+              for i, g in enumerate(groups)}
     left, right, top, bottom = 70, size[0] - 270, 54, size[1] - 52
     xs = [p[0] for p in points.values()]
     xs.append(max(xs) + 0.12 * (max(xs) - min(xs) + 1e-9))  # room for the rightmost label
@@ -142,7 +146,7 @@ def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference
                anchor="rd")
     taken = []  # the boxes of the labels and dots drawn so far: a label goes where none is
     for name, (x, y, low, high, group) in points.items():
-        color = PALETTE[groups.index(group) % len(PALETTE)]
+        color = colour[group]
         (cx, cy), (_, ly), (_, hy) = px(x, y), px(x, low), px(x, high)
         d.line([cx, ly, cx, hy], fill=color, width=2)
         d.line([cx - 4, ly, cx + 4, ly], fill=color, width=2)
@@ -166,7 +170,7 @@ def interval_scatter(points, title, x_label, y_label, size=(900, 520), reference
         d.text((sx, sy), name, fill="black", font=small, anchor="lm")
     for i, group in enumerate(groups):
         ly = top + 6 + 22 * i
-        d.rectangle([right + 16, ly + 2, right + 30, ly + 14], fill=PALETTE[i % len(PALETTE)])
+        d.rectangle([right + 16, ly + 2, right + 30, ly + 14], fill=colour[group])
         d.text((right + 36, ly), group, fill="black", font=small)
     return img
 

@@ -594,12 +594,15 @@ def frontier(paths, timing, png="", budgets=(25, 50, 75)):
     if png:
         from charts import interval_scatter, save_png
 
-        drawn = {m: p for m, p in points.items() if not m.endswith("_rows2")}  # a twin's point sits on its own
+        order = [EQUAL_COST_GROUPS[k] for k in ("exact", "jagg", "random", "first", "window", "early", "step_error",
+                                                 "shared")] + ["SDE window, fast mode inside (OURS)"]  # a colour each
+        drawn = {m: p for m, p in sorted(points.items(), key=lambda mp: order.index(mp[1][4]) if mp[1][4] in order
+                                         else len(order)) if not m.endswith("_rows2")}  # a twin sits on its own point
         line = sorted((m for m in on_frontier if m in drawn), key=lambda m: cost[m])
         save_png(png, interval_scatter(drawn, f"which to run at a given cost: reward gain kept, {len(seeds)} seeds",
                                        "one training step timed in one process, % of exact GRPO's (rollouts "
                                        "included)", "gain kept, % of exact's (95 % interval)", reference=100.0,
-                                       frontier=line))
+                                       frontier=line, colours=order))
     return points, on_frontier
 
 

@@ -320,6 +320,21 @@ def test_the_kept_mini_sd3_compare_table_remakes_from_the_kept_files(capsys):
     assert "| jagg_shared_rollout | 5 | 110.4 % (94-126 %) |" in out
 
 
+def test_the_kept_frontiers_remake_from_the_kept_files(capsys):
+    """lab/reports/equal_cost.md's fast-mode section: the frontier and budget rows it quotes come out of
+    the kept second set (toy_2.jsonl, mini_2.jsonl) and their one-process timings."""
+    kept = RESULTS / "equal_cost"
+    _, toy = summarize.frontier([str(kept / "toy_2.jsonl")], str(kept / "toy_timing_2.json"))
+    out = capsys.readouterr().out
+    assert "20 seeds" in out and "window8_shared_rollout_w4" in toy and "jagg_w4" not in toy
+    assert "| window8_shared_rollout_w4 | 25 % | 45 % | 98.3 % (95.5-101.1 %) | yes |" in out
+    assert "| 50 % | window8_shared_rollout_w4 (45 %): 98.3 % (95.5-101.1 %) | window4 (43 %)" in out
+    _, mini = summarize.frontier([str(kept / "mini_2.jsonl")], str(kept / "mini_timing_2.json"))
+    out = capsys.readouterr().out
+    assert "5 seeds" in out and "| first6 | 60 % | 74 % | 231.5 % (185.7-277.3 %) | yes |" in out
+    assert sorted(mini) == ["first6", "shared_rollout_w8", "window4", "window8_shared_rollout_w4"]
+
+
 @pytest.fixture(scope="module")
 def toy_runs(tmp_path_factory):
     """Today's lab/toy_options.py (the runner of lab/toy_quality.sh), tiny: OUT/<mode>/seed<S> for
