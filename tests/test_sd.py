@@ -117,6 +117,20 @@ def test_a_reward_must_give_one_finite_number_per_image(tmp_path):
     assert 0 < rows[-1]["eval/reward"] < 1
 
 
+def test_the_saved_weights_are_flow_grpos_ema_of_the_trained_ones(tmp_path):
+    """8 optimizer steps: the EMA is updated once, at step 8 with decay 8 / 17, from the starting weights;
+    weights.safetensors holds it, computed here from the start and the checkpoint's trained weights."""
+    from safetensors.torch import load_file
+
+    flags = ["--steps-per-epoch", "4"]
+    train_sd.train(train_sd.parse_args(args_of(tmp_path / "e", *flags)))  # 2 epochs x 4 steps
+    start, trained, saved = initial_weights(flags), weights_of(tmp_path / "e"), load_file(tmp_path / "e" / "weights.safetensors")
+    decay = 8 / 17
+    assert set(saved) == set(trained) and any(not torch.equal(trained[n], start[n]) for n in trained)
+    for n in saved:
+        torch.testing.assert_close(saved[n], decay * start[n] + (1 - decay) * trained[n])
+
+
 def test_resume_equals_an_uninterrupted_run_and_refuses_another_run(tmp_path):
     whole, part = tmp_path / "whole", tmp_path / "part"
     rows = train_sd.train(train_sd.parse_args(args_of(whole, "--epochs", "3")))

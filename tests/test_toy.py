@@ -106,6 +106,17 @@ def test_a_tiny_run_writes_what_it_says(tmp_path, monkeypatch, capsys):
     assert not [p for _, _, files in os.walk("out") for p in files if p.endswith(".tmp")]  # save's, replaced
 
 
+def test_the_kl_is_to_the_frozen_base_and_zero_without_beta(tmp_path, monkeypatch):
+    """--beta 0.04: the KL term is measured against the base model, which training does not move, so
+    after the first optimizer step it is above 0; with --beta 0 no reference runs and it is 0."""
+    monkeypatch.chdir(tmp_path)
+    common = ["--pretrain-steps", "1", "--epochs", "1", "--group-size", "4", "--eval-samples", "8", "--lr", "1e-2"]
+    for beta in ("0.04", "0"):
+        train_toy.main([*common, "--beta", beta, "--out", f"b{beta}"])
+        kl = [r["train/kl"] for m in ("exact", "jagg") for r in rows_of(f"b{beta}/{m}")]
+        assert all(k > 1e-9 for k in kl) if beta != "0" else kl == [0.0, 0.0], (beta, kl)
+
+
 def test_an_epoch_is_the_papers_loop_written_out(float64):
     """One epoch of train(), its optimizer steps recomputed here with jagg.backward_batch, plain
     autograd of the summed clipped loss for exact: the same weights to float round-off."""
