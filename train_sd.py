@@ -71,6 +71,7 @@ class Args:
     # --- JAGG
     window: int = arg(4, "W, sampling steps per window")
     jagg_frac: float = arg(1.0, "the share of windows JAGG takes (jagg.py section 7); 0: exact GRPO")
+    route: str = arg("early", "with --jagg-frac < 1, which windows: early (ours) or velocity (the cosine rule)")
     fast: bool = arg(False, "OURS, beyond the paper: windows share end steps, interiors from the rollout")
 
 
@@ -112,6 +113,7 @@ def check_args(a):
              ("eval_every", a.eval_every >= 1, ">= 1"), ("eval_samples", a.eval_samples >= 1, ">= 1"),
              ("window", 2 <= a.window <= max(T, 2), f"in [2, the {T} trained steps]"),
              ("jagg_frac", 0 <= a.jagg_frac <= 1, "in [0, 1]"),
+             ("route", a.route in ("early", "velocity"), "early or velocity"),
              ("reward", a.reward in REWARDS or a.reward.count(":") == 1,
               f"one of {', '.join(REWARDS)} or module:function"),
              ("prompts", not a.prompts or os.path.isfile(a.prompts), "a text file, or empty")]
@@ -492,10 +494,10 @@ def train(args):
                 with no_sync():  # no all-reduce in the backward passes: one in the step below
                     if not args.fast:  # THE JAGG CALL: the micro-batch's gradient added to .grad
                         s = jagg.backward_batch(policy, minibatch, adv[idx], loss_cfg, args.window,
-                                                 args.jagg_frac, ref_fn)[0]
+                                                 args.jagg_frac, ref_fn, args.route)[0]
                     else:  # OURS: windows share end steps, interiors from the rollout (beyond_paper/)
                         opts = options.JaggOptions(args.window, args.jagg_frac, anchors="shared",
-                                                   interior="rollout")
+                                                   interior="rollout", route=args.route)
                         s = options.backward_batch(policy, minibatch, adv[idx], loss_cfg, opts, ref_fn)[0]
                 grad_seconds += time.perf_counter() - grad_start
                 stats.append(s)

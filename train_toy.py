@@ -53,6 +53,7 @@ class Args:
     # --- JAGG (the paper's two knobs)
     window: int = arg(4, "W, sampling steps per window")
     jagg_frac: float = arg(1.0, "--method jagg: the share of windows JAGG takes, the rest exact")
+    route: str = arg("early", "with --jagg-frac < 1, which windows: early (ours) or velocity (the cosine rule)")
     # --- the base model
     base_ckpt: str = arg("", "a pretrained toy DiT to start from; empty: pretrain one (cached)")
     pretrain_steps: int = arg(2000, "flow-matching steps to pretrain the base model")
@@ -86,6 +87,7 @@ def check_args(a):
         ("eval_samples", a.eval_samples >= 1, ">= 1"),
         ("window", 2 <= a.window <= a.num_steps, f"in [2, --num-steps {a.num_steps}]"),
         ("jagg_frac", 0 <= a.jagg_frac <= 1, "in [0, 1]"),
+        ("route", a.route in ("early", "velocity"), "early or velocity"),
         ("base_ckpt", not a.base_ckpt or os.path.isfile(a.base_ckpt), "an existing file, or empty"),
         ("pretrain_steps", a.pretrain_steps >= 1, ">= 1")]
     if not finite:
@@ -187,7 +189,7 @@ def train(args, base, method):
             grad_start = time.perf_counter()
             s, routed = jagg.backward_batch(make_velocity_fn(model, labels[idx]), traj.subset(idx),
                                              advantages[idx], loss_cfg, args.window, jagg_frac,
-                                             make_velocity_fn(ref, labels[idx]))
+                                             make_velocity_fn(ref, labels[idx]), route=args.route)
             grad_seconds += time.perf_counter() - grad_start
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()

@@ -148,3 +148,20 @@ def cat_trajectories(trajs):
     """One jagg.Trajectory of several batches, joined on B: what one process sees of all ranks' samples."""
     tensors = {name: torch.cat([getattr(traj, name) for traj in trajs], dim=1) for name in jagg.Trajectory.TENSORS}
     return jagg.Trajectory(**tensors, noise_level=trajs[0].noise_level)
+
+
+def routes_by_the_velocity_score(monkeypatch):
+    """Wraps jagg.backward_batch: each call's JAGG windows against the cosine rule worked out here from the
+    trajectory it was given (linearity_score per window, the highest jagg_frac of them); the calls' routes."""
+    seen, paper = [], jagg.backward_batch
+
+    def check(fn, traj, adv, cfg, window=4, jagg_frac=1.0, ref_fn=None, route="early"):
+        stats, routed = paper(fn, traj, adv, cfg, window, jagg_frac, ref_fn, route)
+        bounds = jagg.window_bounds(traj.z.shape[0], window)
+        scores = [jagg.linearity_score(traj.v[a:b], traj.t[a:b]) for a, b in bounds]
+        best = sorted((w for w, (a, b) in enumerate(bounds) if b - a >= 3), key=lambda w: -scores[w])
+        assert routed == [w in best[: int(jagg_frac * len(best) + 0.5)] for w in range(len(bounds))]
+        seen.append(route)
+        return stats, routed
+    monkeypatch.setattr(jagg, "backward_batch", check)
+    return seen

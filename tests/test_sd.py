@@ -17,6 +17,7 @@ pytest.importorskip("diffusers", reason="the optional extra: pip install -e '.[s
 pytest.importorskip("peft", reason="the optional extra: pip install -e '.[sd]'")
 
 import jagg  # noqa: E402
+import flows  # noqa: E402
 import train_sd  # noqa: E402
 from beyond_paper import options  # noqa: E402
 
@@ -99,6 +100,13 @@ def test_each_mode_trains_and_writes_what_it_says(mode, flags, calls, rows, tmp_
                                                      "samples_0001.png", "samples_0002.png", "weights.safetensors"]
     assert [json.loads(line)["epoch"] for line in open(out / "metrics.jsonl")] == [0, 1, 2]
     assert any(not torch.equal(w, w0) for w, w0 in zip(weights_of(out).values(), initial_weights(flags).values()))
+
+
+def test_route_velocity_routes_by_the_cosine_rule(tmp_path, monkeypatch):
+    seen = flows.routes_by_the_velocity_score(monkeypatch)
+    flags = ["--jagg-frac", "0.5", "--num-steps", "8", "--timestep-fraction", "0.75", "--route", "velocity"]
+    train_sd.train(train_sd.parse_args(args_of(tmp_path / "v", *flags)))
+    assert seen == ["velocity"] * 4  # 2 epochs x 2 micro-batches
 
 
 def initial_weights(flags):

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import flows
 import jagg
 import toy_dit
 import train_toy
@@ -115,6 +116,16 @@ def test_the_kl_is_to_the_frozen_base_and_zero_without_beta(tmp_path, monkeypatc
         train_toy.main([*common, "--beta", beta, "--out", f"b{beta}"])
         kl = [r["train/kl"] for m in ("exact", "jagg") for r in rows_of(f"b{beta}/{m}")]
         assert all(k > 1e-9 for k in kl) if beta != "0" else kl == [0.0, 0.0], (beta, kl)
+
+
+def test_route_velocity_routes_by_the_cosine_rule(tmp_path, monkeypatch):
+    """--route velocity reaches jagg.backward_batch, whose JAGG windows are the cosine rule's, worked out
+    in tests/flows.py's wrapper from each call's trajectory."""
+    seen = flows.routes_by_the_velocity_score(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    train_toy.main(["--pretrain-steps", "1", "--epochs", "1", "--group-size", "4", "--eval-samples", "8",
+                    "--jagg-frac", "0.5", "--route", "velocity", "--out", "v"])
+    assert seen and set(seen) == {"velocity"}
 
 
 def test_an_epoch_is_the_papers_loop_written_out(float64):
