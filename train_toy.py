@@ -66,7 +66,10 @@ def parse_args(argv=None):
     for f in fields(Args):
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default,
                             help=f.metadata["help"], type=f.type)
-    return check_args(Args(**vars(parser.parse_args(argv))))
+    a = check_args(Args(**vars(parser.parse_args(argv))))
+    if a.route not in ("early", "velocity"):  # jagg.py's two rules
+        raise SystemExit(f"error: --route must be early or velocity, got {a.route!r}")
+    return a
 
 
 def check_args(a):
@@ -87,7 +90,6 @@ def check_args(a):
         ("eval_samples", a.eval_samples >= 1, ">= 1"),
         ("window", 2 <= a.window <= a.num_steps, f"in [2, --num-steps {a.num_steps}]"),
         ("jagg_frac", 0 <= a.jagg_frac <= 1, "in [0, 1]"),
-        ("route", a.route in ("early", "velocity"), "early or velocity"),
         ("base_ckpt", not a.base_ckpt or os.path.isfile(a.base_ckpt), "an existing file, or empty"),
         ("pretrain_steps", a.pretrain_steps >= 1, ">= 1")]
     if not finite:

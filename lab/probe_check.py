@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from beyond_paper import options  # noqa: E402
+from beyond_paper import options, probe  # noqa: E402
 from offpolicy_error import MINI_PRESETS, MODES, MiniTask, ToyTask  # noqa: E402
 
 
@@ -107,13 +107,13 @@ def check(task, opts, batches, batch_size, generator, window_start=None, step_ba
         step = some(step_batch)
         probed = step if probe_batch == step_batch else some(probe_batch)
 
-        def probe(size, probed=probed, fns=fns):  # the probe on the samples probed, for a step of size samples
+        def read(size, probed=probed, fns=fns):  # the probe on the samples probed, for a step of size samples
             return probe.probe_segments(lambda i: fns(probed[i]), task.params, batch.traj.subset(probed),
                                                batch.adv[probed], task.loss_cfg, opts, train_batch=size)
 
-        probes.append(probe(step_batch))
+        probes.append(read(step_batch))
         if probe_batch < step_batch:  # |j - g|^2 on the probe's own samples: how the probe read before its fix
-            old_way.append(probe(probe_batch))
+            old_way.append(read(probe_batch))
         fn, ref_fn = fns(step)
         pairs.append(list(probe.segment_gradients(fn, task.params, batch.traj.subset(step), batch.adv[step],
                                                           task.loss_cfg, opts, ref_fn)))

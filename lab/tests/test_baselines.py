@@ -275,12 +275,17 @@ def test_equal_cost_timing_times_every_method_and_the_sde_windows(tmp_path):
 
     seconds = equal_cost_error.main(["toy", "--time", "8", "--batches", "2", "--out", str(tmp_path / "t.json")])
     expected = {"exact", "jagg_w4", "jagg_w8", "random8", "random4", "first8", "first4", "jagg_random8_w4", "window8",
-                "window4", "window8_jagg_w4"} | {f"{how}{f}" for how in ("velocity", "early", "late") for f in ("0.5", "0.75")}
+                "window4", "window8_jagg_w4"} | {f"{how}{f}" for how in ("velocity", "early", "late", "step_error")
+                                                 for f in ("0.5", "0.75")}
+    fast = {"shared_rollout_w4", "shared_rollout_w8", "window8_shared_rollout_w4", "window4_shared_rollout_w4"}
+    expected |= fast | {m + "_rows2" for m in fast}  # the fast modes, alone and inside the windows, bounded too
     assert set(seconds) == expected and all(s > 0 for s in seconds.values())
     assert json.load(open(tmp_path / "t.json"))["seconds"] == seconds
     # The mini's T = 10: JAGG's windows 0-3, 4-7, 8-9 back-propagate 2 + 2 + 2 rows, at W = 8 2 + 2, so
     # the alternatives train K = 6 and 4 steps (lab/mini_equal_cost.sh's runs), not T / 2 and T / 4.
-    assert set(equal_cost_error.methods(10)) == {"jagg_w4", "random6", "first6", "jagg_w8", "random4", "first4"}
+    assert set(equal_cost_error.methods(10)) == {"jagg_w4", "random6", "first6", "jagg_w8", "random4", "first4",
+                                                 "shared_rollout_w4", "shared_rollout_w8", "shared_rollout_w4_rows2",
+                                                 "shared_rollout_w8_rows2"}
 
 
 def test_frontier_marks_the_modes_nothing_beats_and_names_the_best_within_each_budget(tmp_path, capsys):
