@@ -458,6 +458,7 @@ EQUAL_COST_GROUPS = {"exact": "exact GRPO", "jagg": "JAGG", "random": "random st
                      "velocity": "routing: free score", "late": "routing: late windows first",
                      "early": "routing: early windows first", "probe": "routing: the probe",
                      "step_error": "routing: estimated error", "shared": "fast: shared anchors (OURS)"}
+FAST_IN_WINDOW = "SDE window, fast mode inside (OURS)"  # window8_shared_rollout_w4's kind
 
 
 def equal_cost_group(mode):
@@ -466,7 +467,7 @@ def equal_cost_group(mode):
     if mode.startswith("jagg_random"):
         return "JAGG on random windows (eff_grpo)"
     if mode.startswith("window") and "shared" in mode:
-        return "SDE window, fast mode inside (OURS)"
+        return FAST_IN_WINDOW
     for prefix, group in EQUAL_COST_GROUPS.items():
         if mode.startswith(prefix):
             return group
@@ -595,7 +596,7 @@ def frontier(paths, timing, png="", budgets=(25, 50, 75)):
         from charts import interval_scatter, save_png
 
         order = [EQUAL_COST_GROUPS[k] for k in ("exact", "jagg", "random", "first", "window", "early", "step_error",
-                                                 "shared")] + ["SDE window, fast mode inside (OURS)"]  # a colour each
+                                                 "shared")] + [FAST_IN_WINDOW]  # a colour each
         drawn = {m: p for m, p in sorted(points.items(), key=lambda mp: order.index(mp[1][4]) if mp[1][4] in order
                                          else len(order)) if not m.endswith("_rows2")}  # a twin sits on its own point
         line = sorted((m for m in on_frontier if m in drawn), key=lambda m: cost[m])

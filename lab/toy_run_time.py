@@ -77,13 +77,15 @@ def main(argv=None):
                 times[m].append((s["train_seconds"], s["grad_seconds"]))
             print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
     print(f"\n{args.epochs} epochs at train_toy.py's defaults, medians of {args.repeats} interleaved runs, 1 thread\n")
+    # each mode's median share of exact's (training, gradients), repeat by repeat
+    shares = {m: [statistics.median(a[i] / b[i] for a, b in zip(times[m], times["exact"])) for i in (0, 1)]
+              for m in modes}
     print("| mode | training, of exact's | gradients, of exact's |\n|---|---|---|")
-    for m in modes:
-        train, grad = (statistics.median(a[i] / b[i] for a, b in zip(times[m], times["exact"])) for i in (0, 1))
+    for m, (train, grad) in shares.items():
         print(f"| {m} | {100 * train:.0f} % | {100 * grad:.0f} % |")
     if args.out:  # seconds: exact's median times each mode's median share, so that shares read as printed
         exact = statistics.median(t for t, _ in times["exact"])
-        seconds = {m: exact * statistics.median(a[0] / b[0] for a, b in zip(times[m], times["exact"])) for m in modes}
+        seconds = {m: exact * train for m, (train, _) in shares.items()}
         write_json(args.out, {"setting": f"train_toy.py defaults, {args.epochs} epochs a run", "args": vars(args),
                               "seconds": seconds, "runs": times})
 
